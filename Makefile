@@ -1,0 +1,42 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+# Both create .venv and install on first use (re-installs when pyproject.toml changes).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+CONFIG ?= config.toml
+PYTEST_ARGS ?=
+
+.PHONY: run test lint typecheck unit bench soak java clean
+
+$(STAMP): pyproject.toml
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "eventplane needs Python 3.11+, found " + sys.version.split()[0])'
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+java:
+	@bash scripts/check-java.sh
+
+run: $(STAMP) java
+	$(BIN)/eventplane run --config $(CONFIG)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP) java lint typecheck
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+bench: $(STAMP) java
+	$(BIN)/python -m bench
+
+soak: $(STAMP) java
+	$(BIN)/pytest --soak -m soak $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""eventplane daemon: config, ingest, rings, consumers, micro-batches, Spark, service."""

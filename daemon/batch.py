@@ -1,0 +1,73 @@
+"""Micro-batch types and the seams between the planner and what runs a batch.
+
+One micro-batch = one slice (inclusive LSN range) per core. The plan
+``batch_id -> slices`` is durable before the batch runs, so a re-run after a
+crash has the same id and the same rows (Spark's offset-log rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from wal.record import Record
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    core: int
+    first_lsn: int  # inclusive
+    last_lsn: int  # inclusive
+    records: Sequence[Record]  # this core's events in the range, LSN order
+
+    @property
+    def rows(self) -> int:
+        return len(self.records)
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    batch_id: int  # starts at 1, +1 per planned batch, never reused
+    slices: Mapping[int, Slice]  # core -> slice; cores with nothing are absent
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.slices.values())
+
+    def ranges(self) -> dict[int, tuple[int, int]]:
+        return {c: (s.first_lsn, s.last_lsn) for c, s in self.slices.items()}
+
+
+class Executor(Protocol):
+    """Runs a planned micro-batch. Returning means every effect is committed.
+
+    Called on the event loop; implementations move blocking work (py4j) to a
+    worker thread. Raising means the batch did not commit; the planner retries
+    it with backoff and the same id and rows. ``ready`` tells consumers when
+    batches can be handed over (Spark starts in the background).
+    """
+
+    async def start(self) -> None: ...
+
+    def ready(self) -> bool: ...
+
+    async def execute(self, batch: MicroBatch) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class BatchStage(Protocol):
+    """One consumer of each batch's DataFrame inside the Spark executor.
+
+    ``run_in_spark`` runs in the Spark worker thread with the batch DataFrame
+    (CDC schema of DESIGN.md); its result is passed to ``finish`` on the event
+    loop, which returns only when the stage's effects are complete or durably
+    queued (invariant 6). Triggers plug in here.
+    """
+
+    name: str
+
+    def run_in_spark(self, spark: Any, df: Any, batch: MicroBatch) -> Any: ...
+
+    async def finish(self, batch: MicroBatch, result: Any) -> None: ...

@@ -1,0 +1,142 @@
+"""The ``eventplane`` command (contract in DESIGN.md).
+
+Each subcommand imports its implementation lazily, so ``eventplane
+check-config`` answers in milliseconds without loading Spark or aiohttp.
+Exit codes: 0 success, 1 failure the command reports, 2 usage or config error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from daemon import config as configmod
+from daemon.errors import ConfigError
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"config file (default: ${configmod.ENV_CONFIG} or ./config.toml)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eventplane",
+        description="Durable change-event plane: WAL, per-core consumers, Spark triggers, CDC.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run the daemon in the foreground")
+    _add_config(p)
+
+    p = sub.add_parser("check-config", help="validate the config; print OK or every error")
+    _add_config(p)
+
+    p = sub.add_parser("status", help="print the daemon's status; non-zero when unhealthy")
+    _add_config(p)
+    p.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+    p.add_argument("--json", action="store_true", help="print the raw /v1/status JSON")
+
+    p = sub.add_parser("send", help="post NDJSON events from stdin to the ingest API")
+    _add_config(p)
+    p.add_argument("--url", help="ingest base URL (default: from config ingest.listen)")
+    p.add_argument("--batch", type=int, default=1000, help="events per request (default 1000)")
+
+    p = sub.add_parser("wal", help="inspect, verify or repair the write-ahead log")
+    wal_sub = p.add_subparsers(dest="wal_command", required=True, metavar="ACTION")
+    for name, text in (
+        ("inspect", "print segments, LSN ranges and per-core counts"),
+        ("verify", "check every frame of every segment"),
+        ("repair", "truncate at the first bad frame (asks first)"),
+    ):
+        q = wal_sub.add_parser(name, help=text)
+        _add_config(q)
+        q.add_argument("--dir", type=Path, help="WAL directory (default: <data_dir>/wal)")
+        if name == "repair":
+            q.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+    p = sub.add_parser("dlq", help="list, replay or purge dead-lettered trigger actions")
+    dlq_sub = p.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
+    q = dlq_sub.add_parser("list", help="list DLQ entries")
+    _add_config(q)
+    q.add_argument("--trigger", help="only this trigger's entries")
+    q.add_argument("--limit", type=int, default=100)
+    q = dlq_sub.add_parser("replay", help="move entries back to the retry queue")
+    _add_config(q)
+    group = q.add_mutually_exclusive_group(required=True)
+    group.add_argument("--id", type=int, dest="entry_id")
+    group.add_argument("--trigger")
+    q = dlq_sub.add_parser("purge", help="delete DLQ entries")
+    _add_config(q)
+    q.add_argument("--trigger", help="only this trigger's entries")
+
+    p = sub.add_parser("cdc", help="look at CDC tables")
+    cdc_sub = p.add_subparsers(dest="cdc_command", required=True, metavar="ACTION")
+    q = cdc_sub.add_parser("show", help="print the latest rows of a CDC stream")
+    _add_config(q)
+    q.add_argument("stream")
+    q.add_argument("--limit", type=int, default=20)
+    return parser
+
+
+def _load(args: argparse.Namespace) -> configmod.Config:
+    return configmod.load(args.config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"eventplane: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "check-config":
+        cfg = _load(args)
+        print(f"OK {cfg.source}")
+        return 0
+    if args.command == "run":
+        from daemon import app
+
+        return app.run(_load(args))
+    if args.command == "status":
+        from daemon import statuscmd
+
+        return statuscmd.main(args, _load(args))
+    if args.command == "send":
+        from daemon import send
+
+        return send.main(args, _load(args))
+    if args.command == "wal":
+        from wal import tool
+
+        cfg = _load(args) if args.dir is None else None
+        directory = args.dir if args.dir is not None else cfg.wal_dir  # type: ignore[union-attr]
+        if args.wal_command == "inspect":
+            return tool.inspect(directory, sys.stdout)
+        if args.wal_command == "verify":
+            return tool.verify(directory, sys.stdout, progress=sys.stderr.isatty())
+        return tool.repair(directory, sys.stdout, assume_yes=args.yes)
+    if args.command == "dlq":
+        from daemon import dlqcmd
+
+        return dlqcmd.main(args, _load(args))
+    if args.command == "cdc":
+        from daemon import cdccmd
+
+        return cdccmd.main(args, _load(args))
+    raise AssertionError(f"unhandled command {args.command}")  # argparse forbids this
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,633 @@
+"""Configuration: loaded once, validated whole, frozen.
+
+Every problem is collected with its key path before anything starts, so an
+operator fixes a file in one pass::
+
+    wal.segment_bytes: expected an integer >= 1 MiB, got "big"
+    ingest.listen: expected "host:port", got "8470"
+    triggers[1].name: duplicate trigger name "big-orders" (also triggers[0])
+
+Sections, keys and defaults are the contract of DESIGN.md; the README's
+configuration reference and the top-level ``config.toml`` document each one.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from daemon.errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+FsyncMode = Literal["always", "interval", "never"]
+RetentionMode = Literal["watermarks", "keep"]
+LogFormat = Literal["auto", "json", "console"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+Op = Literal["insert", "update", "delete"]
+OPS: tuple[Op, ...] = ("insert", "update", "delete")
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    data_dir: Path = Path("var")
+    cores: int = 4
+    # Must stay below the unit's TimeoutStopSec (30 s in systemd/eventplane.service).
+    shutdown_timeout_s: float = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class IngestConfig:
+    listen: Listen = Listen("127.0.0.1", 8470)
+    max_body_bytes: int = 16 * MiB
+    max_event_bytes: int = 1 * MiB
+    max_events_per_request: int = 10_000
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 256
+    # Disk bound (invariant 12): 429 when the slowest core lags more than this.
+    max_lag_events: int = 50_000_000
+    retry_after_s: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    listen: Listen = Listen("127.0.0.1", 9470)
+
+
+@dataclass(frozen=True, slots=True)
+class WalConfig:
+    segment_bytes: int = 64 * MiB
+    fsync: FsyncMode = "always"
+    fsync_interval_ms: int = 100
+    retention: RetentionMode = "watermarks"
+    # Upper bound on one group commit; bigger groups wait for the next fsync.
+    max_group_bytes: int = 8 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerConfig:
+    ring_capacity: int = 65_536
+    ring_max_bytes: int = 64 * MiB
+    poll_min_ms: float = 1.0
+    poll_max_ms: float = 50.0
+    idle_polls_before_backoff: int = 32
+    drain_max: int = 1024
+    # Memory shed: above this many bytes of undelivered slice data a core
+    # stops taking from its ring and catches up from the WAL instead.
+    pending_max_bytes: int = 256 * MiB
+    replay_retries: int = 10
+    replay_retry_ms: int = 100
+    watermark_flush_ms: int = 5_000
+
+
+@dataclass(frozen=True, slots=True)
+class SparkConfig:
+    master: str = "local[*]"
+    remote: str = ""
+    app_name: str = "eventplane"
+    ui: bool = False
+    log_level: str = "WARN"
+    conf: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class MicrobatchConfig:
+    interval_ms: int = 1_000
+    max_rows: int = 100_000
+    catchup_max_rows: int = 1_000_000
+    retry_initial_ms: int = 500
+    retry_max_ms: int = 30_000
+
+
+@dataclass(frozen=True, slots=True)
+class CdcStream:
+    name: str
+    collections: tuple[str, ...]  # ("*",) means every collection
+    path: Path
+
+    def wants(self, collection: str) -> bool:
+        return self.collections == ("*",) or collection in self.collections
+
+
+@dataclass(frozen=True, slots=True)
+class CdcHandler:
+    function: str  # "pkg.mod:func", called as func(df, batch_id)
+
+
+@dataclass(frozen=True, slots=True)
+class CdcConfig:
+    streams: tuple[CdcStream, ...] = ()
+    handlers: tuple[CdcHandler, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    max_attempts: int = 5
+    initial_backoff_ms: int = 500
+    max_backoff_ms: int = 60_000
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerSpec:
+    name: str
+    collection: str
+    on: tuple[Op, ...]
+    when: str
+    action: Mapping[str, Any]
+    batch_size: int = 1024
+    retry: RetryPolicy = RetryPolicy()
+    enabled: bool = True
+    # Triggers ignore events made by other triggers' emit actions unless set.
+    fire_on_derived: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DlqConfig:
+    max_entries: int = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: LogLevel = "info"
+    format: LogFormat = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    daemon: DaemonConfig = DaemonConfig()
+    ingest: IngestConfig = IngestConfig()
+    admin: AdminConfig = AdminConfig()
+    wal: WalConfig = WalConfig()
+    consumer: ConsumerConfig = ConsumerConfig()
+    spark: SparkConfig = SparkConfig()
+    microbatch: MicrobatchConfig = MicrobatchConfig()
+    cdc: CdcConfig = CdcConfig()
+    triggers: tuple[TriggerSpec, ...] = ()
+    dlq: DlqConfig = DlqConfig()
+    log: LogConfig = LogConfig()
+    source: Path | None = None
+
+    @property
+    def data_dir(self) -> Path:
+        return self.daemon.data_dir
+
+    @property
+    def wal_dir(self) -> Path:
+        return self.daemon.data_dir / "wal"
+
+
+# --------------------------------------------------------------------------
+# Validation: a checker takes (value, path, errors) and returns the converted
+# value or None after appending a message to ``errors``.
+
+Checker = Callable[[Any, str, list[str]], Any]
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return repr(value)
+
+
+def _int(minimum: int | None = None, maximum: int | None = None, unit: str = "") -> Checker:
+    def describe() -> str:
+        bound = ""
+        if minimum is not None:
+            shown = f"{minimum // MiB} MiB" if unit == "bytes" and minimum >= MiB else str(minimum)
+            bound = f" >= {shown}"
+        if maximum is not None:
+            bound += f" <= {maximum}" if not bound else f" and <= {maximum}"
+        return f"an integer{bound}"
+
+    def check(value: Any, path: str, errors: list[str]) -> Any:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and minimum is not None and value < minimum:
+            ok = False
+        if ok and maximum is not None and value > maximum:
+            ok = False
+        if not ok:
+            errors.append(f"{path}: expected {describe()}, got {_show(value)}")
+            return None
+        return value
+
+    return check
+
+
+def _float(minimum: float = 0.0, exclusive: bool = True) -> Checker:
+    def check(value: Any, path: str, errors: list[str]) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            errors.append(f"{path}: expected a number, got {_show(value)}")
+            return None
+        if value < minimum or (exclusive and value == minimum):
+            op = ">" if exclusive else ">="
+            errors.append(f"{path}: expected a number {op} {minimum:g}, got {value!r}")
+            return None
+        return float(value)
+
+    return check
+
+
+def _bool(value: Any, path: str, errors: list[str]) -> Any:
+    if not isinstance(value, bool):
+        errors.append(f"{path}: expected true or false, got {_show(value)}")
+        return None
+    return value
+
+
+def _str(nonempty: bool = True) -> Checker:
+    def check(value: Any, path: str, errors: list[str]) -> Any:
+        if not isinstance(value, str) or (nonempty and not value.strip()):
+            what = "a non-empty string" if nonempty else "a string"
+            errors.append(f"{path}: expected {what}, got {_show(value)}")
+            return None
+        return value
+
+    return check
+
+
+def _choice(*choices: str) -> Checker:
+    def check(value: Any, path: str, errors: list[str]) -> Any:
+        if value not in choices:
+            shown = " | ".join(f'"{c}"' for c in choices)
+            errors.append(f"{path}: expected one of {shown}, got {_show(value)}")
+            return None
+        return value
+
+    return check
+
+
+def _listen(value: Any, path: str, errors: list[str]) -> Any:
+    if isinstance(value, str) and ":" in value:
+        host, _, port_s = value.rpartition(":")
+        host = host.strip("[]")
+        if host and port_s.isdigit() and 0 <= int(port_s) <= 65535:
+            return Listen(host, int(port_s))
+    errors.append(f'{path}: expected "host:port" (port 0-65535), got {_show(value)}')
+    return None
+
+
+def _path(value: Any, path: str, errors: list[str]) -> Any:
+    if not isinstance(value, str) or not value.strip():
+        errors.append(f"{path}: expected a path string, got {_show(value)}")
+        return None
+    return Path(value)
+
+
+def _function_ref(value: Any, path: str, errors: list[str]) -> Any:
+    if isinstance(value, str):
+        mod, sep, func = value.partition(":")
+        if sep and mod and func and all(p.isidentifier() for p in mod.split(".")):
+            if func.isidentifier():
+                return value
+    errors.append(f'{path}: expected "package.module:function", got {_show(value)}')
+    return None
+
+
+def _section(
+    raw: Any, path: str, spec: Mapping[str, Checker], errors: list[str]
+) -> dict[str, Any]:
+    """Check one table against ``spec``; returns only the keys present and valid."""
+    if not isinstance(raw, dict):
+        errors.append(f"{path}: expected a table, got {_show(raw)}")
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        where = f"{path}.{key}" if path else key
+        checker = spec.get(key)
+        if checker is None:
+            known = ", ".join(sorted(spec))
+            errors.append(f"{where}: unknown key (known keys: {known})")
+            continue
+        converted = checker(value, where, errors)
+        if converted is not None:
+            out[key] = converted
+    return out
+
+
+_DAEMON: dict[str, Checker] = {
+    "data_dir": _path,
+    "cores": _int(1, 256),
+    "shutdown_timeout_s": _float(0.0),
+}
+_INGEST: dict[str, Checker] = {
+    "listen": _listen,
+    "max_body_bytes": _int(1 * KiB),
+    "max_event_bytes": _int(64),
+    "max_events_per_request": _int(1),
+    "header_timeout_s": _float(0.0),
+    "body_timeout_s": _float(0.0),
+    "max_connections": _int(1),
+    "max_lag_events": _int(1),
+    "retry_after_s": _int(1),
+}
+_ADMIN: dict[str, Checker] = {"listen": _listen}
+_WAL: dict[str, Checker] = {
+    "segment_bytes": _int(1 * MiB, 1 * GiB, unit="bytes"),
+    "fsync": _choice("always", "interval", "never"),
+    "fsync_interval_ms": _int(1),
+    "retention": _choice("watermarks", "keep"),
+    "max_group_bytes": _int(64 * KiB),
+}
+_CONSUMER: dict[str, Checker] = {
+    "ring_capacity": _int(2),
+    "ring_max_bytes": _int(1 * KiB),
+    "poll_min_ms": _float(0.0),
+    "poll_max_ms": _float(0.0),
+    "idle_polls_before_backoff": _int(1),
+    "drain_max": _int(1),
+    "pending_max_bytes": _int(1 * KiB),
+    "replay_retries": _int(0),
+    "replay_retry_ms": _int(1),
+    "watermark_flush_ms": _int(10),
+}
+_SPARK: dict[str, Checker] = {
+    "master": _str(),
+    "remote": _str(nonempty=False),
+    "app_name": _str(),
+    "ui": _bool,
+    "log_level": _choice("TRACE", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"),
+    "conf": lambda v, p, e: _string_table(v, p, e),
+}
+_MICROBATCH: dict[str, Checker] = {
+    "interval_ms": _int(10),
+    "max_rows": _int(1),
+    "catchup_max_rows": _int(1),
+    "retry_initial_ms": _int(1),
+    "retry_max_ms": _int(1),
+}
+_DLQ: dict[str, Checker] = {"max_entries": _int(1)}
+_LOG: dict[str, Checker] = {
+    "level": _choice("debug", "info", "warning", "error"),
+    "format": _choice("auto", "json", "console"),
+}
+_RETRY: dict[str, Checker] = {
+    "max_attempts": _int(1),
+    "initial_backoff_ms": _int(1),
+    "max_backoff_ms": _int(1),
+}
+ACTION_TYPES = ("webhook", "python", "emit", "sql")
+# Required keys per action type; the triggers package checks the rest.
+_ACTION_REQUIRED: dict[str, tuple[str, ...]] = {
+    "webhook": ("url",),
+    "python": ("function",),
+    "emit": ("collection",),
+    "sql": ("statement",),
+}
+
+
+def _string_table(value: Any, path: str, errors: list[str]) -> Any:
+    if not isinstance(value, dict):
+        errors.append(f"{path}: expected a table of strings, got {_show(value)}")
+        return None
+    out: dict[str, str] = {}
+    for k, v in value.items():
+        if isinstance(v, bool):
+            out[k] = "true" if v else "false"
+        elif isinstance(v, str | int | float):
+            out[k] = str(v)
+        else:
+            errors.append(f"{path}.{k}: expected a string or number, got {_show(v)}")
+    return out
+
+
+def _array_of_tables(raw: Any, path: str, errors: list[str]) -> list[Any]:
+    if not isinstance(raw, list) or not all(isinstance(x, dict) for x in raw):
+        errors.append(f"{path}: expected an array of tables ([[{path}]]), got {_show(raw)}")
+        return []
+    return raw
+
+
+def _required(table: dict[str, Any], keys: tuple[str, ...], path: str, errors: list[str]) -> bool:
+    missing = [k for k in keys if k not in table]
+    for k in missing:
+        errors.append(f"{path}.{k}: required key is missing")
+    return not missing
+
+
+def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
+    body = raw if isinstance(raw, dict) else {}
+    if not isinstance(raw, dict):
+        errors.append(f"cdc: expected a table, got {_show(raw)}")
+    for key in body:
+        if key not in ("streams", "handlers"):
+            errors.append(f"cdc.{key}: unknown key (known keys: handlers, streams)")
+    streams: list[CdcStream] = []
+    seen: dict[str, int] = {}
+    for i, table in enumerate(_array_of_tables(body.get("streams", []), "cdc.streams", errors)):
+        where = f"cdc.streams[{i}]"
+        spec = {"name": _str(), "collections": _collections, "path": _path}
+        got = _section(table, where, spec, errors)
+        if not _required(table, ("name", "collections", "path"), where, errors):
+            continue
+        if len(got) != 3:
+            continue
+        if got["name"] in seen:
+            errors.append(
+                f'{where}.name: duplicate stream name "{got["name"]}" '
+                f"(also cdc.streams[{seen[got['name']]}])"
+            )
+            continue
+        seen[got["name"]] = i
+        streams.append(CdcStream(got["name"], got["collections"], got["path"]))
+    handlers: list[CdcHandler] = []
+    for i, table in enumerate(_array_of_tables(body.get("handlers", []), "cdc.handlers", errors)):
+        where = f"cdc.handlers[{i}]"
+        got = _section(table, where, {"function": _function_ref}, errors)
+        if _required(table, ("function",), where, errors) and "function" in got:
+            handlers.append(CdcHandler(got["function"]))
+    return CdcConfig(tuple(streams), tuple(handlers))
+
+
+def _collections(value: Any, path: str, errors: list[str]) -> Any:
+    if value == "*":
+        return ("*",)
+    if isinstance(value, str) and value:
+        return (value,)
+    if isinstance(value, list) and value and all(isinstance(c, str) and c for c in value):
+        return ("*",) if "*" in value else tuple(value)
+    errors.append(f'{path}: expected "*" or a non-empty array of names, got {_show(value)}')
+    return None
+
+
+def _ops(value: Any, path: str, errors: list[str]) -> Any:
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, list) and value and all(v in OPS for v in value):
+        return tuple(dict.fromkeys(value))
+    errors.append(f'{path}: expected a non-empty array of "insert" | "update" | "delete", '
+                  f"got {_show(value)}")
+    return None
+
+
+def _action(value: Any, path: str, errors: list[str]) -> Any:
+    if not isinstance(value, dict):
+        errors.append(f"{path}: expected a table like {{ type = \"webhook\", url = ... }}, "
+                      f"got {_show(value)}")
+        return None
+    kind = value.get("type")
+    if kind not in ACTION_TYPES:
+        shown = " | ".join(ACTION_TYPES)
+        if kind is None:
+            errors.append(f"{path}.type: required key is missing (one of {shown})")
+        else:
+            errors.append(f"{path}.type: unknown action type {_show(kind)} (expected {shown})")
+        return None
+    if not _required(value, _ACTION_REQUIRED[kind], path, errors):
+        return None
+    if kind == "python" and _function_ref(value["function"], f"{path}.function", errors) is None:
+        return None
+    return dict(value)
+
+
+def parse_triggers(raw: Any, errors: list[str]) -> tuple[TriggerSpec, ...]:
+    """Structural checks of ``[[triggers]]``; Spark analyses ``when`` at startup."""
+    specs: list[TriggerSpec] = []
+    seen: dict[str, int] = {}
+    spec: dict[str, Checker] = {
+        "name": _str(),
+        "collection": _str(),
+        "on": _ops,
+        "when": _str(),
+        "action": _action,
+        "batch_size": _int(1),
+        "retry": lambda v, p, e: RetryPolicy(**_section(v, p, _RETRY, e)),
+        "enabled": _bool,
+        "fire_on_derived": _bool,
+    }
+    for i, table in enumerate(_array_of_tables(raw, "triggers", errors)):
+        where = f"triggers[{i}]"
+        before = len(errors)
+        got = _section(table, where, spec, errors)
+        _required(table, ("name", "collection", "action"), where, errors)
+        if len(errors) != before:
+            continue
+        name = got["name"]
+        if name in seen:
+            errors.append(
+                f'{where}.name: duplicate trigger name "{name}" (also triggers[{seen[name]}])'
+            )
+            continue
+        seen[name] = i
+        got.setdefault("on", OPS)
+        got.setdefault("when", "true")
+        specs.append(TriggerSpec(**got))
+    return tuple(specs)
+
+
+def parse(raw: Mapping[str, Any], source: Path | None = None) -> Config:
+    """Validate a parsed TOML document whole; raise ConfigError with every problem."""
+    errors: list[str] = []
+    sections: dict[str, tuple[dict[str, Checker], type]] = {
+        "daemon": (_DAEMON, DaemonConfig),
+        "ingest": (_INGEST, IngestConfig),
+        "admin": (_ADMIN, AdminConfig),
+        "wal": (_WAL, WalConfig),
+        "consumer": (_CONSUMER, ConsumerConfig),
+        "spark": (_SPARK, SparkConfig),
+        "microbatch": (_MICROBATCH, MicrobatchConfig),
+        "dlq": (_DLQ, DlqConfig),
+        "log": (_LOG, LogConfig),
+    }
+    built: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in sections:
+            checks, cls = sections[key]
+            built[key] = cls(**_section(value, key, checks, errors))
+        elif key == "cdc":
+            built["cdc"] = _parse_cdc(value, errors)
+        elif key == "triggers":
+            built["triggers"] = parse_triggers(value, errors)
+        else:
+            known = ", ".join(sorted([*sections, "cdc", "triggers"]))
+            errors.append(f"{key}: unknown section (known sections: {known})")
+
+    cfg = Config(**built, source=source)
+    _cross_checks(cfg, errors)
+    if errors:
+        raise ConfigError(errors, str(source) if source else "config")
+    return _resolve_paths(cfg)
+
+
+def _cross_checks(cfg: Config, errors: list[str]) -> None:
+    c = cfg.consumer
+    if c.poll_max_ms < c.poll_min_ms:
+        errors.append(
+            f"consumer.poll_max_ms: must be >= consumer.poll_min_ms ({c.poll_min_ms:g}), "
+            f"got {c.poll_max_ms:g}"
+        )
+    m = cfg.microbatch
+    if m.retry_max_ms < m.retry_initial_ms:
+        errors.append("microbatch.retry_max_ms: must be >= microbatch.retry_initial_ms")
+    if m.catchup_max_rows < m.max_rows:
+        errors.append(
+            f"microbatch.catchup_max_rows: must be >= microbatch.max_rows ({m.max_rows}), "
+            f"got {m.catchup_max_rows}"
+        )
+    if cfg.ingest.max_event_bytes > cfg.ingest.max_body_bytes:
+        errors.append("ingest.max_event_bytes: must be <= ingest.max_body_bytes")
+    if cfg.ingest.listen == cfg.admin.listen and cfg.ingest.listen.port != 0:
+        errors.append(f"admin.listen: same address as ingest.listen ({cfg.ingest.listen})")
+    if cfg.spark.remote and "master" in cfg.spark.conf:
+        errors.append("spark.conf.master: use spark.master or spark.remote, not conf")
+    for t in cfg.triggers:
+        if t.retry.max_backoff_ms < t.retry.initial_backoff_ms:
+            errors.append(f"triggers.{t.name}.retry.max_backoff_ms: must be >= initial_backoff_ms")
+
+
+def _resolve_paths(cfg: Config) -> Config:
+    """Relative paths are relative to the config file's folder, like nginx and systemd."""
+    base = cfg.source.parent if cfg.source else Path.cwd()
+
+    def resolve(p: Path) -> Path:
+        return p if p.is_absolute() else (base / p)
+
+    daemon = DaemonConfig(
+        resolve(cfg.daemon.data_dir), cfg.daemon.cores, cfg.daemon.shutdown_timeout_s
+    )
+    streams = tuple(CdcStream(s.name, s.collections, resolve(s.path)) for s in cfg.cdc.streams)
+    fields = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
+    fields.update(daemon=daemon, cdc=CdcConfig(streams, cfg.cdc.handlers))
+    return Config(**fields)
+
+
+ENV_CONFIG = "EVENTPLANE_CONFIG"
+
+
+def default_path() -> Path:
+    return Path(os.environ.get(ENV_CONFIG, "config.toml"))
+
+
+def load(path: Path | str | None = None) -> Config:
+    """Read and validate a config file; raise ConfigError with every problem."""
+    source = Path(path) if path is not None else default_path()
+    try:
+        text = source.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"{source}: file not found"], str(source)) from None
+    except OSError as exc:
+        raise ConfigError([f"{source}: cannot read ({exc.strerror})"], str(source)) from exc
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{source}: not valid TOML ({exc})"], str(source)) from exc
+    return parse(cast(dict[str, Any], raw), source.resolve())

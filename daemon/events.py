@@ -1,0 +1,38 @@
+"""The stored form of a change event: what the WAL payload holds.
+
+Encoded once at ingest with msgpack (msgspec, array-like: compact and the
+fastest codec available to us) and decoded by consumers of the payload
+(Spark executor, triggers). ``new`` and ``old`` keep the producer's JSON bytes
+verbatim, so Spark's ``parse_json`` sees exactly what was sent.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Op = Literal["insert", "update", "delete"]
+
+
+class StoredEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    collection: str
+    op: Op
+    key: str
+    new: bytes | None  # raw JSON object text, or None for null
+    old: bytes | None
+    ingest_ts_ns: int  # wall clock (time.time_ns) when the request was accepted
+    depth: int = 0  # 0 = from a producer; n = made by an emit action n levels deep
+    source: str = ""  # trigger name for derived events
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(StoredEvent)
+
+
+def encode(event: StoredEvent) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(payload: bytes | memoryview) -> StoredEvent:
+    return _decoder.decode(payload)

@@ -1,0 +1,41 @@
+"""Shared fixtures: the --soak flag, a session-scoped real SparkSession, free ports."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", help="run long soak and crash loops")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--soak"):
+        return
+    skip = pytest.mark.skip(reason="soak test: run with --soak (make soak)")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One real local SparkSession for the whole test session (slow to start)."""
+    os.environ.setdefault("PYSPARK_PYTHON", os.sys.executable)  # type: ignore[attr-defined]
+    from daemon.spark import build_session  # noqa: PLC0415 - only Spark tests pay for it
+
+    session = build_session(master="local[2]", app_name="eventplane-tests", ui=False,
+                            log_level="ERROR", conf={"spark.sql.shuffle.partitions": "2"})
+    yield session
+    session.stop()

@@ -1,0 +1,104 @@
+"""Config: validated whole, every error with its key path, frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from daemon import config
+from daemon.cli import main as cli_main
+from daemon.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_default_config_file_loads_with_documented_defaults() -> None:
+    cfg = config.load(ROOT / "config.toml")
+    assert cfg.daemon.cores == 4
+    assert cfg.wal.fsync == "always"
+    assert cfg.ingest.listen == config.Listen("127.0.0.1", 8470)
+    assert cfg.admin.listen == config.Listen("127.0.0.1", 9470)
+    assert cfg.data_dir == ROOT / "var"
+    assert [s.name for s in cfg.cdc.streams] == ["all"]
+
+
+def test_every_error_is_reported_with_its_key_path() -> None:
+    raw = {
+        "wal": {"segment_bytes": "big", "fsync": "sometimes"},
+        "ingest": {"listen": "8470", "surprise": 1},
+        "bogus": {},
+    }
+    with pytest.raises(ConfigError) as info:
+        config.parse(raw)
+    errors = info.value.errors
+    assert 'wal.segment_bytes: expected an integer >= 1 MiB and <= 1073741824, got "big"' in errors
+    assert any(e.startswith("wal.fsync: expected one of") for e in errors)
+    assert any(e.startswith("ingest.listen: expected \"host:port\"") for e in errors)
+    assert any(e.startswith("ingest.surprise: unknown key") for e in errors)
+    assert any(e.startswith("bogus: unknown section") for e in errors)
+    assert len(errors) == 5
+
+
+def test_booleans_are_not_accepted_as_integers() -> None:
+    with pytest.raises(ConfigError, match=r"daemon.cores: expected an integer >= 1"):
+        config.parse({"daemon": {"cores": True}})
+
+
+def test_trigger_problems_name_the_trigger_index_and_key() -> None:
+    raw = {
+        "triggers": [
+            {"name": "a", "collection": "o", "action": {"type": "webhook", "url": "http://x"}},
+            {"name": "a", "collection": "o", "action": {"type": "webhook", "url": "http://x"}},
+            {"name": "b", "collection": "o", "action": {"type": "telegram"}},
+            {"name": "c", "collection": "o", "action": {"type": "python", "function": "nope"}},
+        ]
+    }
+    with pytest.raises(ConfigError) as info:
+        config.parse(raw)
+    assert info.value.errors == [
+        'triggers[1].name: duplicate trigger name "a" (also triggers[0])',
+        'triggers[2].action.type: unknown action type "telegram" '
+        "(expected webhook | python | emit | sql)",
+        'triggers[3].action.function: expected "package.module:function", got "nope"',
+    ]
+
+
+def test_config_is_frozen() -> None:
+    cfg = config.parse({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.daemon.cores = 8  # type: ignore[misc]
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[daemon]\ndata_dir = "data"\n[[cdc.streams]]\nname = "s"\n'
+                    'collections = ["orders"]\npath = "out/s"\n')
+    cfg = config.load(path)
+    assert cfg.data_dir == tmp_path / "data"
+    assert cfg.cdc.streams[0].path == tmp_path / "out" / "s"
+    assert cfg.cdc.streams[0].wants("orders") and not cfg.cdc.streams[0].wants("users")
+
+
+def test_check_config_prints_ok_or_every_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text("[daemon]\ncores = 2\n")
+    assert cli_main(["check-config", "--config", str(good)]) == 0
+    assert capsys.readouterr().out.startswith("OK ")
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[daemon]\ncores = 0\n[wal]\nfsync = "maybe"\n')
+    assert cli_main(["check-config", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "daemon.cores: expected an integer >= 1 and <= 256, got 0" in err
+    assert 'wal.fsync: expected one of "always" | "interval" | "never", got "maybe"' in err
+
+
+def test_unparseable_toml_says_where(tmp_path: Path) -> None:
+    path = tmp_path / "broken.toml"
+    path.write_text("[daemon\n")
+    with pytest.raises(ConfigError, match=r"not valid TOML .*line 1"):
+        config.load(path)

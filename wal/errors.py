@@ -1,0 +1,45 @@
+"""Typed errors of the WAL. Corruption errors carry segment, offset and byte counts."""
+
+from __future__ import annotations
+
+
+class WalError(Exception):
+    """Base error of the write-ahead log."""
+
+    retriable = False
+
+
+class WalCorruptionError(WalError):
+    """A frame or segment failed its checks where a torn tail is not possible."""
+
+    def __init__(self, message: str, *, segment: str, offset: int, length: int = 0) -> None:
+        super().__init__(f"{segment} @ offset {offset}: {message}")
+        self.segment = segment
+        self.offset = offset
+        self.length = length
+
+
+class WalFatalError(WalError):
+    """A write or fsync failed: the WAL refuses every later append (invariant 10)."""
+
+
+class WalClosedError(WalError):
+    """The WAL is closed or closing."""
+
+
+class BelowRetainedFloorError(WalError):
+    """A read asked for LSNs that retention already removed."""
+
+    def __init__(self, requested_lsn: int, floor_lsn: int) -> None:
+        super().__init__(
+            f"cannot read from LSN {requested_lsn}: the WAL's retained floor is LSN {floor_lsn} "
+            f"(segments below it were removed by retention)"
+        )
+        self.requested_lsn = requested_lsn
+        self.floor_lsn = floor_lsn
+
+
+class WalReadError(WalError):
+    """A transient read failure during replay; the caller retries (bounded)."""
+
+    retriable = True
