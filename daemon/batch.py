@@ -71,3 +71,23 @@ class BatchStage(Protocol):
     def run_in_spark(self, spark: Any, df: Any, batch: MicroBatch) -> Any: ...
 
     async def finish(self, batch: MicroBatch, result: Any) -> None: ...
+
+
+class NullExecutor:
+    """The executor when no CDC stream, handler or trigger is configured.
+
+    A batch has nothing to do, so it commits at once; watermarks and WAL
+    retention keep moving without starting Spark.
+    """
+
+    async def start(self) -> None:
+        return None
+
+    def ready(self) -> bool:
+        return True
+
+    async def execute(self, batch: MicroBatch) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None

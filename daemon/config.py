@@ -296,16 +296,13 @@ def _path(value: Any, path: str, errors: list[str]) -> Any:
 def _function_ref(value: Any, path: str, errors: list[str]) -> Any:
     if isinstance(value, str):
         mod, sep, func = value.partition(":")
-        if sep and mod and func and all(p.isidentifier() for p in mod.split(".")):
-            if func.isidentifier():
-                return value
+        if sep and func.isidentifier() and all(p.isidentifier() for p in mod.split(".")):
+            return value
     errors.append(f'{path}: expected "package.module:function", got {_show(value)}')
     return None
 
 
-def _section(
-    raw: Any, path: str, spec: Mapping[str, Checker], errors: list[str]
-) -> dict[str, Any]:
+def _section(raw: Any, path: str, spec: Mapping[str, Checker], errors: list[str]) -> dict[str, Any]:
     """Check one table against ``spec``; returns only the keys present and valid."""
     if not isinstance(raw, dict):
         errors.append(f"{path}: expected a table, got {_show(raw)}")
@@ -474,15 +471,17 @@ def _ops(value: Any, path: str, errors: list[str]) -> Any:
         value = [value]
     if isinstance(value, list) and value and all(v in OPS for v in value):
         return tuple(dict.fromkeys(value))
-    errors.append(f'{path}: expected a non-empty array of "insert" | "update" | "delete", '
-                  f"got {_show(value)}")
+    errors.append(
+        f'{path}: expected a non-empty array of "insert" | "update" | "delete", got {_show(value)}'
+    )
     return None
 
 
 def _action(value: Any, path: str, errors: list[str]) -> Any:
     if not isinstance(value, dict):
-        errors.append(f"{path}: expected a table like {{ type = \"webhook\", url = ... }}, "
-                      f"got {_show(value)}")
+        errors.append(
+            f'{path}: expected a table like {{ type = "webhook", url = ... }}, got {_show(value)}'
+        )
         return None
     kind = value.get("type")
     if kind not in ACTION_TYPES:

@@ -1,0 +1,329 @@
+"""The daemon's lifecycle: ``startup()``, ``main_loop()``, ``shutdown()``.
+
+Reading :meth:`Daemon.serve` tells the whole story:
+
+1. startup — open the WAL (recovery runs here), start the event plane (the
+   consumers boot into catch-up from their watermarks), start Spark in the
+   background, bind the admin and ingest listeners, tell systemd READY=1.
+2. main_loop — until asked to exit: publish status, ping the watchdog while
+   healthy, and fail-stop if a component failed (systemd restarts us).
+3. shutdown — under one monotonic budget: ingest answers 503 and finishes
+   in-flight requests (their group commit completes), the running micro-batch
+   finishes, watermarks are flushed, Spark stops, the WAL closes.
+
+Signal handlers only flip state: the first SIGTERM/SIGINT sets
+``should_exit``, a second sets ``force_exit`` (skip the drain: everything
+acknowledged is in the WAL already). SIGHUP asks for a reload of triggers and
+log level, applied by the main loop between batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+import uvloop
+
+from daemon import logs
+from daemon.admin import AdminServer
+from daemon.batch import BatchStage, Executor, NullExecutor
+from daemon.config import Config
+from daemon.deadline import Deadline
+from daemon.errors import DaemonError
+from daemon.ingest import IngestServer
+from daemon.metrics import Metrics
+from daemon.plane import EventPlane
+from daemon.sdnotify import Notifier, Watchdog
+from wal import Wal
+
+log = structlog.get_logger("eventplane")
+
+# How often the main loop publishes status and checks health.
+TICK_S = 0.5
+# Exit codes: 0 clean stop; 1 a component failed (systemd Restart=on-failure acts).
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+
+class Daemon:
+    def __init__(self, cfg: Config, notifier: Notifier | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.notifier = notifier or Notifier.from_env()
+        self.should_exit = False
+        self.force_exit = False
+        self.reload_requested = False
+        self.exit_code = EXIT_OK
+        self.started = False
+        self._wakeup = asyncio.Event()
+        self.wal: Wal | None = None
+        self.executor: Executor | None = None
+        self.plane: EventPlane | None = None
+        self.ingest: IngestServer | None = None
+        self.admin: AdminServer | None = None
+        self.triggers: Any = None
+        self._watchdog: Watchdog | None = None
+
+    # -- signals: flip state only ------------------------------------------
+
+    def request_exit(self, reason: str = "requested") -> None:
+        """The injectable shutdown trigger; a second call forces a fast exit."""
+        if self.should_exit:
+            self.force_exit = True
+            log.warning("shutdown.forced", reason=reason)
+        else:
+            self.should_exit = True
+            log.info("shutdown.requested", reason=reason)
+        self._wakeup.set()
+
+    def request_reload(self) -> None:
+        self.reload_requested = True
+        self._wakeup.set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.request_exit, "SIGTERM")
+        loop.add_signal_handler(signal.SIGINT, self.request_exit, "SIGINT")
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+
+    # -- the three phases ---------------------------------------------------
+
+    async def serve(self) -> int:
+        try:
+            await self.startup()
+        except BaseException:
+            log.exception("startup.failed")
+            await self.shutdown(Deadline(self.cfg.daemon.shutdown_timeout_s))
+            raise
+        await self.main_loop()
+        await self.shutdown(Deadline(self.cfg.daemon.shutdown_timeout_s))
+        return self.exit_code
+
+    async def startup(self) -> None:
+        cfg = self.cfg
+        t0 = time.monotonic()
+        self.metrics.up_seconds.set(time.time())
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+
+        # Step 1. The WAL: recovery of a torn tail happens here.
+        self.wal = await asyncio.to_thread(
+            Wal.open,
+            cfg.wal_dir,
+            segment_bytes=cfg.wal.segment_bytes,
+            fsync=cfg.wal.fsync,
+            fsync_interval_ms=cfg.wal.fsync_interval_ms,
+            max_group_bytes=cfg.wal.max_group_bytes,
+        )
+        self.wal.on_group = self._observe_group
+        log.info(
+            "wal.opened",
+            dir=str(cfg.wal_dir),
+            head_lsn=self.wal.head_lsn(),
+            retained_floor=self.wal.retained_floor(),
+            wal_id=self.wal.wal_id,
+        )
+
+        # Step 2. What runs each micro-batch: Spark only when there is work for it.
+        self.executor = self._build_executor()
+        await self.executor.start()
+
+        # Step 3. Rings, consumers, planner, watermarks. Rings are fed after fsync.
+        self.plane = EventPlane(cfg, self.wal, self.executor, self.metrics)
+        self.wal.set_listener(self.plane.on_durable)
+        await self.plane.start()
+
+        # Step 4. Listeners: admin first so /healthz answers while ingest binds.
+        self.admin = AdminServer(cfg, self.metrics, status=self.status, ready=self.ready)
+        await self.admin.start()
+        self.ingest = IngestServer(cfg, self.wal, self.metrics, lag=self.plane.max_lag)
+        await self.ingest.start()
+
+        self.started = True
+        self.notifier.ready()
+        self._watchdog = Watchdog(self.notifier, healthy=self.healthy)
+        self._watchdog.start()
+        log.info(
+            "eventplane.ready",
+            ingest=f"http://{cfg.ingest.listen.host}:{self.ingest.port}",
+            admin=f"http://{cfg.admin.listen.host}:{self.admin.port}",
+            cores=cfg.daemon.cores,
+            spark=not isinstance(self.executor, NullExecutor),
+            startup_s=round(time.monotonic() - t0, 3),
+        )
+
+    async def main_loop(self) -> None:
+        assert self.plane is not None
+        failed = asyncio.ensure_future(self.plane.wait_failed())
+        try:
+            while not self.should_exit:
+                self._wakeup.clear()
+                waiter = asyncio.ensure_future(self._wakeup.wait())
+                done, _ = await asyncio.wait(
+                    {failed, waiter}, timeout=TICK_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                waiter.cancel()
+                if failed in done:
+                    exc = failed.exception()
+                    log.error("component.failed", error=str(exc), kind=type(exc).__name__)
+                    self.exit_code = EXIT_FAILED
+                    self.should_exit = True
+                    break
+                if self.reload_requested:
+                    self.reload_requested = False
+                    await self._reload()
+                self.notifier.status(self.status_line())
+        finally:
+            failed.cancel()
+
+    async def shutdown(self, deadline: Deadline) -> None:
+        self.notifier.stopping()
+        log.info("shutdown.begin", budget_s=deadline.budget, force=self.force_exit)
+        if self._watchdog is not None:
+            await self._stop_step("watchdog", self._watchdog.stop(), deadline)
+        # Step 1. Stop taking events; in-flight requests finish and get their acks.
+        if self.ingest is not None:
+            self.ingest.begin_drain()
+            await self._stop_step("ingest", self.ingest.stop(deadline.remaining()), deadline)
+        # Step 2. Let the running micro-batch commit, flush watermarks.
+        if self.plane is not None:
+            budget = 0.0 if self.force_exit else deadline.remaining()
+            await self._stop_step("plane", self.plane.stop(budget), deadline)
+        if self.triggers is not None:
+            await self._stop_step("triggers", self.triggers.stop(), deadline)
+        if self.executor is not None:
+            await self._stop_step("executor", self.executor.stop(), deadline)
+        if self.admin is not None:
+            await self._stop_step("admin", self.admin.stop(deadline.remaining()), deadline)
+        # Step 3. Final group commit and close.
+        if self.wal is not None:
+            await self._stop_step("wal", self.wal.aclose(), deadline, floor=1.0)
+        log.info("shutdown.done", exit_code=self.exit_code, left_s=round(deadline.remaining(), 3))
+
+    async def _stop_step(
+        self, name: str, step: Awaitable[Any], deadline: Deadline, floor: float = 0.1
+    ) -> None:
+        """Run one stop step within the budget; log (never swallow silently) its failure."""
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(asyncio.ensure_future(step)), timeout=deadline.remaining(floor)
+            )
+        except TimeoutError:
+            log.error("shutdown.step_timeout", step=name)
+            self.exit_code = self.exit_code or EXIT_FAILED
+        except Exception:
+            log.exception("shutdown.step_failed", step=name)
+            self.exit_code = self.exit_code or EXIT_FAILED
+
+    # -- wiring helpers -----------------------------------------------------
+
+    def _build_executor(self) -> Executor:
+        cfg = self.cfg
+        stages: list[BatchStage] = []
+        if cfg.triggers:
+            from daemon.triggers_wiring import build_trigger_stage
+
+            self.triggers = build_trigger_stage(self)
+            stages.append(self.triggers)
+        if not (cfg.cdc.streams or cfg.cdc.handlers or stages):
+            return NullExecutor()
+        from daemon.spark_executor import SparkExecutor
+
+        return SparkExecutor(cfg, self.metrics, stages)
+
+    def _observe_group(self, events: int, nbytes: int, fsync_s: float) -> None:
+        # Runs on the WAL writer thread: prometheus_client metrics are thread-safe.
+        m = self.metrics
+        m.wal_appends.inc(events)
+        m.wal_bytes.inc(nbytes)
+        m.wal_groups.inc()
+        m.wal_fsync_latency.observe(fsync_s)
+
+    async def _reload(self) -> None:
+        from daemon import config as configmod
+
+        log.info("reload.begin", source=str(self.cfg.source))
+        try:
+            new = await asyncio.to_thread(configmod.load, self.cfg.source)
+        except DaemonError as exc:
+            log.error("reload.rejected", error=str(exc))
+            return
+        logs.set_level(new.log.level)
+        if self.triggers is not None:
+            errors = await self.triggers.reload_specs(new.triggers)
+            if errors:
+                log.error("reload.triggers_rejected", errors=errors)
+                return
+        log.info("reload.done", log_level=new.log.level, triggers=len(new.triggers))
+
+    # -- health and status --------------------------------------------------
+
+    def ready(self) -> bool:
+        return self.started and not self.should_exit
+
+    def healthy(self) -> bool:
+        return (
+            self.started
+            and self.exit_code == EXIT_OK
+            and self.plane is not None
+            and not self.plane.has_failed()
+        )
+
+    def status(self) -> dict[str, Any]:
+        wal = self.wal
+        out: dict[str, Any] = {
+            "healthy": self.healthy(),
+            "ready": self.ready(),
+            "draining": self.should_exit,
+            "wal": None
+            if wal is None
+            else {
+                "head_lsn": wal.head_lsn(),
+                "retained_floor": wal.retained_floor(),
+                "segments": wal.segment_count(),
+            },
+        }
+        if self.plane is not None:
+            out.update(self.plane.status())
+        executor_status = getattr(self.executor, "status", None)
+        out["spark"] = (
+            executor_status()
+            if callable(executor_status)
+            else {"ready": self.executor.ready() if self.executor else False, "last_error": None}
+        )
+        trig_status = getattr(self.triggers, "status", None)
+        if callable(trig_status):
+            out.update(trig_status())
+        else:
+            out.setdefault("dlq", {"entries": 0})
+            out.setdefault("retry_queue", {"depth": 0})
+        return out
+
+    def status_line(self) -> str:
+        if self.plane is None or self.wal is None:
+            return "starting"
+        st = self.plane.status()
+        modes = "".join("N" if c["mode"] == "normal" else "C" for c in st.get("cores", []))
+        return f"head={self.wal.head_lsn()} modes={modes} max_lag={self.plane.max_lag()}"
+
+
+def run(cfg: Config, on_ready: Callable[[Daemon], None] | None = None) -> int:
+    """Run the daemon until a signal; returns the process exit code."""
+    logs.configure(cfg.log.level, cfg.log.format)
+    structlog.contextvars.bind_contextvars(pid=os.getpid())
+
+    async def main() -> int:
+        daemon = Daemon(cfg)
+        daemon.install_signal_handlers()
+        return await daemon.serve()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        try:
+            return runner.run(main())
+        except DaemonError as exc:
+            log.error("eventplane.failed", error=str(exc), kind=type(exc).__name__)
+            return EXIT_FAILED
