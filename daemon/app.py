@@ -311,13 +311,13 @@ class Daemon:
         return f"head={self.wal.head_lsn()} modes={modes} max_lag={self.plane.max_lag()}"
 
 
-def run(cfg: Config, on_ready: Callable[[Daemon], None] | None = None) -> int:
+def run(cfg: Config, daemon_factory: Callable[[Config], Daemon] = Daemon) -> int:
     """Run the daemon until a signal; returns the process exit code."""
     logs.configure(cfg.log.level, cfg.log.format)
     structlog.contextvars.bind_contextvars(pid=os.getpid())
 
     async def main() -> int:
-        daemon = Daemon(cfg)
+        daemon = daemon_factory(cfg)
         daemon.install_signal_handlers()
         return await daemon.serve()
 

@@ -1,0 +1,227 @@
+"""Start, load and kill real daemon subprocesses on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_config(directory: Path, extra: str = "", **daemon: Any) -> Path:
+    """A config on free ports with data under ``directory/data``."""
+    cores = daemon.get("cores", 4)
+    text = f"""
+[daemon]
+data_dir = "data"
+cores = {cores}
+shutdown_timeout_s = {daemon.get("shutdown_timeout_s", 10.0)}
+
+[ingest]
+listen = "127.0.0.1:{free_port()}"
+
+[admin]
+listen = "127.0.0.1:{free_port()}"
+
+[wal]
+segment_bytes = {daemon.get("segment_bytes", 1 << 20)}
+
+[microbatch]
+interval_ms = {daemon.get("interval_ms", 100)}
+
+[log]
+format = "json"
+level = "{daemon.get("log_level", "info")}"
+{extra}
+"""
+    path = directory / "config.toml"
+    path.write_text(text)
+    return path
+
+
+@dataclass
+class DaemonProcess:
+    """One daemon subprocess; ``argv`` picks the entry (production or recording)."""
+
+    config: Path
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    ingest_url: str = ""
+    admin_url: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def production(cls, config: Path, **kw: Any) -> DaemonProcess:
+        argv = [sys.executable, "-m", "daemon.cli", "run", "--config", str(config)]
+        return cls(config, argv, config.parent / "daemon.log", **kw)
+
+    @classmethod
+    def recording(cls, config: Path, record: Path, **kw: Any) -> DaemonProcess:
+        argv = [sys.executable, "-m", "tests.integration.recording_daemon", str(config),
+                str(record)]
+        return cls(config, argv, config.parent / "daemon.log", **kw)
+
+    def start(self, timeout_s: float = 60.0) -> DaemonProcess:
+        import tomllib
+
+        cfg = tomllib.loads(self.config.read_text())
+        self.ingest_url = f"http://{cfg['ingest']['listen']}"
+        self.admin_url = f"http://{cfg['admin']['listen']}"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
+        env.pop("NOTIFY_SOCKET", None) if "NOTIFY_SOCKET" not in self.env else None
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT)
+        log.close()
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.admin_url + "/readyz", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready after {timeout_s}s:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.admin_url + "/v1/status", timeout=5) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout_s)
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def post_events(url: str, events: list[dict[str, Any]], timeout: float = 30.0) -> dict[str, Any]:
+    body = b"\n".join(json.dumps(e).encode() for e in events) + b"\n"
+    req = urllib.request.Request(url + "/v1/events", data=body, method="POST",
+                                 headers={"Content-Type": "application/x-ndjson"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def make_events(start: int, n: int, collections: int = 3, keys: int = 50) -> list[dict[str, Any]]:
+    return [
+        {
+            "collection": f"c{i % collections}",
+            "op": "insert" if i % 5 else "update",
+            "key": f"k{i % keys}",
+            "new": {"i": i, "amount": i % 2000, "pad": "x" * 60},
+            "old": None if i % 5 else {"i": i - 1},
+        }
+        for i in range(start, start + n)
+    ]
+
+
+class Loader(threading.Thread):
+    """Producers posting until stopped or refused; every ack's LSN range is kept.
+
+    The acked list is the ground truth of crash tests: what the daemon
+    acknowledged must survive any SIGKILL.
+    """
+
+    def __init__(self, url: str, batch: int = 200, producers: int = 4) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.batch = batch
+        self.producers = producers
+        self.acked: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.errors = 0
+
+    def _produce(self, pid: int) -> None:
+        i = pid * 10_000_000
+        while not self._stop.is_set():
+            try:
+                resp = post_events(self.url, make_events(i, self.batch), timeout=10)
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                self.errors += 1
+                if self._stop.wait(0.05):
+                    return
+                continue
+            with self._lock:
+                self.acked.append((resp["first_lsn"], resp["last_lsn"]))
+            i += self.batch
+
+    def run(self) -> None:
+        threads = [threading.Thread(target=self._produce, args=(p,), daemon=True)
+                   for p in range(self.producers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join(timeout=30)
+
+    def acked_lsns(self) -> set[int]:
+        with self._lock:
+            return {lsn for a, b in self.acked for lsn in range(a, b + 1)}
+
+
+@dataclass
+class Delivery:
+    batch_id: int
+    rows: list[tuple[int, int]]  # (lsn, core) in the order the executor saw them
+
+
+def read_record(path: Path) -> list[Delivery]:
+    """Every execute() call recorded by FileRecordingExecutor, in order."""
+    if not path.exists():
+        return []
+    out: list[Delivery] = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if parts[0] == "B":
+            out.append(Delivery(int(parts[1]), []))
+        else:
+            out[-1].rows.append((int(parts[0]), int(parts[1])))
+    return out
