@@ -1,0 +1,281 @@
+"""``eventplane status [--url URL] [--json]``: the daemon's state from ``/v1/status``.
+
+Prints a table (per core: mode, watermark, lag, ring fill, backpressure,
+catch-up progress; WAL head and floor; last batch; Spark; DLQ and retry
+queue), or with ``--json`` the document itself. The document's shape is the
+contract written down in ``docs/operating.md`` ("The /v1/status document");
+unknown keys are ignored and missing ones shown as ``-``.
+
+Exit codes (LSB ``status`` style, so scripts and monitors can tell them apart):
+0 healthy · 1 reachable but not healthy (or an unreadable answer) ·
+3 not reachable (daemon not running, wrong URL). 2 stays the CLI's usage/config code.
+
+Only the standard library is imported: the command answers in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from daemon.config import Config
+
+EXIT_HEALTHY = 0
+EXIT_UNHEALTHY = 1
+EXIT_UNREACHABLE = 3
+STATUS_PATH = "/v1/status"
+# Long enough for a daemon busy in a big catch-up; short enough for a shell prompt.
+DEFAULT_TIMEOUT_S = 5.0
+
+
+class StatusUnavailable(Exception):
+    """The admin API could not be reached or did not answer with a status document."""
+
+    def __init__(self, message: str, *, reachable: bool) -> None:
+        super().__init__(message)
+        self.reachable = reachable
+
+
+def admin_url(cfg: Config, url: str | None = None) -> str:
+    """The ``/v1/status`` URL: ``--url`` if given, else from ``admin.listen``.
+
+    A wildcard listen address is reached through loopback.
+    """
+    if url:
+        base = url.rstrip("/")
+        if not base.startswith(("http://", "https://")):
+            base = "http://" + base
+        return base if base.endswith(STATUS_PATH) else base + STATUS_PATH
+    host = cfg.admin.listen.host
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{cfg.admin.listen.port}{STATUS_PATH}"
+
+
+def fetch(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """GET the status document. Non-2xx answers that carry one are returned too
+    (an admin API may answer 503 with the document of an unhealthy daemon)."""
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            body: bytes = resp.read()
+            code = int(resp.status)
+    except urllib.error.HTTPError as exc:
+        body, code = exc.read(), exc.code
+        exc.close()
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise StatusUnavailable(f"cannot reach {url}: {reason}", reachable=False) from exc
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise StatusUnavailable(
+            f"{url} answered HTTP {code} without a JSON status document", reachable=True
+        ) from exc
+    if not isinstance(doc, dict):
+        raise StatusUnavailable(f"{url} answered HTTP {code} with a non-object", reachable=True)
+    return doc
+
+
+def main(args: argparse.Namespace, cfg: Config, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
+    url = admin_url(cfg, getattr(args, "url", None))
+    timeout = float(getattr(args, "timeout", None) or DEFAULT_TIMEOUT_S)
+    try:
+        doc = fetch(url, timeout)
+    except StatusUnavailable as exc:
+        print(f"eventplane status: {exc}", file=sys.stderr)
+        if not exc.reachable:
+            print(
+                "  Is the daemon running? `systemctl status eventplane`, and check "
+                "[admin] listen in the config (or pass --url).",
+                file=sys.stderr,
+            )
+            return EXIT_UNREACHABLE
+        return EXIT_UNHEALTHY
+    if getattr(args, "json", False):
+        json.dump(doc, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(render(doc, url))
+    return EXIT_HEALTHY if doc.get("healthy") is True else EXIT_UNHEALTHY
+
+
+# -- rendering ---------------------------------------------------------------
+
+
+def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> str:
+    """The human table for one status document."""
+    now = time.time() if now is None else now
+    lines: list[str] = []
+    state = "healthy" if doc.get("healthy") is True else "NOT HEALTHY"
+    flags = [state, "ready" if doc.get("ready") else "not ready"]
+    if doc.get("draining"):
+        flags.append("draining")
+    lines.append(f"eventplane  {', '.join(flags)}" + (f"  ({url})" if url else ""))
+
+    wal = _obj(doc.get("wal"))
+    lines.append(
+        f"WAL         head {_int(wal.get('head_lsn'))}  floor {_int(wal.get('retained_floor'))}"
+        f"  segments {_int(wal.get('segments'))}"
+    )
+    lines.append(f"last batch  {_last_batch(doc.get('last_batch'), now)}")
+    spark = _obj(doc.get("spark"))
+    spark_text = "ready" if spark.get("ready") else "not ready"
+    if spark.get("last_error"):
+        spark_text += f"  last error: {spark['last_error']}"
+    lines.append(f"spark       {spark_text}")
+    dlq, retry = _obj(doc.get("dlq")), _obj(doc.get("retry_queue"))
+    lines.append(
+        f"triggers    DLQ {_count(dlq.get('entries'))} entries  "
+        f"retry queue {_count(retry.get('depth'))}"
+    )
+
+    cores = doc.get("cores")
+    if isinstance(cores, list) and cores:
+        lines.append("")
+        header = ("core", "mode", "watermark", "lag", "ring fill", "backpressure", "catch-up")
+        rows = [_core_row(_obj(c)) for c in cores]
+        lines.extend(_table(header, rows, right=(0, 2, 3, 4)))
+    return "\n".join(lines) + "\n"
+
+
+def summary_line(doc: Mapping[str, Any]) -> str:
+    """One line for systemd's ``STATUS=``: modes, lag, WAL head, DLQ.
+
+    ``normal 3, catchup 1 · max lag 1,234 (core 2) · head 99 · batch 17 · dlq 0``
+    """
+    cores = [_obj(c) for c in doc.get("cores") or []]
+    modes: dict[str, int] = {}
+    for c in cores:
+        mode = str(c.get("mode", "?"))
+        modes[mode] = modes.get(mode, 0) + 1
+    parts = [", ".join(f"{m} {n}" for m, n in modes.items()) or "no cores"]
+    lags: list[tuple[int, Any]] = [
+        (c["lag"], c.get("core")) for c in cores if isinstance(c.get("lag"), int)
+    ]
+    if lags:
+        lag, core = max(lags, key=lambda x: x[0])
+        parts.append(f"max lag {_count(lag)} (core {core})")
+    wal = _obj(doc.get("wal"))
+    if "head_lsn" in wal:
+        parts.append(f"head {_int(wal['head_lsn'])}")
+    batch = _obj(doc.get("last_batch"))
+    if "batch_id" in batch:
+        parts.append(f"batch {batch['batch_id']}")
+    parts.append(f"dlq {_count(_obj(doc.get('dlq')).get('entries'))}")
+    if doc.get("draining"):
+        parts.insert(0, "draining")
+    return " · ".join(parts)
+
+
+def _core_row(c: Mapping[str, Any]) -> tuple[str, ...]:
+    mode = str(c.get("mode", "-"))
+    return (
+        _int(c.get("core")),
+        mode,
+        _int(c.get("watermark")),
+        _count(c.get("lag")),
+        _percent(c.get("ring_fill")),
+        str(c.get("backpressure", "-")),
+        _catchup(c.get("catchup")),
+    )
+
+
+def _catchup(value: Any) -> str:
+    cu = _obj(value)
+    if not cu:
+        return "-"
+    text = f"replayed {_count(cu.get('replayed'))}"
+    rate = cu.get("rate")
+    if isinstance(rate, int | float):
+        text += f" at {_count(round(rate))}/s"
+    eta = cu.get("eta_s")
+    if isinstance(eta, int | float):
+        text += f", ETA {_duration(eta)}"
+    return text
+
+
+def _last_batch(value: Any, now: float) -> str:
+    b = _obj(value)
+    if not b:
+        return "none yet"
+    text = f"#{b.get('batch_id', '-')}  {_count(b.get('rows'))} rows"
+    dur = b.get("duration_s")
+    if isinstance(dur, int | float):
+        text += f"  {dur:.2f} s"
+    at = _timestamp(b.get("committed_at"))
+    if at is not None:
+        stamp = datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+        text += f"  committed {stamp} ({_duration(max(0.0, now - at))} ago)"
+    return text
+
+
+def _timestamp(value: Any) -> float | None:
+    """committed_at is ISO 8601 (contract); Unix seconds are accepted too."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=UTC)
+        return parsed.timestamp()
+    return None
+
+
+def _table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()
+) -> list[str]:
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def fmt(row: Sequence[str]) -> str:
+        cells = [
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+            for i, cell in enumerate(row)
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [fmt(header), *(fmt(r) for r in rows)]
+
+
+def _obj(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _int(value: Any) -> str:
+    # LSNs stay unformatted: operators paste them into `eventplane wal inspect`.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return "-"
+
+
+def _count(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return "-"
+
+
+def _percent(value: Any) -> str:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return f"{value * 100:.1f}%"
+    return "-"
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    if s < 120:
+        return f"{s} s"
+    if s < 2 * 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
