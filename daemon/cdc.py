@@ -1,0 +1,663 @@
+"""Exactly-once CDC tables: Parquet partitioned by ``collection``, one ledger per stream.
+
+Layout of a stream's ``path``::
+
+    <path>/collection=orders/part-b000000000042-00000-<uuid>.c000.snappy.parquet
+    <path>/_eventplane/ledger.json          committed batches (the commit record)
+    <path>/_eventplane/pending/b<id>.json   commit intent: staged file -> final file
+    <path>/_eventplane/staging/b<id>/       where Spark writes a batch (invisible)
+    <path>/_eventplane/lock                 flock: one writer per stream
+
+Readers (``spark.read.parquet(path)``, pyarrow, DuckDB) skip every path
+component that starts with ``_`` or ``.``, so only published files are seen.
+Published names carry the batch id, which is how recovery recognises them.
+
+Commit protocol for batch B of stream S (the steps are marked in the code):
+
+0. **Idempotency.** If the ledger's last committed id >= B, the batch is
+   committed: check that its recorded per-core LSN ranges equal the batch's
+   (same id must mean same rows) and return without writing. A pending commit
+   intent left by an earlier attempt is completed first (roll forward).
+1. **Stage.** Spark writes the stream's rows of B under ``staging/b<B>/``
+   (``mode=overwrite``, so a failed attempt's leftovers are replaced).
+2. **Intent.** fsync every staged file, then write ``pending/b<B>.json``
+   listing each staged file and its final name (atomic replace + fsync).
+   This is the point of no return: from here the commit only rolls forward.
+3. **Publish.** Rename each staged file to its final name in its
+   ``collection=...`` folder (each rename is atomic, so a reader never sees a
+   partial file), then fsync the touched folders.
+4. **Ledger.** Append ``(B, per-core LSN ranges, rows, files)`` to the ledger,
+   which also carries the WAL id and ``cores`` (identity, invariant 13);
+   atomic replace + fsync. The batch is committed for this stream.
+5. **Clean.** Remove the intent and the staging folder.
+
+Recovery when a stream opens (before the first batch):
+
+- a ledger from another WAL or another ``cores`` count refuses to start;
+- every intent above the ledger's last id is rolled forward (steps 3-5;
+  renames already done are recognised), intents at or below it are removed;
+- staging folders without an intent are rolled back (deleted): Spark wrote
+  them, but nothing was promised;
+- published-looking files (``part-b<id>-*``) with an id above the ledger's
+  last and no intent are orphans and are deleted, as are temp files.
+
+Crash points: ``EVENTPLANE_CRASH_AT=<name>[@<n>]`` makes the process SIGKILL
+itself the n-th time (default: first) it reaches ``crash_point(name)``; the
+names are in ``CRASH_POINTS``. Crash tests aim at each step with them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from daemon.batch import MicroBatch
+from daemon.config import CdcStream
+from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
+
+log = structlog.get_logger("eventplane.cdc")
+
+LEDGER_FORMAT = 1
+META_DIR = "_eventplane"
+# Ranges of this many recent batches are kept for the re-run check; older
+# re-runs are still no-ops (id <= last), just without the range comparison.
+# 1024 batches at the default 1 s interval is 17 minutes of planner history.
+KEEP_BATCHES = 1024
+_PUBLISHED = re.compile(r"^part-b(\d{12})-")
+# Contract columns of a CDC table (DESIGN.md), in order.
+CDC_COLUMNS = (
+    "lsn",
+    "core",
+    "seq",
+    "collection",
+    "op",
+    "key",
+    "new",
+    "old",
+    "ingest_ts",
+    "batch_id",
+)
+
+# --------------------------------------------------------------------------
+# Crash points
+
+ENV_CRASH_AT = "EVENTPLANE_CRASH_AT"
+CRASH_POINTS = (
+    "cdc.before_stage",  # nothing of the batch written
+    "cdc.after_stage",  # staged files exist, no intent
+    "cdc.after_intent",  # intent durable, nothing published
+    "cdc.mid_publish",  # first file renamed, others still staged
+    "cdc.after_publish",  # all files visible, ledger not updated
+    "cdc.after_ledger",  # committed, intent and staging not cleaned
+    "executor.after_commit",  # every sink and stage done, execute() not returned
+)
+_crash_hits: dict[str, int] = {}
+_crash_lock = threading.Lock()
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process here if ``$EVENTPLANE_CRASH_AT`` names this point.
+
+    ``name@n`` fires at the n-th arrival, so a full-daemon test can let some
+    batches commit first. Costs one environment lookup when unset.
+    """
+    wanted = os.environ.get(ENV_CRASH_AT)
+    if not wanted:
+        return
+    target, _, nth = wanted.partition("@")
+    if target != name:
+        return
+    with _crash_lock:
+        _crash_hits[name] = hits = _crash_hits.get(name, 0) + 1
+    if hits < (int(nth) if nth.isdigit() else 1):
+        return
+    # os.write: unbuffered, so the line survives the kill; tests look for it.
+    os.write(2, f"eventplane: crash point {name} reached (hit {hits}); SIGKILL\n".encode())
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(10)  # SIGKILL is asynchronous only in theory; never run past it
+
+
+# --------------------------------------------------------------------------
+# Errors
+
+
+class CdcError(DaemonError):
+    """Base error of CDC streams."""
+
+
+class CdcLedgerMismatchError(CdcError):
+    """A committed batch id came back with different LSN ranges."""
+
+
+class CdcRecoveryError(CdcError):
+    """An interrupted commit cannot be completed from what is on disk."""
+
+
+class CdcStreamLockedError(CdcError):
+    """Another process writes this stream."""
+
+
+# --------------------------------------------------------------------------
+# Durable file helpers
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` so that ``path`` holds either the old or the new text, durably."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _ranges_to_json(ranges: Mapping[int, tuple[int, int]]) -> dict[str, list[int]]:
+    return {str(c): [a, b] for c, (a, b) in sorted(ranges.items())}
+
+
+def _ranges_from_json(raw: Mapping[str, Any]) -> dict[int, tuple[int, int]]:
+    return {int(c): (int(v[0]), int(v[1])) for c, v in raw.items()}
+
+
+# --------------------------------------------------------------------------
+# Ledger
+
+
+@dataclass(slots=True)
+class LedgerEntry:
+    batch_id: int
+    ranges: dict[int, tuple[int, int]]
+    rows: int
+    files: list[str]
+    committed_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batch_id": self.batch_id,
+            "ranges": _ranges_to_json(self.ranges),
+            "rows": self.rows,
+            "files": self.files,
+            "committed_at": self.committed_at,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> LedgerEntry:
+        return cls(
+            int(raw["batch_id"]),
+            _ranges_from_json(raw["ranges"]),
+            int(raw["rows"]),
+            [str(f) for f in raw["files"]],
+            float(raw["committed_at"]),
+        )
+
+
+@dataclass(slots=True)
+class Ledger:
+    """The commit record of one stream. Lives in ``_eventplane/ledger.json``."""
+
+    stream: str
+    wal_id: str
+    cores: int
+    last_batch_id: int = 0
+    high_lsn: dict[int, int] = field(default_factory=dict)  # core -> last committed LSN
+    rows_total: int = 0
+    batches: list[LedgerEntry] = field(default_factory=list)  # newest last, bounded
+
+    def entry(self, batch_id: int) -> LedgerEntry | None:
+        for e in reversed(self.batches):
+            if e.batch_id == batch_id:
+                return e
+            if e.batch_id < batch_id:
+                return None
+        return None
+
+    def append(self, entry: LedgerEntry, keep: int = KEEP_BATCHES) -> None:
+        self.batches.append(entry)
+        del self.batches[:-keep]
+        self.last_batch_id = entry.batch_id
+        self.rows_total += entry.rows
+        for core, (_, last) in entry.ranges.items():
+            self.high_lsn[core] = max(self.high_lsn.get(core, 0), last)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": LEDGER_FORMAT,
+            "stream": self.stream,
+            "wal_id": self.wal_id,
+            "cores": self.cores,
+            "last_batch_id": self.last_batch_id,
+            "high_lsn": {str(c): v for c, v in sorted(self.high_lsn.items())},
+            "rows_total": self.rows_total,
+            "batches": [e.to_json() for e in self.batches],
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Ledger:
+        if raw.get("format") != LEDGER_FORMAT:
+            raise CdcError(f"ledger format {raw.get('format')!r} is not {LEDGER_FORMAT}")
+        return cls(
+            stream=str(raw["stream"]),
+            wal_id=str(raw["wal_id"]),
+            cores=int(raw["cores"]),
+            last_batch_id=int(raw["last_batch_id"]),
+            high_lsn={int(c): int(v) for c, v in raw["high_lsn"].items()},
+            rows_total=int(raw.get("rows_total", 0)),
+            batches=[LedgerEntry.from_json(e) for e in raw["batches"]],
+        )
+
+
+def read_ledger(path: Path) -> Ledger | None:
+    """The stream's ledger, or None when nothing was ever committed there."""
+    file = path / META_DIR / "ledger.json"
+    try:
+        raw = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise CdcError(f"{file}: unreadable ledger ({exc}); restore it from backup") from exc
+    try:
+        return Ledger.from_json(raw)
+    except (KeyError, TypeError, ValueError, CdcError) as exc:
+        raise CdcError(f"{file}: malformed ledger ({exc}); restore it from backup") from exc
+
+
+# --------------------------------------------------------------------------
+# The sink
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    stream: str
+    batch_id: int
+    rows: int
+    files: int
+    noop: bool  # the batch was committed before (a re-run)
+    seconds: float
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    rolled_forward: list[int] = field(default_factory=list)
+    intents_removed: list[int] = field(default_factory=list)
+    staging_removed: list[str] = field(default_factory=list)
+    orphans_removed: list[str] = field(default_factory=list)
+
+
+class CdcSink:
+    """One CDC stream: stages with Spark, publishes with renames, commits in its ledger.
+
+    ``open`` and ``commit`` block (file system, py4j); the executor calls them
+    from its worker thread. Not thread-safe: one batch at a time.
+    """
+
+    def __init__(
+        self, stream: CdcStream, *, wal_id: str, cores: int, keep_batches: int = KEEP_BATCHES
+    ) -> None:
+        self.stream = stream
+        self.path = Path(stream.path)
+        self.meta = self.path / META_DIR
+        self.wal_id = wal_id
+        self.cores = cores
+        self.keep_batches = keep_batches
+        self._ledger: Ledger | None = None
+        self._lock_fd: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.stream.name
+
+    @property
+    def ledger(self) -> Ledger:
+        if self._ledger is None:
+            raise CdcError(f"stream {self.name!r} is not open")
+        return self._ledger
+
+    @property
+    def last_batch_id(self) -> int:
+        return self.ledger.last_batch_id
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def open(self) -> RecoveryReport:
+        """Lock the stream, check its identity, finish or undo interrupted commits."""
+        for d in (self.path, self.meta, self.meta / "pending", self.meta / "staging"):
+            d.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        try:
+            self._ledger = self._load_or_create_ledger()
+            report = RecoveryReport()
+            self._remove_temp_files()
+            self._complete_pending(report)
+            self._remove_staging(report)
+            self._remove_orphans(report)
+        except BaseException:
+            self.close()
+            raise
+        if report.rolled_forward or report.staging_removed or report.orphans_removed:
+            log.warning(
+                "cdc_recovered",
+                stream=self.name,
+                rolled_forward=report.rolled_forward,
+                intents_removed=report.intents_removed,
+                staging_removed=report.staging_removed,
+                orphans_removed=report.orphans_removed,
+            )
+        return report
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def _lock(self) -> None:
+        fd = os.open(self.meta / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CdcStreamLockedError(
+                f"stream {self.name!r}: {self.path} is locked by another process "
+                f"(another eventplane daemon writes it); stop that one or use another path"
+            ) from None
+        self._lock_fd = fd
+
+    def _load_or_create_ledger(self) -> Ledger:
+        ledger = read_ledger(self.path)
+        if ledger is None:
+            ledger = Ledger(self.name, self.wal_id, self.cores)
+            atomic_write_json(self.meta / "ledger.json", ledger.to_json())
+            return ledger
+        changed = []
+        if ledger.cores != self.cores:
+            changed.append(f"cores {ledger.cores} -> {self.cores}")
+        if ledger.wal_id and self.wal_id and ledger.wal_id != self.wal_id:
+            changed.append(f"WAL id {ledger.wal_id} -> {self.wal_id}")
+        if changed:
+            raise IdentityMismatchError(
+                f"stream {self.name!r}: {self.path} was written by another event plane "
+                f"({', '.join(changed)}). Its committed LSNs mean nothing to this WAL. "
+                f"Point [[cdc.streams]] path at a new folder, or move the old one away."
+            )
+        if not ledger.wal_id and self.wal_id:
+            ledger.wal_id = self.wal_id
+            atomic_write_json(self.meta / "ledger.json", ledger.to_json())
+        return ledger
+
+    # -- commit ------------------------------------------------------------
+
+    def commit(self, df: Any, batch: MicroBatch, rows: int) -> CommitResult:
+        """Commit this stream's rows of ``batch`` exactly once (protocol: module doc).
+
+        ``df`` is the batch DataFrame with the contract columns; ``rows`` is how
+        many of its rows this stream takes (counted from Arrow, no Spark job).
+        """
+        started = time.monotonic()
+        ledger = self.ledger
+        # Step 0. Idempotency: finish an interrupted commit, skip a committed batch.
+        self._complete_pending(RecoveryReport())
+        if batch.batch_id <= ledger.last_batch_id:
+            self._check_rerun(batch)
+            return CommitResult(self.name, batch.batch_id, rows, 0, True, 0.0)
+        self._check_lsns(batch)
+
+        bid = batch.batch_id
+        staging = self._staging_dir(bid)
+        files: list[tuple[str, str]] = []
+        if rows:
+            crash_point("cdc.before_stage")
+            try:
+                # Step 1. Stage: Spark writes where no reader looks.
+                self._write_staged(self._select(df), staging)
+                crash_point("cdc.after_stage")
+                files = self._staged_files(staging, bid)
+                if not files:
+                    raise CdcError(
+                        f"stream {self.name!r}: Spark wrote no files for batch {bid} "
+                        f"({rows} rows expected) under {staging}"
+                    )
+                # Step 2. Intent: staged bytes durable, then the staged->final map.
+                for rel, _ in files:
+                    fsync_file(staging / rel)
+                self._write_intent(batch, rows, files)
+            except BaseException:
+                # Nothing was promised yet: roll back this attempt's staging.
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            crash_point("cdc.after_intent")
+            # Step 3. Publish: atomic renames into the visible partition folders.
+            self._publish(bid, files)
+            crash_point("cdc.after_publish")
+        # Step 4. Ledger: the batch is committed for this stream.
+        self._append_ledger(bid, batch.ranges(), rows, [final for _, final in files])
+        crash_point("cdc.after_ledger")
+        # Step 5. Clean: intent and staging are no longer needed.
+        self._clean(bid)
+        return CommitResult(self.name, bid, rows, len(files), False, time.monotonic() - started)
+
+    def _select(self, df: Any) -> Any:
+        from pyspark.sql import functions as F
+
+        out = df.select(*CDC_COLUMNS)
+        if self.stream.collections != ("*",):
+            out = out.where(F.col("collection").isin(list(self.stream.collections)))
+        return out
+
+    def _write_staged(self, df: Any, staging: Path) -> None:
+        """The Spark write of step 1 (tests wrap this to inject write failures)."""
+        df.write.mode("overwrite").partitionBy("collection").parquet(str(staging))
+
+    def _staging_dir(self, batch_id: int) -> Path:
+        return self.meta / "staging" / f"b{batch_id:012d}"
+
+    def _intent_file(self, batch_id: int) -> Path:
+        return self.meta / "pending" / f"b{batch_id:012d}.json"
+
+    @staticmethod
+    def _staged_files(staging: Path, batch_id: int) -> list[tuple[str, str]]:
+        """(staged, final) paths relative to staging and to the table, sorted."""
+        out: list[tuple[str, str]] = []
+        for root, dirs, names in os.walk(staging):
+            dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
+            rel_dir = Path(root).relative_to(staging)
+            for n in sorted(names):
+                if n.startswith(("_", ".")):
+                    continue  # _SUCCESS, .crc checksums
+                stem = n[len("part-") :] if n.startswith("part-") else n
+                final = rel_dir / f"part-b{batch_id:012d}-{stem}"
+                out.append((str(rel_dir / n), str(final)))
+        return out
+
+    def _write_intent(self, batch: MicroBatch, rows: int, files: list[tuple[str, str]]) -> None:
+        atomic_write_json(
+            self._intent_file(batch.batch_id),
+            {
+                "stream": self.name,
+                "batch_id": batch.batch_id,
+                "ranges": _ranges_to_json(batch.ranges()),
+                "rows": rows,
+                "files": [list(f) for f in files],
+            },
+        )
+
+    def _publish(self, batch_id: int, files: list[tuple[str, str]]) -> None:
+        staging = self._staging_dir(batch_id)
+        touched: set[Path] = set()
+        for i, (rel, final_rel) in enumerate(files):
+            src, dst = staging / rel, self.path / final_rel
+            if not dst.parent.is_dir():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                touched.add(dst.parent.parent)
+            if src.exists():
+                if dst.exists():
+                    # Both names: a rename whose source removal did not survive a
+                    # power loss. The published copy is the same bytes; keep it.
+                    src.unlink()
+                else:
+                    os.rename(src, dst)
+            elif not dst.exists():
+                raise CdcRecoveryError(
+                    f"stream {self.name!r}: batch {batch_id} lists {rel} but neither the "
+                    f"staged file {src} nor the published file {dst} exists. Restore the "
+                    f"file, or remove {self._intent_file(batch_id)} and re-run the batch."
+                )
+            touched.add(dst.parent)
+            if i == 0:
+                crash_point("cdc.mid_publish")
+        for d in sorted(touched):
+            fsync_dir(d)
+
+    def _append_ledger(
+        self, batch_id: int, ranges: dict[int, tuple[int, int]], rows: int, files: list[str]
+    ) -> None:
+        ledger = self.ledger
+        entry = LedgerEntry(batch_id, ranges, rows, files, time.time())
+        candidate = Ledger(
+            ledger.stream,
+            ledger.wal_id,
+            ledger.cores,
+            ledger.last_batch_id,
+            dict(ledger.high_lsn),
+            ledger.rows_total,
+            list(ledger.batches),
+        )
+        candidate.append(entry, self.keep_batches)
+        atomic_write_json(self.meta / "ledger.json", candidate.to_json())
+        self._ledger = candidate  # only after it is durable
+
+    def _clean(self, batch_id: int) -> None:
+        try:
+            self._intent_file(batch_id).unlink(missing_ok=True)
+            shutil.rmtree(self._staging_dir(batch_id), ignore_errors=True)
+        except OSError as exc:  # committed already; the next open removes leftovers
+            log.warning("cdc_clean_failed", stream=self.name, batch_id=batch_id, error=str(exc))
+
+    # -- checks ------------------------------------------------------------
+
+    def _check_rerun(self, batch: MicroBatch) -> None:
+        entry = self.ledger.entry(batch.batch_id)
+        if entry is not None and entry.ranges != batch.ranges():
+            raise CdcLedgerMismatchError(
+                f"stream {self.name!r}: batch {batch.batch_id} was committed with LSN ranges "
+                f"{entry.ranges} but came back with {batch.ranges()}. The batch plan changed "
+                f"after commit; refusing to write it twice. Check the planner's plan files."
+            )
+
+    def _check_lsns(self, batch: MicroBatch) -> None:
+        ledger = self.ledger
+        for core, (first, last) in sorted(batch.ranges().items()):
+            if not 0 <= core < self.cores:
+                raise CdcError(f"batch {batch.batch_id}: core {core} outside 0..{self.cores - 1}")
+            if last < first:
+                raise LsnRegressionError(
+                    f"batch {batch.batch_id}: core {core} range {first}..{last} is reversed"
+                )
+            high = ledger.high_lsn.get(core, 0)
+            if first <= high:
+                raise LsnRegressionError(
+                    f"stream {self.name!r}: batch {batch.batch_id} starts core {core} at LSN "
+                    f"{first}, but batches up to {ledger.last_batch_id} already committed that "
+                    f"core up to LSN {high}; writing it would duplicate rows. A batch plan "
+                    f"was lost or re-planned under a new id."
+                )
+
+    # -- recovery ----------------------------------------------------------
+
+    def _intents(self) -> Iterator[tuple[int, Path]]:
+        found = []
+        for p in (self.meta / "pending").iterdir():
+            m = re.fullmatch(r"b(\d{12})\.json", p.name)
+            if m:
+                found.append((int(m.group(1)), p))
+        yield from sorted(found)
+
+    def _complete_pending(self, report: RecoveryReport) -> None:
+        for bid, intent in self._intents():
+            if bid <= self.ledger.last_batch_id:
+                # Step 5 was interrupted: the batch is in the ledger.
+                self._clean(bid)
+                report.intents_removed.append(bid)
+                continue
+            try:
+                raw = json.loads(intent.read_bytes())
+                ranges = _ranges_from_json(raw["ranges"])
+                rows = int(raw["rows"])
+                files = [(str(a), str(b)) for a, b in raw["files"]]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CdcRecoveryError(
+                    f"stream {self.name!r}: commit intent {intent} is unreadable ({exc}). "
+                    f"It was written atomically, so the disk or an operator changed it."
+                ) from exc
+            # Steps 3-5 of the interrupted commit.
+            self._publish(bid, files)
+            self._append_ledger(bid, ranges, rows, [final for _, final in files])
+            self._clean(bid)
+            report.rolled_forward.append(bid)
+            log.warning("cdc_commit_rolled_forward", stream=self.name, batch_id=bid, rows=rows)
+
+    def _remove_temp_files(self) -> None:
+        for d in (self.meta, self.meta / "pending"):
+            for p in d.iterdir():
+                if p.name.startswith(".") and p.name.endswith(".tmp"):
+                    p.unlink(missing_ok=True)
+
+    def _remove_staging(self, report: RecoveryReport) -> None:
+        for p in sorted((self.meta / "staging").iterdir()):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            report.staging_removed.append(p.name)
+
+    def _remove_orphans(self, report: RecoveryReport) -> None:
+        last = self.ledger.last_batch_id
+        for part_dir in self.path.iterdir():
+            if not part_dir.is_dir() or part_dir.name.startswith(("_", ".")):
+                continue
+            for f in part_dir.iterdir():
+                m = _PUBLISHED.match(f.name)
+                if m and int(m.group(1)) > last:
+                    f.unlink()
+                    report.orphans_removed.append(str(f.relative_to(self.path)))
+
+
+def committed_files(path: Path) -> list[tuple[int, Path]]:
+    """(batch_id, file) for every published file of a stream, newest batch first."""
+    out: list[tuple[int, Path]] = []
+    with contextlib.suppress(FileNotFoundError):
+        for part_dir in path.iterdir():
+            if not part_dir.is_dir() or part_dir.name.startswith(("_", ".")):
+                continue
+            for f in part_dir.iterdir():
+                m = _PUBLISHED.match(f.name)
+                if m:
+                    out.append((int(m.group(1)), f))
+    out.sort(key=lambda t: (-t[0], str(t[1])))
+    return out

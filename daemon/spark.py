@@ -1,0 +1,139 @@
+"""The daemon's SparkSession: embedded ``local[*]``, a cluster master, or Spark Connect.
+
+``build_session`` is blocking (it starts a JVM or opens a gRPC channel): the
+executor calls it from its worker thread, never on the event loop.
+
+Defaults the daemon applies unless ``[spark.conf]`` says otherwise (user keys
+always win):
+
+- ``spark.sql.session.timeZone = UTC``: ``ingest_ts`` is a UTC instant; a
+  host-local zone would make the same table read differently per machine.
+- ``spark.sql.parquet.outputTimestampType = TIMESTAMP_MICROS``: Spark's
+  legacy INT96 is read as nanoseconds (or not at all) by non-Spark readers.
+- ``spark.sql.variant.allowDuplicateKeys = true``: ingest accepts any JSON
+  object; a duplicate key (last one wins, as in most JSON parsers) must not
+  turn into a batch that fails forever.
+- UI off and the console progress bar off: a daemon has no terminal and the
+  UI port is an attack surface nobody asked for.
+- Spark's JVM log at ``log_level`` (WARN by default) from the first line on,
+  through a generated log4j2 file; the Python side goes through stdlib logging.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# PySpark 4.3 warns (FutureWarning) that it does not fully support pandas 3; the
+# daemon never hands pandas objects to Spark (batches travel as Arrow), so the
+# warning says nothing about our paths. Filtered narrowly, by message.
+_PANDAS3_WARNING = "PySpark does not yet fully support pandas"
+
+_DAEMON_DEFAULTS: dict[str, str] = {
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    "spark.sql.variant.allowDuplicateKeys": "true",
+    "spark.ui.showConsoleProgress": "false",
+    # Batches arrive as one Arrow table; the default 10k rows per Arrow batch
+    # (= per partition) would split a 100k-row batch into 10 tiny tasks.
+    "spark.sql.execution.arrow.maxRecordsPerBatch": "50000",
+}
+
+# log4j2 configuration for the driver JVM: one console appender on stderr
+# (journald keeps it next to the daemon's own lines), the level from config.
+_LOG4J2 = """\
+rootLogger.level = {level}
+rootLogger.appenderRef.stderr.ref = stderr
+appender.stderr.type = Console
+appender.stderr.name = stderr
+appender.stderr.target = SYSTEM_ERR
+appender.stderr.layout.type = PatternLayout
+appender.stderr.layout.pattern = %d{{yyyy-MM-dd'T'HH:mm:ss.SSSXXX}} %p spark %c{{1}}: %m%n%ex
+# A batch of 100k rows is one multi-MiB Arrow task by design; do not warn per batch.
+logger.tsm.name = org.apache.spark.scheduler.TaskSetManager
+logger.tsm.level = ERROR
+"""
+
+
+def _log4j2_file(level: str) -> Path:
+    """Write (once per level) the log4j2 file the driver JVM starts with."""
+    path = Path(tempfile.gettempdir()) / f"eventplane-log4j2-{level.lower()}.properties"
+    text = _LOG4J2.format(level=level.upper())
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return path
+    except OSError:
+        pass
+    tmp = path.with_suffix(f".{id(text)}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def effective_conf(
+    master: str, log_level: str, conf: Mapping[str, str], ui: bool, remote: str = ""
+) -> dict[str, str]:
+    """The conf the builder gets: daemon defaults, then the user's ``[spark.conf]``."""
+    out = dict(_DAEMON_DEFAULTS)
+    if not remote:
+        out["spark.ui.enabled"] = "true" if ui else "false"
+        out["spark.log.level"] = log_level.upper()
+        if "spark.driver.extraJavaOptions" not in conf:
+            out["spark.driver.extraJavaOptions"] = (
+                f"-Dlog4j2.configurationFile=file:{_log4j2_file(log_level)}"
+            )
+        if master.startswith("local") or master.startswith("spark://"):
+            # Python workers (UDFs in trigger `when` or handlers) run this interpreter
+            # when executors share the machine; remote clusters set their own.
+            out["spark.pyspark.python"] = sys.executable
+    else:
+        # Spark Connect: static and JVM settings belong to the server; the client
+        # may only set runtime SQL confs.
+        out.pop("spark.ui.showConsoleProgress", None)
+    out.update(conf)
+    return out
+
+
+def build_session(
+    master: str,
+    app_name: str,
+    ui: bool = False,
+    log_level: str = "WARN",
+    conf: Mapping[str, str] | None = None,
+    remote: str = "",
+) -> Any:
+    """Create (or join) the process's SparkSession. Blocking; call off the event loop.
+
+    ``remote`` (``sc://host:port``) selects Spark Connect and replaces ``master``;
+    the client then needs ``pyspark[connect]``'s gRPC packages.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_PANDAS3_WARNING, category=FutureWarning)
+        from pyspark.sql import SparkSession
+
+        settings = effective_conf(master, log_level, conf or {}, ui, remote)
+        builder = SparkSession.builder.appName(app_name)
+        builder = builder.remote(remote) if remote else builder.master(master)
+        for key, value in settings.items():
+            builder = builder.config(key, value)
+        session = builder.getOrCreate()
+        if not remote:
+            session.sparkContext.setLogLevel(log_level.upper())
+        prime_pyspark_imports()
+        return session
+
+
+def prime_pyspark_imports() -> None:
+    """Import PySpark modules that warn at import time, with that warning filtered.
+
+    ``pyspark.testing.utils`` (imported lazily by ``pyspark.sql.types`` on some
+    conversion paths) checks the pandas version at import and warns; importing
+    it here once keeps that warning out of batch code and out of tests.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_PANDAS3_WARNING, category=FutureWarning)
+        import pyspark.testing.utils  # noqa: F401
