@@ -9,10 +9,16 @@
 - Records from libraries on stdlib ``logging`` (aiohttp, py4j) are rendered
   by the same renderer to the same stream, at WARNING and above.
 
-The level is applied by a processor that reads a module variable rather than
-by structlog's filtering wrapper: with ``cache_logger_on_first_use`` a logger
-freezes its wrapper on first use, so a SIGHUP could otherwise never lower or
-raise the level of module-level loggers already in use.
+With ``cache_logger_on_first_use`` a logger freezes, on first use, its
+wrapper class, its processor list object and its output. So that neither a
+SIGHUP nor a test's re-configuration is lost on loggers already in use:
+
+- the level is a processor reading a module variable, not structlog's
+  filtering wrapper (a SIGHUP could otherwise never change the level of
+  module-level loggers already used);
+- the processor list is one list object, changed in place (as
+  ``structlog.testing.capture_logs`` does);
+- output goes through a small proxy whose target stream can be swapped.
 """
 
 from __future__ import annotations
@@ -46,6 +52,32 @@ _METHOD_LEVELS = {
 _LIBRARY_MIN_LEVEL = logging.WARNING
 
 _level = logging.INFO
+# The one processor list every structlog logger of the process refers to.
+_PROCESSORS: list[Processor] = []
+# The stdlib root level before configure(), restored by reset().
+_root_level_before: int | None = None
+
+
+class _Output:
+    """The stream loggers write to; configure() and reset() retarget it.
+
+    None means whatever ``sys.stdout`` is at the time of the write.
+    """
+
+    def __init__(self) -> None:
+        self.stream: TextIO | None = None
+
+    def _target(self) -> TextIO:
+        return sys.stdout if self.stream is None else self.stream
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+
+_OUTPUT = _Output()
 
 
 class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -73,7 +105,7 @@ def configure(level: str = "info", fmt: str = "auto", *, stream: TextIO | None =
     ``fmt``: ``json``, ``console`` or ``auto`` (console when ``stream`` is a
     terminal). ``stream`` defaults to ``sys.stdout``; tests pass their own.
     """
-    global _level
+    global _level, _root_level_before
     out = sys.stdout if stream is None else stream
     tty = _isatty(out)
     use_json = fmt == "json" or (fmt == "auto" and not tty)
@@ -96,14 +128,16 @@ def configure(level: str = "info", fmt: str = "auto", *, stream: TextIO | None =
         renderer = structlog.dev.ConsoleRenderer(colors=tty)
         tail = [renderer]
 
+    _OUTPUT.stream = stream
+    _PROCESSORS[:] = [_filter_by_level, *shared, *tail]
     structlog.configure(
-        processors=[_filter_by_level, *shared, *tail],
+        processors=_PROCESSORS,
         wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
-        logger_factory=structlog.PrintLoggerFactory(out),
+        logger_factory=structlog.PrintLoggerFactory(_OUTPUT),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
 
-    handler = _Handler(out)
+    handler = _Handler(_OUTPUT)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
@@ -114,6 +148,8 @@ def configure(level: str = "info", fmt: str = "auto", *, stream: TextIO | None =
         )
     )
     root = logging.getLogger()
+    if _root_level_before is None:
+        _root_level_before = root.level
     _remove_handler(root)
     root.addHandler(handler)
     root.setLevel(max(_LIBRARY_MIN_LEVEL, _level))
@@ -131,11 +167,20 @@ def current_level() -> str:
 
 
 def reset() -> None:
-    """Undo configure(): structlog defaults, our stdlib handler removed (for tests)."""
-    global _level
+    """Undo configure() (for tests): structlog's default processors and output,
+    our stdlib handler removed. Loggers cached meanwhile follow, because the
+    processor list and the output proxy are changed in place."""
+    global _level, _root_level_before
     _level = logging.INFO
+    _OUTPUT.stream = None
     structlog.reset_defaults()
-    _remove_handler(logging.getLogger())
+    _PROCESSORS[:] = structlog.get_config()["processors"]
+    structlog.configure(processors=_PROCESSORS)
+    root = logging.getLogger()
+    _remove_handler(root)
+    if _root_level_before is not None:
+        root.setLevel(_root_level_before)
+        _root_level_before = None
 
 
 def _remove_handler(root: logging.Logger) -> None:

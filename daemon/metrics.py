@@ -269,12 +269,12 @@ class Metrics:
         self.up_seconds.set_to_current_time()
         self.healthy = Gauge(
             p + "healthy",
-            "1 while the daemon is healthy (systemd watchdog pings are sent), else 0.",
+            "Whether the daemon is healthy (1: systemd watchdog pings are sent) or not (0).",
             registry=r,
         )
         self.ready = Gauge(
             p + "ready",
-            "1 while the daemon is ready (WAL open, listeners bound, not draining), else 0.",
+            "Whether the daemon is ready (1: WAL open, listeners bound, not draining) or not (0).",
             registry=r,
         )
         self.build_info = Gauge(
