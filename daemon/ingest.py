@@ -1,0 +1,866 @@
+"""HTTP ingest: ``POST /v1/events`` → validate whole → one WAL append → ack.
+
+A request is atomic: its events go to the WAL in one ``append`` (one frame,
+consecutive LSNs in request order) and the 200 is sent only after the group
+commit's fdatasync covered them (invariant 1). A rejected request leaves the
+WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
+
+1. Admission: 503 while draining, 429 over the lag limit, 415 content type,
+   413 when ``Content-Length`` is over ``ingest.max_body_bytes``.
+2. Read the body in chunks under the body deadline, counting bytes (413 as
+   soon as the count passes the limit, 408 at the deadline), holding a share
+   of the ingest memory budget.
+3. Parse and validate whole: 400 malformed (line, column, byte position), 413
+   too many events, 422 per-item errors (index, field, reason).
+4. Shard and encode each event (:class:`daemon.events.StoredEvent`, one
+   ``ingest_ts_ns`` per request; 413 for an event over ``max_event_bytes``).
+5. One ``wal.append`` for all events; 503 if the WAL is failed or closed.
+6. 200 ``{"accepted": n, "first_lsn": a, "last_lsn": b}``.
+
+Slow clients cannot hold the daemon: headers must arrive within
+``ingest.header_timeout_s`` of the connection opening or of the previous
+response (aiohttp's idle keep-alive timer only fires while no complete request
+head has arrived, so it is the header deadline), the body within
+``ingest.body_timeout_s``, and connections beyond ``ingest.max_connections``
+get a canned 503 and are closed. ``docs/ingest.md`` is the user-facing page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal, Protocol
+
+import msgspec
+import structlog
+from aiohttp import web
+from aiohttp.http import HttpVersion11
+from aiohttp.http_exceptions import HttpProcessingError
+from crc32c import crc32c
+
+from daemon.config import OPS, Config
+from daemon.errors import DaemonError
+from daemon.events import StoredEvent
+from daemon.events import encode as encode_stored
+from daemon.metrics import Metrics
+from daemon.shard import collection_seed
+from wal.errors import WalClosedError, WalFatalError
+
+log = structlog.get_logger("eventplane.ingest")
+
+PATH = "/v1/events"
+NDJSON_TYPES = frozenset({"application/x-ndjson", "application/ndjson", "application/jsonl"})
+JSON_TYPES = frozenset({"application/json"})
+# A collection names a Spark partition directory: bounded like a file name.
+COLLECTION_MAX_CHARS = 256
+# A 422 lists at most this many problems; the message gives the full count.
+MAX_REPORTED_ERRORS = 100
+# After an early answer (413, 408, 429, ...) aiohttp keeps reading and discarding
+# the unread body this long, so the client sees the answer instead of a reset.
+LINGER_S = 2.0
+# Bodies being read or parsed may hold at most this many max-size bodies of
+# memory at once; the rest wait (inside their body deadline). Parsed events
+# and payloads add about 2x on top, so ingest stays within ~3x this budget.
+BUFFERED_BODIES = 8
+
+
+class WalAppender(Protocol):
+    """The slice of :class:`wal.Wal` that ingest needs."""
+
+    async def append(self, items: Sequence[tuple[int, bytes]]) -> tuple[int, int]: ...
+
+
+# -- the event as producers send it -------------------------------------------
+
+_NULL = msgspec.Raw(b"null")
+_LBRACE = 0x7B  # first byte of a JSON object's raw text
+
+
+class InEvent(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """One event of a request. ``new``/``old`` stay raw JSON text (``Raw``)."""
+
+    collection: Annotated[str, msgspec.Meta(min_length=1, max_length=COLLECTION_MAX_CHARS)]
+    op: Literal["insert", "update", "delete"]
+    key: str
+    new: msgspec.Raw = _NULL
+    old: msgspec.Raw = _NULL
+
+
+_FIELDS = ("collection", "op", "key", "new", "old")
+_decode_one = msgspec.json.Decoder(InEvent).decode
+_decode_many = msgspec.json.Decoder(list[InEvent]).decode
+_decode_any = msgspec.json.Decoder().decode
+_json = msgspec.json.Encoder().encode
+_msgpack = msgspec.msgpack.Encoder().encode
+
+
+def _stored_payload(
+    collection: str, op: str, key: str, new: bytes | None, old: bytes | None, ts: int
+) -> bytes:
+    """``encode(StoredEvent(...))`` without building the struct.
+
+    ``StoredEvent`` is ``array_like``, so its msgpack form is the array of its
+    fields in order; encoding that tuple gives the same bytes a third faster.
+    :func:`_check_payload_layout` proves the equivalence at import time.
+    """
+    return _msgpack((collection, op, key, new, old, ts, 0, ""))
+
+
+def _check_payload_layout() -> None:
+    sample = StoredEvent("c", "update", "k", b'{"a":1}', None, 123, 0, "")
+    fast = _stored_payload("c", "update", "k", b'{"a":1}', None, 123)
+    if encode_stored(sample) != fast:  # StoredEvent changed: update _stored_payload
+        raise DaemonError("daemon.ingest: _stored_payload no longer matches StoredEvent's layout")
+
+
+_check_payload_layout()
+
+
+# -- rejections ---------------------------------------------------------------
+
+
+class Rejection(Exception):
+    """An answer other than 200; the body is JSON with ``error`` and ``message``."""
+
+    def __init__(
+        self,
+        status: int,
+        error: str,
+        message: str,
+        *,
+        close: bool = False,
+        retry_after: int | None = None,
+        **details: Any,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body: dict[str, Any] = {"error": error, "message": message, **details}
+        self.close = close
+        self.retry_after = retry_after
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        resp = web.Response(
+            status=self.status,
+            body=_json(self.body),
+            content_type="application/json",
+            headers=headers,
+        )
+        if self.close:
+            resp.force_close()
+        return resp
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def explain_event(item: Any) -> list[tuple[str | None, str]]:
+    """Every problem of one decoded event as ``(field, reason)``; empty when valid.
+
+    This is the slow path behind a 422 and the reference for the rules the hot
+    path checks: ``collection`` a non-empty string of at most 256 characters,
+    ``op`` one of insert/update/delete, ``key`` a string, ``new``/``old`` an
+    object or null (absent means null), no other fields; an insert carries
+    ``new`` and no ``old``, an update carries ``new`` (``old`` optional), a
+    delete carries no ``new`` (``old`` optional).
+    """
+    if not isinstance(item, dict):
+        return [(None, f"expected an event object, got {_kind(item)}")]
+    problems: list[tuple[str | None, str]] = []
+    collection = item.get("collection")
+    if "collection" not in item:
+        problems.append(("collection", "required field is missing"))
+    elif not isinstance(collection, str):
+        problems.append(("collection", f"expected a string, got {_kind(collection)}"))
+    elif not collection:
+        problems.append(("collection", "must not be empty"))
+    elif len(collection) > COLLECTION_MAX_CHARS:
+        problems.append(("collection", f"longer than {COLLECTION_MAX_CHARS} characters"))
+    op = item.get("op")
+    if "op" not in item:
+        problems.append(("op", "required field is missing"))
+    elif op not in OPS:
+        shown = f'"{op}"' if isinstance(op, str) else _kind(op)
+        problems.append(("op", f'expected "insert", "update" or "delete", got {shown}'))
+    if "key" not in item:
+        problems.append(("key", "required field is missing"))
+    elif not isinstance(item["key"], str):
+        problems.append(("key", f"expected a string, got {_kind(item['key'])}"))
+    for name in ("new", "old"):
+        value = item.get(name)
+        if value is not None and not isinstance(value, dict):
+            problems.append((name, f"expected an object or null, got {_kind(value)}"))
+    new, old = item.get("new"), item.get("old")
+    if op == "insert":
+        if new is None:
+            problems.append(("new", 'an insert needs the "new" object'))
+        if old is not None:
+            problems.append(("old", 'an insert has no previous row: send null or leave "old" out'))
+    elif op == "update":
+        if new is None:
+            problems.append(("new", 'an update needs the "new" object'))
+    elif op == "delete" and new is not None:
+        problems.append(("new", 'a delete has no new row: send null or leave "new" out'))
+    for name in item:
+        if name not in _FIELDS:
+            problems.append((name, "unknown field (fields: collection, op, key, new, old)"))
+    return problems
+
+
+_BYTE_AT = re.compile(r"\s*\(byte (\d+)\)$")
+
+
+def _malformed(body: bytes, base: int, chunk: bytes, exc: Exception, where: str) -> Rejection:
+    """A 400 for ``exc`` raised while decoding ``chunk`` found at ``body[base:]``."""
+    if isinstance(exc, UnicodeDecodeError):
+        try:
+            chunk.decode("utf-8")
+            offset = 0
+        except UnicodeDecodeError as bad:
+            offset = bad.start
+        reason = "invalid UTF-8"
+    else:
+        text = str(exc)
+        m = _BYTE_AT.search(text)
+        offset = int(m.group(1)) if m else len(chunk)
+        reason = _BYTE_AT.sub("", text)
+        if reason == "Input data was truncated":
+            reason = "JSON is truncated (the value does not end)"
+    position = base + offset
+    line = body.count(b"\n", 0, position) + 1
+    column = position - (body.rfind(b"\n", 0, position) + 1) + 1
+    return Rejection(
+        400,
+        "malformed",
+        f"malformed JSON at line {line}, column {column} (byte {position}{where}): "
+        f"{reason}; nothing was stored",
+        line=line,
+        column=column,
+        position=position,
+    )
+
+
+def _disagreement(exc: Exception | None) -> Rejection:
+    """The typed decoder refused what :func:`explain_event` accepts: still a 422, never a 500."""
+    log.warning("ingest.validation_disagreement", error=str(exc))
+    reason = str(exc) if exc is not None else "an event breaks the op/new/old rules"
+    return Rejection(
+        422,
+        "invalid_events",
+        f"invalid events: {reason}; nothing was stored",
+        errors=[{"index": None, "field": None, "reason": reason}],
+        truncated=False,
+    )
+
+
+# -- memory budget -------------------------------------------------------------
+
+
+class ByteBudget:
+    """A FIFO byte semaphore: requests hold their body size while they run."""
+
+    __slots__ = ("_free", "_waiters", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free = limit
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    @property
+    def free(self) -> int:
+        return self._free
+
+    async def acquire(self, n: int) -> None:
+        n = min(n, self.limit)
+        if not self._waiters and n <= self._free:
+            self._free -= n
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted, then cancelled before we could use it
+            else:
+                self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def release(self, n: int) -> None:
+        self._free += min(n, self.limit)
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._waiters[0][0] <= self._free:
+            n, fut = self._waiters.popleft()
+            if not fut.done():
+                self._free -= n
+                fut.set_result(None)
+
+
+# -- the listener ----------------------------------------------------------------
+
+
+class _CappedSite(web.BaseSite):
+    """A TCP site whose protocol factory enforces ``ingest.max_connections``."""
+
+    __slots__ = ("_factory", "_host", "_listener", "_port")
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        factory: Callable[[], asyncio.BaseProtocol],
+        backlog: int,
+    ) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host = host
+        self._port = port
+        self._factory = factory
+        self._listener: asyncio.Server | None = None
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    @property
+    def port(self) -> int:
+        if self._listener is not None and self._listener.sockets:
+            return int(self._listener.sockets[0].getsockname()[1])
+        return self._port
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(
+            self._factory, self._host, self._port, backlog=self._backlog, reuse_address=True
+        )
+        self._server = self._listener
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection over the cap: write a canned 503, half-close, drain briefly, close."""
+
+    def __init__(self, response: bytes | None, grace_s: float, done: Callable[[], None]) -> None:
+        self._response = response
+        self._grace_s = grace_s
+        self._done = done
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        if self._response is None:  # even the refusals are over the cap
+            transport.abort()
+            return
+        transport.write(self._response)
+        if transport.can_write_eof():
+            transport.write_eof()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self._grace_s, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request is not read: it was answered before it arrived
+
+    def eof_received(self) -> bool:
+        if self._transport is not None:
+            self._transport.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._done()
+
+
+class IngestServer:
+    """The ingest listener. ``start()`` binds ``ingest.listen`` (port 0 picks one)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        wal: WalAppender,
+        metrics: Metrics,
+        lag: Callable[[], int],
+    ) -> None:
+        self._cfg = cfg.ingest
+        self._cores = cfg.daemon.cores
+        self._wal = wal
+        self._metrics = metrics
+        self._lag = lag
+        c = self._cfg
+        self._max_body = c.max_body_bytes
+        self._max_event = c.max_event_bytes
+        self._max_events = c.max_events_per_request
+        self._budget = ByteBudget(BUFFERED_BODIES * c.max_body_bytes)
+        self._draining = False
+        self._refusing = 0
+        self._runner: web.AppRunner | None = None
+        self._site: _CappedSite | None = None
+        self._seeds: dict[str, int] = {}
+        # Children resolved once: a labelled lookup per request is measurable.
+        self._m_requests: dict[int, Any] = {}
+        self._m_ok = self._requests_counter(200)
+        self._m_events = metrics.ingest_events
+        self._m_bytes = metrics.ingest_bytes
+        self._m_latency = metrics.ingest_ack_latency
+        retry = c.retry_after_s
+        over_cap = _json(
+            {
+                "error": "over_capacity",
+                "message": f"ingest already has {c.max_connections} open connections "
+                f"(ingest.max_connections); retry in {retry} s",
+            }
+        )
+        self._over_capacity_response = (
+            b"HTTP/1.1 503 Service Unavailable\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: %d\r\n"
+            b"Retry-After: %d\r\n"
+            b"Connection: close\r\n\r\n%s" % (len(over_cap), retry, over_cap)
+        )
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        app = web.Application(client_max_size=self._max_body)
+        app.router.add_post(PATH, self._post_events, expect_handler=self._expect)
+        app.router.add_route("*", PATH, self._wrong_method)
+        app.router.add_route("*", "/{tail:.*}", self._not_found)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            # The idle keep-alive timer is aiohttp's only clock on a connection
+            # that has not sent a full request head: it is the header deadline.
+            keepalive_timeout=self._cfg.header_timeout_s,
+            lingering_time=LINGER_S,
+        )
+        await runner.setup()
+        server = runner.server
+        assert server is not None
+        self._runner = runner
+        listen = self._cfg.listen
+        backlog = min(max(128, self._cfg.max_connections), 4096)
+        self._site = _CappedSite(runner, listen.host, listen.port, self._make_protocol, backlog)
+        await self._site.start()
+        self._metrics.ingest_connections.set_function(lambda: float(len(server.connections)))
+        log.info("ingest.listening", url=self.url, cores=self._cores)
+
+    @property
+    def port(self) -> int:
+        if self._site is None:
+            raise RuntimeError("IngestServer.port: call start() first")
+        return self._site.port
+
+    @property
+    def url(self) -> str:
+        host = self._cfg.listen.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """New requests get 503 from now on; requests in flight finish and get acked."""
+        if not self._draining:
+            self._draining = True
+            log.info("ingest.draining")
+
+    async def stop(self, timeout_s: float) -> None:
+        """Stop listening, let in-flight requests finish (within ``timeout_s``), close."""
+        self.begin_drain()
+        runner, site = self._runner, self._site
+        if runner is None:
+            return
+        server = runner.server
+        if site is not None:
+            await site.stop()
+        if server is not None:
+            # Idle keep-alive connections close now; busy ones finish their
+            # request. aiohttp waits up to the timeout twice (finish, then
+            # cancel), so each phase gets half of the budget.
+            server.pre_shutdown()
+            await server.shutdown(max(0.0, timeout_s) / 2)
+        await runner.cleanup()
+        self._runner = None
+        self._metrics.ingest_connections.set_function(lambda: 0.0)
+        log.info("ingest.stopped")
+
+    def _make_protocol(self) -> asyncio.BaseProtocol:
+        assert self._runner is not None and self._runner.server is not None
+        server = self._runner.server
+        cap = self._cfg.max_connections
+        if len(server.connections) < cap:
+            return server()
+        self._requests_counter(503).inc()
+        response = self._over_capacity_response if self._refusing < cap else None
+        self._refusing += 1
+        return _Refuse(response, LINGER_S, self._refused_closed)
+
+    def _refused_closed(self) -> None:
+        self._refusing -= 1
+
+    def _requests_counter(self, status: int) -> Any:
+        child = self._m_requests.get(status)
+        if child is None:
+            child = self._m_requests[status] = self._metrics.ingest_requests.labels(
+                code=str(status)
+            )
+        return child
+
+    # -- handlers ----------------------------------------------------------
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: refuse before the client sends the body."""
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            rej = Rejection(417, "expectation_failed", "only Expect: 100-continue is supported")
+            self._requests_counter(417).inc()
+            return rej.response()
+        try:
+            self._admit(request)
+        except Rejection as rej:
+            self._requests_counter(rej.status).inc()
+            rej.close = True  # the body will not come: this connection is done
+            return rej.response()
+        if request.version == HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0
+        return None
+
+    async def _wrong_method(self, request: web.Request) -> web.StreamResponse:
+        self._requests_counter(405).inc()
+        resp = Rejection(405, "method_not_allowed", f"{request.method} {PATH}: use POST").response()
+        resp.headers["Allow"] = "POST"
+        return resp
+
+    async def _not_found(self, request: web.Request) -> web.StreamResponse:
+        self._requests_counter(404).inc()
+        return Rejection(
+            404, "not_found", f"no such endpoint {request.path}; use POST {PATH}"
+        ).response()
+
+    def _admit(self, request: web.BaseRequest) -> bool:
+        """Step 1. Cheap checks before reading a byte of body; returns True for NDJSON."""
+        c = self._cfg
+        if self._draining:
+            raise Rejection(
+                503,
+                "draining",
+                "ingest is shutting down and takes no new requests; retry after the restart",
+                close=True,
+                retry_after=c.retry_after_s,
+            )
+        lag = self._lag()
+        if lag > c.max_lag_events:
+            raise Rejection(
+                429,
+                "over_lag_limit",
+                f"the slowest consumer is {lag} events behind, over ingest.max_lag_events "
+                f"({c.max_lag_events}); retry in {c.retry_after_s} s",
+                retry_after=c.retry_after_s,
+                lag=lag,
+            )
+        ctype = request.content_type
+        if ctype in NDJSON_TYPES:
+            ndjson = True
+        elif ctype in JSON_TYPES:
+            ndjson = False
+        else:
+            raise Rejection(
+                415,
+                "unsupported_media_type",
+                f'Content-Type "{request.headers.get("Content-Type", "")}" is not accepted: '
+                "send application/x-ndjson (one event per line) or application/json (an array)",
+            )
+        charset = request.charset
+        if charset is not None and charset.lower() not in ("utf-8", "utf8"):
+            raise Rejection(
+                415, "unsupported_media_type", f'charset "{charset}" is not accepted: use utf-8'
+            )
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            raise Rejection(
+                413,
+                "too_large",
+                f"body of {length} bytes is over ingest.max_body_bytes ({self._max_body}); "
+                "split it into smaller requests",
+                close=True,
+                limit=self._max_body,
+            )
+        return ndjson
+
+    async def _post_events(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        nbytes = 0
+        try:
+            # Step 1. Admission.
+            ndjson = self._admit(request)
+            # Step 2. Read the body within the deadline and the memory budget.
+            need = request.content_length
+            need = self._max_body if need is None else need
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self._cfg.body_timeout_s
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._budget.acquire(need)
+            except TimeoutError:
+                raise self._body_timeout() from None
+            try:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        body = await self._read_body(request)
+                except TimeoutError:
+                    raise self._body_timeout() from None
+                nbytes = len(body)
+                # Steps 3 and 4. Parse, validate, shard, encode.
+                items = self._parse(body, ndjson)
+                # Step 5. One append: atomic, consecutive LSNs, returns after fdatasync.
+                try:
+                    first, last = await self._wal.append(items)
+                except (WalFatalError, WalClosedError) as exc:
+                    log.error("ingest.wal_unavailable", error=str(exc), kind=type(exc).__name__)
+                    raise Rejection(
+                        503,
+                        "wal_unavailable",
+                        f"the write-ahead log cannot take events ({exc}); nothing from this "
+                        "request was acknowledged; retry after the daemon restarts",
+                        close=True,
+                        retry_after=self._cfg.retry_after_s,
+                    ) from exc
+            finally:
+                self._budget.release(need)
+        except Rejection as rej:
+            self._requests_counter(rej.status).inc()
+            if nbytes:
+                self._m_bytes.inc(nbytes)
+            return rej.response()
+        except ConnectionError:
+            # The client went away mid-body: nothing was appended. 499 as in nginx.
+            self._requests_counter(499).inc()
+            raise
+        # Step 6. The ack.
+        n = len(items)
+        self._m_ok.inc()
+        self._m_events.inc(n)
+        self._m_bytes.inc(nbytes)
+        self._m_latency.observe(time.perf_counter() - started)
+        return web.Response(
+            body=b'{"accepted":%d,"first_lsn":%d,"last_lsn":%d}' % (n, first, last),
+            content_type="application/json",
+        )
+
+    def _body_timeout(self) -> Rejection:
+        t = self._cfg.body_timeout_s
+        return Rejection(
+            408,
+            "body_timeout",
+            f"the request body did not arrive within {t:g} s (ingest.body_timeout_s); "
+            "nothing was stored",
+            close=True,
+        )
+
+    async def _read_body(self, request: web.BaseRequest) -> bytes:
+        """Step 2. Chunks until EOF; never holds more than ``max_body_bytes`` + one chunk."""
+        content = request.content
+        limit = self._max_body
+        chunks: list[bytes] = []
+        total = 0
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                total += len(chunk)
+                if total > limit:
+                    self._m_bytes.inc(total)
+                    raise Rejection(
+                        413,
+                        "too_large",
+                        f"body is over ingest.max_body_bytes ({limit}) after {total} bytes; "
+                        "split it into smaller requests",
+                        close=True,
+                        limit=limit,
+                    )
+                chunks.append(chunk)
+        except HttpProcessingError as exc:
+            raise Rejection(
+                400,
+                "malformed",
+                f"the request body is incomplete or badly framed: {exc.message}",
+                close=True,
+            ) from exc
+        if len(chunks) == 1:
+            return chunks[0]
+        return b"".join(chunks)
+
+    # -- parsing (steps 3 and 4) ---------------------------------------------
+
+    def _parse(self, body: bytes, ndjson: bool) -> list[tuple[int, bytes]]:
+        if not body or body.isspace():
+            raise Rejection(400, "empty", "the body holds no events; nothing was stored")
+        if ndjson:
+            lines = body.split(b"\n")
+            if len(lines) > self._max_events:
+                self._check_count(sum(1 for x in lines if x.strip()))
+            events: list[InEvent] = []
+            append = events.append
+            try:
+                for line in lines:
+                    if line:
+                        append(_decode_one(line))
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+                self._explain(body, ndjson)  # raises unless the culprit was a blank line
+                try:
+                    events = [_decode_one(x) for x in lines if x.strip()]
+                except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+                    raise _disagreement(exc) from exc
+        else:
+            try:
+                events = _decode_many(body)
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+                self._explain(body, ndjson)
+                raise _disagreement(exc) from exc
+            self._check_count(len(events))
+        if not events:
+            raise Rejection(400, "empty", "the body holds no events; nothing was stored")
+        items = self._encode(events)
+        if items is None:
+            self._explain(body, ndjson)
+            raise _disagreement(None)
+        return items
+
+    def _check_count(self, n: int) -> None:
+        if n > self._max_events:
+            raise Rejection(
+                413,
+                "too_many_events",
+                f"{n} events are over ingest.max_events_per_request ({self._max_events}); "
+                "split them into smaller requests",
+                limit=self._max_events,
+            )
+
+    def _encode(self, events: list[InEvent]) -> list[tuple[int, bytes]] | None:
+        """Step 4. ``(core, payload)`` per event; None when an op/new/old rule is broken.
+
+        The hot loop of ingest: keep it free of calls that are not needed.
+        """
+        ts = time.time_ns()  # one wall-clock stamp per request
+        cores = self._cores
+        seeds = self._seeds
+        max_event = self._max_event
+        null = _NULL
+        items: list[tuple[int, bytes]] = []
+        append = items.append
+        for ev in events:
+            n = ev.new
+            o = ev.old
+            new = None if n == null else bytes(n)
+            old = None if o == null else bytes(o)
+            op = ev.op
+            if op == "update":
+                if new is None:
+                    return None
+            elif op == "insert":
+                if new is None or old is not None:
+                    return None
+            elif new is not None:
+                return None
+            if (new is not None and new[0] != _LBRACE) or (old is not None and old[0] != _LBRACE):
+                return None
+            collection = ev.collection
+            key = ev.key
+            payload = _msgpack((collection, op, key, new, old, ts, 0, ""))
+            if len(payload) > max_event:
+                self._event_too_large(len(items), len(payload))
+            seed = seeds.get(collection)
+            if seed is None:
+                seed = seeds[collection] = collection_seed(collection)
+                if len(seeds) > 4096:  # a producer inventing collections: bound the cache
+                    seeds.clear()
+            core = (crc32c(key.encode("utf-8", "surrogatepass"), seed) * cores) >> 32
+            append((core, payload))
+        return items
+
+    def _event_too_large(self, index: int, size: int) -> None:
+        raise Rejection(
+            413,
+            "event_too_large",
+            f"event {index} is {size} bytes stored, over ingest.max_event_bytes "
+            f"({self._max_event}); nothing was stored",
+            index=index,
+            limit=self._max_event,
+        )
+
+    def _explain(self, body: bytes, ndjson: bool) -> None:
+        """The slow path: find every problem and raise the 400/413/422 that says so."""
+        located: list[tuple[int | None, Any]] = []  # (line, decoded item)
+        if ndjson:
+            base = 0
+            for lineno, line in enumerate(body.split(b"\n"), start=1):
+                if line.strip():
+                    try:
+                        located.append((lineno, _decode_any(line)))
+                    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+                        raise _malformed(body, base, line, exc, "") from None
+                base += len(line) + 1
+        else:
+            try:
+                doc = _decode_any(body)
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+                raise _malformed(body, 0, body, exc, " of the array") from None
+            if not isinstance(doc, list):
+                raise Rejection(
+                    400,
+                    "malformed",
+                    f"an application/json body must be an array of events, got {_kind(doc)}; "
+                    "nothing was stored",
+                )
+            located = [(None, item) for item in doc]
+        self._check_count(len(located))
+        errors: list[dict[str, Any]] = []
+        bad_items = 0
+        for index, (at_line, item) in enumerate(located):
+            problems = explain_event(item)
+            if problems:
+                bad_items += 1
+            for field, reason in problems:
+                if len(errors) < MAX_REPORTED_ERRORS:
+                    entry: dict[str, Any] = {"index": index, "field": field, "reason": reason}
+                    if at_line is not None:
+                        entry["line"] = at_line
+                    errors.append(entry)
+        if not errors:
+            return
+        first = errors[0]
+        where = f"event {first['index']}" + (f" at line {first['line']}" if "line" in first else "")
+        field = f', field "{first["field"]}"' if first["field"] else ""
+        raise Rejection(
+            422,
+            "invalid_events",
+            f"{bad_items} of {len(located)} events are invalid (first: {where}{field}: "
+            f"{first['reason']}); nothing was stored",
+            errors=errors,
+            truncated=bad_items > MAX_REPORTED_ERRORS or len(errors) >= MAX_REPORTED_ERRORS,
+        )
