@@ -1,0 +1,139 @@
+"""structlog set-up: JSON off a terminal, console on one, context, live level."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from daemon import logs
+
+pytestmark = pytest.mark.usefixtures("clean_logging")
+
+
+class FakeTty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _lines(stream: io.StringIO) -> list[str]:
+    return [line for line in stream.getvalue().splitlines() if line]
+
+
+def test_json_lines_when_stdout_is_not_a_terminal() -> None:
+    out = io.StringIO()
+    logs.configure("info", "auto", stream=out)
+    structlog.get_logger("t").info("wal.opened", head_lsn=42, dir="var/wal")
+    (line,) = _lines(out)
+    record = json.loads(line)
+    assert record["event"] == "wal.opened"
+    assert record["level"] == "info"
+    assert record["head_lsn"] == 42
+    # ISO 8601 in UTC, as journald and log shippers expect.
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z", record["timestamp"])
+
+
+def test_readable_console_lines_on_a_terminal() -> None:
+    out = FakeTty()
+    logs.configure("info", "auto", stream=out)
+    structlog.get_logger("t").info("eventplane.ready", cores=4)
+    (line,) = _lines(out)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(line)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", line)  # colours on a terminal
+    assert "eventplane.ready" in plain
+    assert "cores=4" in plain
+
+
+@pytest.mark.parametrize(
+    ("fmt", "tty", "is_json"), [("json", True, True), ("console", False, False)]
+)
+def test_the_format_setting_overrides_detection(fmt: str, tty: bool, is_json: bool) -> None:
+    out = FakeTty() if tty else io.StringIO()
+    logs.configure("info", fmt, stream=out)
+    structlog.get_logger("t").info("x")
+    (line,) = _lines(out)
+    assert line.startswith("{") is is_json
+
+
+async def test_core_lsn_and_batch_id_bound_as_context_reach_every_event() -> None:
+    out = io.StringIO()
+    logs.configure("info", "json", stream=out)
+    log = structlog.get_logger("t")
+    with structlog.contextvars.bound_contextvars(core=3, batch_id=17):
+        with structlog.contextvars.bound_contextvars(lsn=1234):
+            log.info("batch.slice_closed")
+        log.info("batch.committed")
+    log.info("idle")
+    first, second, third = (json.loads(x) for x in _lines(out))
+    assert (first["core"], first["batch_id"], first["lsn"]) == (3, 17, 1234)
+    assert (second["core"], second["batch_id"]) == (3, 17) and "lsn" not in second
+    assert "core" not in third
+
+
+def test_set_level_applies_to_loggers_already_in_use() -> None:
+    """1. A module-level style logger is used once (structlog caches it).
+    2. SIGHUP lowers the level to debug: its debug events now appear.
+    3. Raising it to warning hides info events of the same cached logger."""
+    out = io.StringIO()
+    logs.configure("info", "json", stream=out)
+    log = structlog.get_logger("t")
+    log.info("first")
+    log.debug("hidden")
+    logs.set_level("debug")
+    log.debug("now-visible")
+    logs.set_level("warning")
+    log.info("hidden-again")
+    log.warning("kept")
+    assert [json.loads(x)["event"] for x in _lines(out)] == ["first", "now-visible", "kept"]
+    assert logs.current_level() == "warning"
+
+
+def test_exceptions_are_one_json_field() -> None:
+    out = io.StringIO()
+    logs.configure("info", "json", stream=out)
+    try:
+        raise ValueError("bad frame")
+    except ValueError:
+        structlog.get_logger("t").exception("wal.replay_failed")
+    record = json.loads(_lines(out)[0])
+    assert record["level"] == "error"
+    assert "ValueError: bad frame" in record["exception"]
+
+
+def test_stdlib_library_warnings_share_the_format_and_stream() -> None:
+    out = io.StringIO()
+    logs.configure("info", "json", stream=out)
+    logging.getLogger("py4j.clientserver").info("Closing down clientserver connection")
+    logging.getLogger("aiohttp.server").warning("Error handling request")
+    (line,) = _lines(out)
+    record = json.loads(line)
+    assert record["event"] == "Error handling request"
+    assert record["logger"] == "aiohttp.server"
+    assert record["level"] == "warning"
+
+
+def test_capture_logs_still_sees_loggers_cached_before_reset() -> None:
+    """A logger cached under configure() keeps working with capture_logs after
+    reset(): no state leaks from one test into the next."""
+    out = io.StringIO()
+    logs.configure("info", "json", stream=out)
+    log = structlog.get_logger("t")
+    log.info("cached")
+    logs.reset()
+    with capture_logs() as captured:
+        log.info("after-reset", core=1)
+    assert captured == [{"event": "after-reset", "core": 1, "log_level": "info"}]
+    assert len(_lines(out)) == 1
+
+
+def test_configure_twice_keeps_one_stdlib_handler() -> None:
+    logs.configure("info", "json", stream=io.StringIO())
+    logs.configure("info", "json", stream=io.StringIO())
+    ours = [h for h in logging.getLogger().handlers if isinstance(h, logs._Handler)]
+    assert len(ours) == 1

@@ -1,0 +1,237 @@
+"""``eventplane status`` against a real HTTP server speaking the /v1/status contract."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from daemon import statuscmd
+from daemon.cli import build_parser
+from daemon.config import AdminConfig, Config, Listen
+from tests.conftest import free_port
+
+COMMITTED_AT = "2025-03-01T12:00:00Z"
+NOW = datetime(2025, 3, 1, 12, 0, 42, tzinfo=UTC).timestamp()
+
+
+def sample_status(**overrides: Any) -> dict[str, Any]:
+    """A /v1/status document as docs/operating.md specifies it."""
+    doc: dict[str, Any] = {
+        "healthy": True,
+        "ready": True,
+        "draining": False,
+        "wal": {"head_lsn": 1_204_332, "retained_floor": 1_000_001, "segments": 3},
+        "cores": [
+            {
+                "core": 0,
+                "mode": "normal",
+                "watermark": 1_204_330,
+                "lag": 2,
+                "ring_fill": 0.004,
+                "backpressure": "normal",
+                "catchup": None,
+            },
+            {
+                "core": 1,
+                "mode": "catchup",
+                "watermark": 1_100_000,
+                "lag": 104_332,
+                "ring_fill": 0.0,
+                "backpressure": "normal",
+                "catchup": {"replayed": 395_668, "rate": 52_000.4, "eta_s": 2.0},
+            },
+        ],
+        "last_batch": {
+            "batch_id": 812,
+            "rows": 12_000,
+            "duration_s": 0.84,
+            "committed_at": COMMITTED_AT,
+        },
+        "spark": {"ready": True, "last_error": None},
+        "dlq": {"entries": 3},
+        "retry_queue": {"depth": 1},
+    }
+    doc.update(overrides)
+    return doc
+
+
+class StatusServer:
+    """A real admin listener on loopback answering GET /v1/status."""
+
+    def __init__(self) -> None:
+        self.code = 200
+        self.body = json.dumps(sample_status()).encode()
+        self.paths: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.paths.append(self.path)
+                self.send_response(outer.code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(outer.body)))
+                self.end_headers()
+                self.wfile.write(outer.body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
+        )
+        self.thread.start()
+
+    def serve(self, doc: Any, code: int = 200) -> None:
+        self.body = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+        self.code = code
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server() -> Iterator[StatusServer]:
+    s = StatusServer()
+    yield s
+    s.close()
+
+
+def _cfg(port: int, host: str = "127.0.0.1") -> Config:
+    return Config(admin=AdminConfig(listen=Listen(host, port)))
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["status", *argv])
+
+
+def test_healthy_daemon_prints_the_table_and_exits_zero(
+    server: StatusServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert statuscmd.main(_args(), _cfg(server.port)) == 0
+    out = capsys.readouterr().out
+    assert server.paths == ["/v1/status"]  # the URL comes from admin.listen
+    assert "eventplane  healthy, ready" in out
+    assert "head 1204332  floor 1000001  segments 3" in out
+    assert "#812  12,000 rows  0.84 s  committed 2025-03-01 12:00:00Z" in out
+    assert "DLQ 3 entries  retry queue 1" in out
+    assert "replayed 395,668 at 52,000/s, ETA 2 s" in out
+
+
+def test_table_has_one_aligned_row_per_core() -> None:
+    text = statuscmd.render(sample_status(), now=NOW)
+    table = text.split("\n\n", 1)[1].splitlines()
+    header, core0, core1 = table
+    assert header.split()[:6] == ["core", "mode", "watermark", "lag", "ring", "fill"]
+    assert core0.split()[:6] == ["0", "normal", "1204330", "2", "0.4%", "normal"]
+    assert core1.split()[:6] == ["1", "catchup", "1100000", "104,332", "0.0%", "normal"]
+    # Right-aligned numbers end in the same column as their header.
+    assert header.index("watermark") + len("watermark") == core0.index("1204330") + 7
+    assert "committed 2025-03-01 12:00:00Z (42 s ago)" in text
+
+
+def test_unhealthy_daemon_exits_one_even_when_served_with_503(
+    server: StatusServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.serve(
+        sample_status(healthy=False, spark={"ready": False, "last_error": "JVM died"}), 503
+    )
+    assert statuscmd.main(_args(), _cfg(server.port)) == 1
+    out = capsys.readouterr().out
+    assert "NOT HEALTHY" in out
+    assert "last error: JVM died" in out
+
+
+def test_unreachable_daemon_exits_three_with_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    assert statuscmd.main(_args(), _cfg(free_port())) == 3
+    err = capsys.readouterr().err
+    assert "cannot reach http://127.0.0.1:" in err
+    assert "systemctl status eventplane" in err
+
+
+def test_json_flag_prints_the_document_itself(
+    server: StatusServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert statuscmd.main(_args("--json"), _cfg(server.port)) == 0
+    assert json.loads(capsys.readouterr().out) == sample_status()
+
+
+def test_json_flag_keeps_the_unhealthy_exit_code(
+    server: StatusServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.serve(sample_status(healthy=False))
+    assert statuscmd.main(_args("--json"), _cfg(server.port)) == 1
+    assert json.loads(capsys.readouterr().out)["healthy"] is False
+
+
+def test_url_flag_overrides_the_config(
+    server: StatusServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = _args("--url", f"127.0.0.1:{server.port}/")
+    assert statuscmd.main(args, _cfg(free_port())) == 0
+    assert server.paths == ["/v1/status"]
+
+
+def test_an_answer_that_is_not_a_status_document_exits_one(
+    server: StatusServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.serve(b"<html>proxy error</html>", 502)
+    assert statuscmd.main(_args(), _cfg(server.port)) == 1
+    assert "without a JSON status document" in capsys.readouterr().err
+
+
+def test_a_starting_daemon_with_nothing_yet_renders_dashes() -> None:
+    doc = {"healthy": False, "ready": False, "draining": False, "wal": None, "cores": []}
+    text = statuscmd.render(doc)
+    assert "NOT HEALTHY, not ready" in text
+    assert "head -  floor -  segments -" in text
+    assert "last batch  none yet" in text
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("0.0.0.0", "http://127.0.0.1:9470/v1/status"),
+        ("::", "http://[::1]:9470/v1/status"),
+        ("::1", "http://[::1]:9470/v1/status"),
+        ("10.0.0.5", "http://10.0.0.5:9470/v1/status"),
+    ],
+)
+def test_admin_url_reaches_wildcard_listeners_through_loopback(host: str, url: str) -> None:
+    assert statuscmd.admin_url(_cfg(9470, host)) == url
+
+
+def test_summary_line_for_systemd_status() -> None:
+    line = statuscmd.summary_line(sample_status())
+    assert line == (
+        "normal 1, catchup 1 · max lag 104,332 (core 1) · head 1204332 · batch 812 · dlq 3"
+    )
+    assert "\n" not in line
+    assert statuscmd.summary_line({"draining": True, "cores": []}).startswith("draining")
+
+
+def test_cli_routes_status_to_this_module(
+    server: StatusServer, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from daemon.cli import main
+
+    config = tmp_path / "config.toml"
+    config.write_text(f'[admin]\nlisten = "127.0.0.1:{server.port}"\n')
+    assert main(["status", "--config", str(config)]) == 0
+    assert "healthy" in capsys.readouterr().out
+
+
+def test_output_stream_is_injectable(server: StatusServer) -> None:
+    out = io.StringIO()
+    assert statuscmd.main(_args(), _cfg(server.port), out=out) == 0
+    assert out.getvalue().startswith("eventplane  healthy")
