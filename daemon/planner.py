@@ -1,0 +1,512 @@
+"""Micro-batch planner: per-core pending slices, a durable plan log, and the run loop.
+
+Consumers add delivered records to their core's pending slice. Every
+``microbatch.interval_ms`` (sooner when a core reaches ``max_rows``, or
+``catchup_max_rows`` while it catches up) the planner closes one slice per core
+into a :class:`~daemon.batch.MicroBatch` and runs it. One batch runs at a time,
+so batches commit in id order and watermarks only move forward.
+
+Batch protocol (Spark's offset-log rule):
+
+1. Close one slice per core and give the batch the next id.
+2. Append ``batch_id -> {core: (first_lsn, last_lsn)}`` to the plan log and
+   fsync it, *before* anything runs.
+3. ``await executor.execute(batch)``; on failure retry with exponential
+   backoff, same id and same rows, forever (a batch is never dropped).
+4. Commit: advance the watermarks of the batch's cores.
+
+After a crash, plans above the persisted watermarks' ``batch_id`` are read
+back from the WAL and re-run first with their own ids (the executor's sinks
+dedupe by batch id), and consumers resume after the highest planned LSN.
+
+Plan log format, one line per entry, each ``<crc32 of json, 8 hex> <json>\\n``;
+the first line is the identity header (invariant 13)::
+
+    0a1b2c3d {"format":"eventplane-plans","version":1,"wal_id":"...","cores":4}
+    9f8e7d6c {"batch_id":1,"slices":{"0":[1,9],"2":[3,12]}}
+
+A torn last line (crash mid-append) is cut off at open: its batch never ran,
+because step 3 starts only after step 2's fsync returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+import zlib
+from collections.abc import Awaitable, Callable, Mapping
+from operator import itemgetter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from daemon.batch import Executor, MicroBatch, Slice
+from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
+from daemon.watermarks import atomic_write
+from wal.record import Record
+
+if TYPE_CHECKING:
+    from daemon.config import MicrobatchConfig
+    from daemon.metrics import Metrics
+    from daemon.watermarks import Watermarks
+
+log = structlog.get_logger(__name__)
+
+FORMAT = "eventplane-plans"
+VERSION = 1
+FILENAME = "plans.log"
+# Rewrite the plan log once this many of its entries are covered by persisted
+# watermarks: about 17 minutes of 1 s batches, a few tens of KiB of file.
+COMPACT_AFTER = 1024
+# In-memory cost of one pending Record beyond its payload: the tuple, two ints
+# and the bytes header (measured with sys.getsizeof on CPython 3.11: ~170 B).
+RECORD_OVERHEAD_BYTES = 160
+
+Ranges = dict[int, tuple[int, int]]
+_payload = itemgetter(3)
+
+
+async def wait_event(event: asyncio.Event, seconds: float) -> bool:
+    """Wait for ``event`` at most ``seconds``; True if it was set."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    return event.is_set()
+
+
+class PlanLogError(DaemonError):
+    """The plan log is damaged or could not be made durable (fatal)."""
+
+
+class PlanMismatchError(DaemonError):
+    """A re-run batch's rows read back from the WAL do not match its plan."""
+
+
+def _line(doc: Mapping[str, Any]) -> bytes:
+    body = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    """A checked entry, or None if the line is torn or fails its checksum."""
+    if len(line) < 10 or not line.endswith(b"\n") or line[8:9] != b" ":
+        return None
+    body = line[9:-1]
+    try:
+        if int(line[:8], 16) != zlib.crc32(body):
+            return None
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+class PlanLog:
+    """Append-only, fsynced record of planned batches. Methods block: call them
+    from a worker thread (the planner does)."""
+
+    def __init__(self, path: Path, wal_id: str, cores: int) -> None:
+        self.path = path
+        self.wal_id = wal_id
+        self.cores = cores
+        self._fd: int | None = None
+        self.entries = 0  # plan lines currently in the file
+
+    def _header(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "wal_id": self.wal_id, "cores": self.cores}
+
+    def open(self) -> dict[int, Ranges]:
+        """Read every plan, check identity, cut a torn tail, open for appends."""
+        plans: dict[int, Ranges] = {}
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            atomic_write(self.path, _line(self._header()))
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            return plans
+        lines = data.splitlines(keepends=True)
+        good = 0  # bytes of valid prefix
+        for i, line in enumerate(lines):
+            doc = _parse(line)
+            if doc is None:
+                if i == len(lines) - 1:
+                    log.warning(
+                        "plan_log_torn_tail", path=str(self.path), offset=good, bytes=len(line)
+                    )
+                    break
+                raise PlanLogError(
+                    f"{self.path} @ offset {good}: damaged entry ({len(line)} bytes) before "
+                    "the end of the file. Batches planned there cannot be re-run safely; "
+                    "restore the data_dir from a backup"
+                )
+            if i == 0:
+                self._check_header(doc)
+            else:
+                try:
+                    bid = int(doc["batch_id"])
+                    ranges = {int(c): (int(r[0]), int(r[1])) for c, r in doc["slices"].items()}
+                except (KeyError, TypeError, ValueError, IndexError) as exc:
+                    raise PlanLogError(f"{self.path} @ offset {good}: bad entry: {exc}") from exc
+                plans[bid] = ranges
+            good += len(line)
+        if good == 0:
+            # Only a torn header: the file was being created when the process died.
+            atomic_write(self.path, _line(self._header()))
+        elif good != len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+                os.fsync(f.fileno())
+        self.entries = len(plans)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        return plans
+
+    def _check_header(self, doc: dict[str, Any]) -> None:
+        if doc.get("format") != FORMAT:
+            raise PlanLogError(f"{self.path}: not a plan log (format {doc.get('format')!r})")
+        if doc.get("wal_id") != self.wal_id:
+            raise IdentityMismatchError(
+                f"{self.path} belongs to WAL {doc.get('wal_id')}, but the WAL in use has id "
+                f"{self.wal_id}: the WAL directory was replaced or re-created. Restore the "
+                "matching WAL directory, or move the plan log and watermarks.json aside to "
+                "process the new WAL from its start"
+            )
+        if doc.get("cores") != self.cores:
+            raise IdentityMismatchError(
+                f"{self.path} was written with daemon.cores = {doc.get('cores')}, but the "
+                f"configuration now says {self.cores}; the core count is fixed for the life "
+                f"of a data_dir: set daemon.cores = {doc.get('cores')} again, or use a new "
+                "data_dir"
+            )
+
+    def append(self, batch_id: int, ranges: Ranges) -> None:
+        """Write one plan and fsync it. An fsync failure is fatal (invariant 10)."""
+        if self._fd is None:
+            raise PlanLogError(f"{self.path}: plan log is not open")
+        line = _line({"batch_id": batch_id, "slices": {str(c): list(r) for c, r in ranges.items()}})
+        try:
+            view = memoryview(line)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise PlanLogError(
+                f"{self.path}: cannot make plan of batch {batch_id} durable ({exc.strerror}); "
+                "stopping, as a failed fsync cannot be retried safely"
+            ) from exc
+        self.entries += 1
+
+    def rewrite(self, keep: Mapping[int, Ranges]) -> None:
+        """Replace the file atomically with the header and ``keep`` only."""
+        data = _line(self._header()) + b"".join(
+            _line({"batch_id": b, "slices": {str(c): list(r) for c, r in keep[b].items()}})
+            for b in sorted(keep)
+        )
+        atomic_write(self.path, data)
+        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        if old is not None:
+            os.close(old)
+        self.entries = len(keep)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class _Pending:
+    __slots__ = ("catching_up", "nbytes", "records", "room")
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.nbytes = 0
+        self.catching_up = False
+        self.room = asyncio.Event()
+        self.room.set()
+
+
+SliceLoader = Callable[[int, int, int], Awaitable[list[Record]]]
+
+
+class Planner:
+    """Closes slices into batches, plans them durably, runs them, commits them."""
+
+    def __init__(
+        self,
+        *,
+        cores: int,
+        cfg: MicrobatchConfig,
+        pending_max_bytes: int,
+        executor: Executor,
+        plan_log: PlanLog,
+        watermarks: Watermarks,
+        metrics: Metrics,
+        plans: Mapping[int, Ranges],
+        load_slice: SliceLoader,
+        on_commit: Callable[[MicroBatch], None] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cores = cores
+        self.cfg = cfg
+        self.pending_max_bytes = pending_max_bytes
+        self.executor = executor
+        self.plan_log = plan_log
+        self.watermarks = watermarks
+        self.metrics = metrics
+        self._load_slice = load_slice
+        self._on_commit = on_commit
+        self._sleep = sleep
+        self._clock = clock
+        self._pending = [_Pending() for _ in range(cores)]
+        # Plans still in the file, id -> ranges; pruned once the persisted
+        # watermarks cover them.
+        self._logged: dict[int, Ranges] = dict(plans)
+        self._recovered = sorted(b for b in plans if b > watermarks.batch_id)
+        self._next_id = max([watermarks.batch_id, *plans]) + 1
+        self._running: MicroBatch | None = None
+        self._running_ranges: Ranges = {}
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._last_close = clock()
+        self._file_lock = asyncio.Lock()
+        self.last_batch: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------
+    # Consumer side (event loop only)
+
+    def resume_lsn(self, core: int) -> int:
+        """Where a consumer must resume: after its watermark and every planned slice."""
+        lsn = self.watermarks.lsns[core]
+        for b in self._recovered:
+            r = self._logged[b].get(core)
+            if r is not None:
+                lsn = max(lsn, r[1])
+        return lsn
+
+    def add(self, core: int, records: list[Record]) -> None:
+        """Append delivered records (LSN order) to the core's pending slice."""
+        p = self._pending[core]
+        if p.records and records[0].lsn <= p.records[-1].lsn:
+            raise LsnRegressionError(
+                f"core {core}: LSN {records[0].lsn} delivered after LSN {p.records[-1].lsn}"
+            )
+        p.records.extend(records)
+        p.nbytes += sum(map(len, map(_payload, records))) + RECORD_OVERHEAD_BYTES * len(records)
+        if p.nbytes >= self.pending_max_bytes:
+            p.room.clear()
+        if len(p.records) >= self._limit(p):
+            self._wake.set()
+
+    def has_room(self, core: int) -> bool:
+        return self._pending[core].nbytes < self.pending_max_bytes
+
+    async def wait_room(self, core: int) -> None:
+        await self._pending[core].room.wait()
+
+    def set_catching_up(self, core: int, flag: bool) -> None:
+        self._pending[core].catching_up = flag
+
+    def pending_rows(self, core: int) -> int:
+        return len(self._pending[core].records)
+
+    def pending_bytes(self, core: int) -> int:
+        return self._pending[core].nbytes
+
+    def owes(self, core: int) -> bool:
+        """True while the core has rows that are delivered but not committed."""
+        if self._pending[core].records or core in self._running_ranges:
+            return True
+        return any(core in self._logged[b] for b in self._recovered)
+
+    def plan_floor(self, persisted_batch_id: int) -> int | None:
+        """Lowest LSN - 1 that a plan above ``persisted_batch_id`` still needs."""
+        firsts = [
+            first
+            for b, ranges in self._logged.items()
+            if b > persisted_batch_id
+            for first, _ in ranges.values()
+        ]
+        return min(firsts) - 1 if firsts else None
+
+    def _limit(self, p: _Pending) -> int:
+        return self.cfg.catchup_max_rows if p.catching_up else self.cfg.max_rows
+
+    # ------------------------------------------------------------------
+    # Run loop
+
+    def request_stop(self) -> None:
+        """Finish the running batch (if any), then return from :meth:`run`."""
+        self._stopping = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        # Re-run planned batches that did not commit before the restart, in order.
+        while self._recovered and not self._stopping:
+            bid = self._recovered[0]
+            batch = await self._reload(bid, self._logged[bid])
+            await self._execute(batch, self._clock())
+            self._commit(batch, self._clock())
+            self._recovered.pop(0)
+        held = False
+        while not self._stopping:
+            if not await self._wait_due():
+                break
+            if not self.executor.ready():
+                if not held:
+                    log.info("microbatch_held", reason="executor not ready")
+                    held = True
+                await self._sleep(min(self.cfg.interval_ms / 1000, 0.1))
+                continue
+            if held:
+                log.info("microbatch_resumed")
+                held = False
+            await self.run_once()
+
+    async def run_once(self) -> MicroBatch | None:
+        """Steps 1-4 for one batch; None when nothing is pending."""
+        started = self._clock()
+        # Step 1. Close one slice per core.
+        batch = self._close()
+        if batch is None:
+            return None
+        # Step 2. Record the plan durably before the batch runs.
+        async with self._file_lock:
+            await asyncio.to_thread(self.plan_log.append, batch.batch_id, batch.ranges())
+            self._logged[batch.batch_id] = batch.ranges()
+        # Step 3. Execute, retrying with backoff; same id, same rows.
+        await self._execute(batch, started)
+        # Step 4. Commit: watermarks move only now (invariant 6).
+        self._commit(batch, started)
+        return batch
+
+    async def _wait_due(self) -> bool:
+        """Wait until a batch is due. False when stopping."""
+        interval = self.cfg.interval_ms / 1000
+        while not self._stopping:
+            if any(len(p.records) >= self._limit(p) for p in self._pending):
+                return True
+            remaining = self._last_close + interval - self._clock()
+            if remaining <= 0:
+                if any(p.records for p in self._pending):
+                    return True
+                remaining = interval
+            self._wake.clear()
+            await wait_event(self._wake, remaining)
+        return False
+
+    def _close(self) -> MicroBatch | None:
+        slices: dict[int, Slice] = {}
+        for core, p in enumerate(self._pending):
+            if not p.records:
+                continue
+            limit = self._limit(p)
+            if len(p.records) <= limit:
+                rows, p.records, p.nbytes = p.records, [], 0
+            else:
+                rows, p.records = p.records[:limit], p.records[limit:]
+                p.nbytes -= sum(map(len, map(_payload, rows))) + RECORD_OVERHEAD_BYTES * len(rows)
+            if p.nbytes < self.pending_max_bytes:
+                p.room.set()
+            slices[core] = Slice(core, rows[0].lsn, rows[-1].lsn, rows)
+        self._last_close = self._clock()
+        if not slices:
+            return None
+        batch = MicroBatch(self._next_id, slices)
+        self._next_id += 1
+        self._running = batch
+        self._running_ranges = batch.ranges()
+        return batch
+
+    async def _reload(self, batch_id: int, ranges: Ranges) -> MicroBatch:
+        """Rebuild a planned batch from the WAL: same id, same rows."""
+        slices: dict[int, Slice] = {}
+        for core, (first, last) in sorted(ranges.items()):
+            rows = await self._load_slice(core, first, last)
+            if not rows or rows[0].lsn != first or rows[-1].lsn != last:
+                got = f"{rows[0].lsn}..{rows[-1].lsn}" if rows else "nothing"
+                raise PlanMismatchError(
+                    f"batch {batch_id} core {core}: plan says LSN {first}..{last} but the WAL "
+                    f"returned {got}; the WAL and the plan log do not belong together"
+                )
+            slices[core] = Slice(core, first, last, rows)
+        batch = MicroBatch(batch_id, slices)
+        self._running = batch
+        self._running_ranges = dict(ranges)
+        log.info("microbatch_rerun", batch_id=batch_id, rows=batch.rows, cores=sorted(ranges))
+        return batch
+
+    async def _execute(self, batch: MicroBatch, started: float) -> None:
+        delay = self.cfg.retry_initial_ms / 1000
+        attempt = 0
+        info: dict[str, Any] = {
+            "batch_id": batch.batch_id,
+            "rows": batch.rows,
+            "ranges": batch.ranges(),
+            "state": "running",
+            "attempts": 0,
+            "error": None,
+            "duration_s": None,
+        }
+        self.last_batch = info
+        while True:
+            while not self.executor.ready():
+                info["state"] = "held"
+                await self._sleep(min(self.cfg.interval_ms / 1000, 0.1))
+            attempt += 1
+            info["attempts"] = attempt
+            info["state"] = "running"
+            try:
+                await self.executor.execute(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.metrics.batch_outcomes.labels(outcome="failed").inc()
+                info["state"] = "retrying"
+                info["error"] = f"{type(exc).__name__}: {exc}"
+                log.warning(
+                    "microbatch_failed",
+                    batch_id=batch.batch_id,
+                    attempt=attempt,
+                    error=info["error"],
+                    retry_in_s=delay,
+                )
+                await self._sleep(delay)
+                delay = min(delay * 2, self.cfg.retry_max_ms / 1000)
+                continue
+            return
+
+    def _commit(self, batch: MicroBatch, started: float) -> None:
+        self.watermarks.commit(batch)
+        self._running = None
+        self._running_ranges = {}
+        elapsed = self._clock() - started
+        m = self.metrics
+        m.batch_duration.observe(elapsed)
+        m.batch_rows.inc(batch.rows)
+        m.batch_outcomes.labels(outcome="committed").inc()
+        m.batch_last_id.set(batch.batch_id)
+        if self.last_batch is not None and self.last_batch["batch_id"] == batch.batch_id:
+            self.last_batch.update(state="committed", duration_s=round(elapsed, 6))
+        log.debug("microbatch_committed", batch_id=batch.batch_id, rows=batch.rows)
+        if self._on_commit is not None:
+            self._on_commit(batch)
+
+    # ------------------------------------------------------------------
+    # Plan log upkeep (called after watermarks were persisted)
+
+    async def forget_through(self, persisted_batch_id: int) -> None:
+        """Drop plans the persisted watermarks cover; compact the file now and then."""
+        for b in [b for b in self._logged if b <= persisted_batch_id]:
+            del self._logged[b]
+        if self.plan_log.entries - len(self._logged) < COMPACT_AFTER:
+            return
+        async with self._file_lock:
+            # Under the lock: a plan appended meanwhile must be in ``keep``.
+            keep = dict(self._logged)
+            await asyncio.to_thread(self.plan_log.rewrite, keep)
+        log.debug("plan_log_compacted", kept=len(keep))

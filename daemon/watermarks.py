@@ -1,0 +1,214 @@
+"""Per-core watermarks: how far each core's events are committed downstream.
+
+A core's watermark is the last LSN of the last committed micro-batch slice
+for that core (invariant 6), or, when the core is idle and owes nothing, the
+highest LSN the plane has seen (the heartbeat), so WAL retention keeps moving.
+
+The file is replaced atomically (temp file, fsync, rename, directory fsync)
+and carries the WAL's id and the ``cores`` count (invariant 13)::
+
+    {"format": "eventplane-watermarks", "version": 1, "wal_id": "...",
+     "cores": 4, "batch_id": 17, "lsns": [120, 118, 0, 119], "crc32": ...}
+
+``batch_id`` is the id of the last committed batch: plans above it are re-run
+after a restart. ``crc32`` covers the canonical JSON of every other field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
+
+if TYPE_CHECKING:
+    from daemon.batch import MicroBatch
+    from daemon.metrics import Metrics
+
+FORMAT = "eventplane-watermarks"
+VERSION = 1
+FILENAME = "watermarks.json"
+
+
+class WatermarkFileError(DaemonError):
+    """The watermarks file is unreadable or damaged."""
+
+
+@dataclass(frozen=True, slots=True)
+class WatermarkSnapshot:
+    wal_id: str
+    cores: int
+    batch_id: int
+    lsns: tuple[int, ...]
+
+    def floor(self) -> int:
+        """The lowest watermark: everything at or below it is committed on every core."""
+        return min(self.lsns) if self.lsns else 0
+
+
+def _body(s: WatermarkSnapshot) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "wal_id": s.wal_id,
+        "cores": s.cores,
+        "batch_id": s.batch_id,
+        "lsns": list(s.lsns),
+    }
+
+
+def _crc(body: dict[str, Any]) -> int:
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or create in ``path`` durable (POSIX needs the directory fsync)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Step 1 write temp; Step 2 fsync it; Step 3 rename over; Step 4 fsync the folder."""
+    tmp = path.with_name(path.name + ".tmp")
+    # Step 1. Write the whole new content next to the old file.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        # Step 2. Make the content durable before it becomes visible.
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    # Step 3. Atomically replace: readers see the old or the new file, never a mix.
+    os.replace(tmp, path)
+    # Step 4. Make the rename itself durable.
+    fsync_dir(path.parent)
+
+
+class WatermarkStore:
+    """Reads and writes the watermarks file; checks identity on load."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self, wal_id: str, cores: int, *, plans_path: Path | None = None) -> WatermarkSnapshot:
+        """Return the stored watermarks, or all zeros when the file does not exist.
+
+        Raises IdentityMismatchError when the file was written for another WAL
+        or another core count, with what changed and what to do.
+        """
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return WatermarkSnapshot(wal_id, cores, 0, (0,) * cores)
+        except OSError as exc:
+            raise WatermarkFileError(f"{self.path}: cannot read ({exc.strerror})") from exc
+        try:
+            doc = json.loads(raw)
+            crc = doc.pop("crc32")
+            if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+                raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
+            snap = WatermarkSnapshot(
+                str(doc["wal_id"]),
+                int(doc["cores"]),
+                int(doc["batch_id"]),
+                tuple(int(x) for x in doc["lsns"]),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WatermarkFileError(
+                f"{self.path}: not a valid watermarks file ({exc}); restore it from a backup, "
+                "or move it aside to replay every core from the start of the WAL"
+            ) from exc
+        if crc != _crc(_body(snap)) or len(snap.lsns) != snap.cores:
+            raise WatermarkFileError(
+                f"{self.path}: checksum mismatch ({len(raw)} bytes); the file is damaged. "
+                "Restore it from a backup, or move it aside to replay every core from the "
+                "start of the WAL"
+            )
+        aside = f"{self.path}" + (f" and {plans_path}" if plans_path else "")
+        if snap.wal_id != wal_id:
+            raise IdentityMismatchError(
+                f"{self.path} belongs to WAL {snap.wal_id}, but the WAL in use has id {wal_id}: "
+                "the WAL directory was replaced or re-created, so these watermarks do not "
+                "describe its events. Restore the WAL directory that matches, or, to process "
+                f"the new WAL from its start, move {aside} aside"
+            )
+        if snap.cores != cores:
+            raise IdentityMismatchError(
+                f"{self.path} was written with daemon.cores = {snap.cores}, but the "
+                f"configuration now says {cores}. Events are sharded by core, so the core "
+                f"count is fixed for the life of a data_dir: set daemon.cores = {snap.cores} "
+                "again, or start with a new data_dir"
+            )
+        return snap
+
+    def save(self, snap: WatermarkSnapshot) -> None:
+        body = _body(snap)
+        body["crc32"] = _crc(_body(snap))
+        atomic_write(self.path, json.dumps(body, separators=(",", ":")).encode() + b"\n")
+
+
+class Watermarks:
+    """The in-memory committed watermarks, and what was last persisted.
+
+    Only committed effects move a watermark (invariant 6): :meth:`commit` after
+    the executor returned, :meth:`advance` for the idle heartbeat. Retention
+    uses :attr:`persisted`, never the in-memory values, so a crash before the
+    next flush can always re-run the batches that the file does not cover.
+    """
+
+    def __init__(self, loaded: WatermarkSnapshot, metrics: Metrics | None = None) -> None:
+        self.wal_id = loaded.wal_id
+        self.cores = loaded.cores
+        self.lsns = list(loaded.lsns)
+        self.batch_id = loaded.batch_id
+        self.persisted = loaded
+        self._metrics = metrics
+        for core, lsn in enumerate(self.lsns):
+            self._publish(core, lsn)
+
+    @property
+    def dirty(self) -> bool:
+        p = self.persisted
+        return p.batch_id != self.batch_id or p.lsns != tuple(self.lsns)
+
+    def snapshot(self) -> WatermarkSnapshot:
+        return WatermarkSnapshot(self.wal_id, self.cores, self.batch_id, tuple(self.lsns))
+
+    def commit(self, batch: MicroBatch) -> None:
+        """Advance every core of a committed batch to its slice's last LSN."""
+        if batch.batch_id <= self.batch_id:
+            raise LsnRegressionError(
+                f"batch {batch.batch_id} committed after batch {self.batch_id}; batch ids must grow"
+            )
+        for core, s in batch.slices.items():
+            if s.last_lsn <= self.lsns[core]:
+                raise LsnRegressionError(
+                    f"batch {batch.batch_id} would move core {core}'s watermark back from "
+                    f"LSN {self.lsns[core]} to {s.last_lsn}"
+                )
+        for core, s in batch.slices.items():
+            self.lsns[core] = s.last_lsn
+            self._publish(core, s.last_lsn)
+        self.batch_id = batch.batch_id
+
+    def advance(self, core: int, lsn: int) -> bool:
+        """Heartbeat: move an idle core forward (never back). True if it moved."""
+        if lsn <= self.lsns[core]:
+            return False
+        self.lsns[core] = lsn
+        self._publish(core, lsn)
+        return True
+
+    def _publish(self, core: int, lsn: int) -> None:
+        if self._metrics is not None:
+            self._metrics.watermark_lsn.labels(core=str(core)).set(lsn)
