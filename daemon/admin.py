@@ -1,0 +1,178 @@
+"""The admin listener: ``/metrics``, ``/healthz``, ``/readyz``, ``/v1/status``.
+
+Probes and scrapes, kept off the ingest listener so that a flood of events
+never delays a health check, and so the two can bind different interfaces.
+
+- ``GET /metrics``: the daemon's Prometheus registry, text exposition format.
+- ``GET /healthz``: 200 while the process is alive and its event loop is
+  responsive. A ticker task on the loop measures how late its wake-ups are;
+  if the last tick is older than :data:`STALL_S` the loop was stuck (a
+  blocking call) and the answer is 503 with the measured stall.
+- ``GET /readyz``: 200 once the daemon is ready and not draining, else 503.
+- ``GET /v1/status``: the injected ``status()`` document as JSON (the schema
+  is the daemon's; ``eventplane status`` renders it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from daemon.config import Config
+from daemon.metrics import Metrics
+
+log = structlog.get_logger("eventplane.admin")
+
+# The loop-responsiveness ticker wakes this often; cheap (one timer per tick).
+TICK_S = 0.25
+# A loop whose last tick is this old is reported stuck. Probes time out after
+# a few seconds (kubelet and systemd defaults are 1-10 s); 2 s is well past
+# any GC pause and well short of those.
+STALL_S = 2.0
+
+
+def _json_default(value: Any) -> Any:
+    return str(value)  # Paths, enums and the like in a status document
+
+
+_encode = msgspec.json.Encoder(enc_hook=_json_default).encode
+
+
+def _json(status: int, doc: Any) -> web.Response:
+    return web.Response(status=status, body=_encode(doc), content_type="application/json")
+
+
+class AdminServer:
+    """Serves the admin endpoints on ``admin.listen`` (port 0 picks one; see ``port``)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        metrics: Metrics,
+        status: Callable[[], dict[str, Any]],
+        ready: Callable[[], bool],
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self._listen = cfg.admin.listen
+        self._metrics = metrics
+        self._status = status
+        self._ready = ready
+        self._clock = clock
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._last_tick = 0.0
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._get_metrics)
+        app.router.add_get("/healthz", self._get_healthz)
+        app.router.add_get("/readyz", self._get_readyz)
+        app.router.add_get("/v1/status", self._get_status)
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=30.0)
+        await runner.setup()
+        self._runner = runner
+        self._site = web.TCPSite(runner, self._listen.host, self._listen.port, reuse_address=True)
+        await self._site.start()
+        self._last_tick = self._now()
+        self._ticker = asyncio.create_task(self._tick(), name="admin-loop-ticker")
+        log.info("admin.listening", url=self.url)
+
+    @property
+    def port(self) -> int:
+        if self._site is None:
+            raise RuntimeError("AdminServer.port: call start() first")
+        return self._site.port
+
+    @property
+    def url(self) -> str:
+        host = self._listen.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}"
+
+    async def stop(self, timeout_s: float) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker = None
+        runner = self._runner
+        if runner is None:
+            return
+        if self._site is not None:
+            await self._site.stop()
+        server = runner.server
+        if server is not None:
+            server.pre_shutdown()
+            await server.shutdown(max(0.0, timeout_s) / 2)
+        await runner.cleanup()
+        self._runner = None
+        log.info("admin.stopped")
+
+    # -- loop responsiveness -----------------------------------------------
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+
+    async def _tick(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(TICK_S)
+                self._last_tick = self._now()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("admin.ticker_failed")
+            raise
+
+    def loop_stall_s(self) -> float:
+        """How long the loop has gone without a tick, beyond the tick interval."""
+        return max(0.0, self._now() - self._last_tick - TICK_S)
+
+    # -- handlers ----------------------------------------------------------
+
+    async def _get_metrics(self, request: web.Request) -> web.StreamResponse:
+        body = self._metrics.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _get_healthz(self, request: web.Request) -> web.StreamResponse:
+        stall = self.loop_stall_s()
+        ticker_alive = self._ticker is not None and not self._ticker.done()
+        if stall > STALL_S or not ticker_alive:
+            return _json(
+                503,
+                {
+                    "status": "stalled",
+                    "message": f"the event loop did not run for {stall:.1f} s (limit {STALL_S:g} s)"
+                    if ticker_alive
+                    else "the loop-responsiveness ticker is not running",
+                    "loop_stall_s": round(stall, 3),
+                },
+            )
+        return _json(200, {"status": "ok", "loop_stall_s": round(stall, 3)})
+
+    async def _get_readyz(self, request: web.Request) -> web.StreamResponse:
+        try:
+            ready = bool(self._ready())
+        except Exception as exc:
+            log.exception("admin.ready_failed")
+            return _json(503, {"ready": False, "message": f"readiness check failed: {exc}"})
+        if ready:
+            return _json(200, {"ready": True})
+        return _json(503, {"ready": False, "message": "starting up or draining"})
+
+    async def _get_status(self, request: web.Request) -> web.StreamResponse:
+        try:
+            doc = self._status()
+        except Exception as exc:
+            log.exception("admin.status_failed")
+            return _json(500, {"error": "status_failed", "message": f"status failed: {exc}"})
+        return _json(200, doc)
