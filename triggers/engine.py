@@ -1,0 +1,576 @@
+"""The trigger engine: a BatchStage that evaluates triggers in each micro-batch,
+calls their actions, and keeps every failed call durably in a retry queue or
+a dead-letter queue (DLQ).
+
+Lifecycle::
+
+    engine = TriggerEngine(cfg.triggers, data_dir=cfg.data_dir, emit=append, metrics=m)
+    errors = await asyncio.to_thread(engine.validate, spark)   # startup: Spark analysis
+    await engine.start()                                        # store + retry loop
+    ... executor: result = engine.run_in_spark(spark, df, batch)   (Spark thread)
+                  await engine.finish(batch, result)               (event loop)
+    errors = await asyncio.to_thread(engine.reload, specs, spark)  # SIGHUP
+    await engine.stop()
+
+Guarantees (DESIGN.md invariants 6 and 8): ``finish`` returns only when each
+action call of the batch succeeded or sits in SQLite (retry queue or DLQ,
+``synchronous = FULL``), so the batch's watermark never covers an event whose
+action could still be lost. A crash before the commit re-runs the batch and
+repeats its actions (at least once); every row carries ``"<trigger>:<lsn>"``
+and every call ``Idempotency-Key: <trigger>:<first_lsn>-<last_lsn>`` so that
+receivers can drop repeats. Stored rows are whole documents, so the retry
+queue never needs the WAL (it adds nothing to the retention floor).
+
+Ordering: a trigger's calls for one batch go out one after another in LSN
+order (so per key too). A call that fails is retried later, possibly after
+newer rows of the same trigger were delivered; receivers that care order by
+the ``lsn`` in each row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import aiohttp
+import structlog
+
+from triggers import actions, evaluate
+from triggers import rows as rowsmod
+from triggers.errors import RetriableActionError, RetryLoopError, StoreError, TriggerConfigError
+from triggers.metrics import NullMetrics, TriggerMetrics
+from triggers.spec import (
+    MAX_DEPTH,
+    EmitAction,
+    PythonAction,
+    SqlAction,
+    Trigger,
+    TriggerSpecLike,
+    WebhookAction,
+    compile_specs,
+)
+from triggers.store import DeadRows, NewRetry, RetryEntry, TriggerStore, store_path
+
+log = structlog.get_logger("triggers")
+T = TypeVar("T")
+
+# Entries attempted per retry pass; the next pass starts right away if more are due.
+RETRY_PASS_LIMIT = 256
+# How often an idle loop looks at the store: `eventplane dlq replay` writes
+# from another process and cannot wake us.
+RETRY_POLL_S = 1.0
+# Consecutive failed passes (store errors, not action failures) before the
+# loop gives up and the daemon's supervisor takes over.
+MAX_LOOP_FAILURES = 5
+# 2**62 times any backoff is far above any max_backoff; avoids float overflow.
+_MAX_EXPONENT = 62
+
+
+class TriggerEngine:
+    """BatchStage ``"triggers"`` (see ``daemon.batch.BatchStage``)."""
+
+    name = "triggers"
+
+    def __init__(
+        self,
+        specs: Sequence[TriggerSpecLike],
+        *,
+        data_dir: Path | str,
+        emit: actions.EmitFn | None = None,
+        http: aiohttp.ClientSession | None = None,
+        metrics: TriggerMetrics | None = None,
+        dlq_max_entries: int = 100_000,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        max_depth: int = MAX_DEPTH,
+        poll_s: float = RETRY_POLL_S,
+    ) -> None:
+        triggers, errors = compile_specs(specs)
+        self._triggers: dict[str, Trigger] = {t.name: t for t in triggers}
+        self._compile_errors = errors
+        self._validated = False
+        self._spark: Any = None
+        self._sql_lock = threading.Lock()
+        self._data_dir = Path(data_dir)
+        self._emit = emit
+        self._http = http
+        self._own_http: aiohttp.ClientSession | None = None
+        self._metrics: TriggerMetrics = metrics if metrics is not None else NullMetrics()
+        self._dlq_max = dlq_max_entries
+        # Wall clock: retry due times live in a file and must survive restarts.
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._max_depth = max_depth
+        self._poll_s = poll_s
+        self._store: TriggerStore | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._retry_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def triggers(self) -> Mapping[str, Trigger]:
+        """The active set (swapped whole by :meth:`reload`)."""
+        return self._triggers
+
+    @property
+    def store_path(self) -> Path:
+        return store_path(self._data_dir)
+
+    @property
+    def retry_task(self) -> asyncio.Task[None] | None:
+        """The supervised retry loop; it ends with ``RetryLoopError`` if it gives up."""
+        return self._retry_task
+
+    # ------------------------------------------------------------ validation
+
+    def validate(self, spark: Any) -> list[str]:
+        """Check every spec, with Spark analyzing ``when`` and action expressions.
+
+        Blocking (py4j): call it in a worker thread. Returns one message per
+        problem, each naming the trigger and quoting Spark; an empty list
+        means the engine may run batches.
+        """
+        errors = list(self._compile_errors)
+        errors += evaluate.analyze(list(self._triggers.values()), spark, self._sql_lock)
+        self._spark = spark
+        self._validated = not errors
+        return errors
+
+    def reload(self, specs: Sequence[TriggerSpecLike], spark: Any) -> list[str]:
+        """SIGHUP: validate a new set whole; swap it in only if it has no errors.
+
+        The swap is one reference assignment; ``run_in_spark`` takes the set
+        once per batch and ``finish`` uses that batch's set, so a reload takes
+        effect between batches. Blocking (py4j): call it in a worker thread.
+        """
+        triggers, errors = compile_specs(specs)
+        if not errors:
+            errors = evaluate.analyze(triggers, spark, self._sql_lock)
+        if errors:
+            for message in errors:
+                log.error("trigger_reload_rejected", error=message)
+            log.error(
+                "trigger_reload_kept_old_set",
+                errors=len(errors),
+                kept=sorted(self._triggers),
+                message=f"trigger reload rejected with {len(errors)} error(s); "
+                "the previous triggers stay active",
+            )
+            return errors
+        old, new = self._triggers, {t.name: t for t in triggers}
+        self._triggers = new
+        self._spark = spark
+        self._validated = True
+        self._compile_errors = []
+        log.info(
+            "triggers_reloaded",
+            added=sorted(new.keys() - old.keys()),
+            removed=sorted(old.keys() - new.keys()),
+            changed=sorted(n for n in new.keys() & old.keys() if new[n] != old[n]),
+            active=sorted(n for n, t in new.items() if t.enabled),
+        )
+        self._wake.set()  # enabled/disabled changes what the retry loop may deliver
+        return []
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def start(self, *, retry_loop: bool = True) -> None:
+        """Open the store (pending retries become due now) and start the retry loop."""
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trigger-store")
+        self._store = await self._db(TriggerStore, self.store_path, self._dlq_max)
+        due = await self._db(self._store.make_all_due, self._clock())
+        depth = await self._refresh_gauges()
+        log.info("trigger_store_opened", path=str(self.store_path), pending=depth, made_due=due)
+        if self._http is None:
+            self._own_http = aiohttp.ClientSession()
+        if retry_loop:
+            self._wake = asyncio.Event()
+            self._retry_task = asyncio.create_task(self._retry_loop(), name="trigger-retry-loop")
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the loop (an interrupted call stays queued), close HTTP and the store."""
+        task, self._retry_task = self._retry_task, None
+        if task is not None:
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                log.error("trigger_retry_loop_stuck", timeout_s=timeout_s)
+            elif not task.cancelled() and task.exception() is not None:
+                log.error("trigger_retry_loop_had_failed", error=repr(task.exception()))
+        if self._own_http is not None:
+            await self._own_http.close()
+            self._own_http = None
+        if self._store is not None:
+            store, self._store = self._store, None
+            try:
+                await self._db(store.close)
+            except Exception:
+                log.exception("trigger_store_close_failed")
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    async def __aenter__(self) -> TriggerEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------ BatchStage
+
+    def run_in_spark(self, spark: Any, df: Any, batch: Any) -> evaluate.Evaluation:
+        """Evaluate every enabled trigger over the batch (Spark worker thread)."""
+        if not self._validated:
+            raise TriggerConfigError(
+                self._compile_errors or ["TriggerEngine.validate(spark) has not passed yet"]
+            )
+        triggers = self._triggers  # one set per batch, even if a reload lands meanwhile
+        return evaluate.evaluate(spark, df, triggers, int(batch.batch_id), self._sql_lock)
+
+    async def finish(self, batch: Any, result: Any) -> None:
+        """Deliver the batch's matched rows; return once every call is done or durable.
+
+        1. Count fires per trigger.
+        2. Per trigger (triggers concurrently): one call per chunk of
+           ``batch_size`` rows, in LSN order; sql actions already ran in Spark.
+        3. Failed calls become retry entries (retriable, attempts left) or DLQ
+           rows, all written in one SQLite transaction.
+        4. Refresh the gauges and wake the retry loop.
+        """
+        if not isinstance(result, evaluate.Evaluation):
+            raise TypeError(f"finish() expects run_in_spark's Evaluation, got {type(result)!r}")
+        if not result.matched:
+            return
+        store = self._require_store()
+        retries: list[NewRetry] = []
+        dead: list[DeadRows] = []
+        batch_id = int(batch.batch_id)
+        # Step 1. Count fires per trigger
+        for name, rows in result.matched.items():
+            self._metrics.trigger_fires.labels(name).inc(len(rows))
+        # Step 2. Call each trigger's action, chunk by chunk
+        async with asyncio.TaskGroup() as tg:
+            for name, rows in result.matched.items():
+                t = result.triggers[name]
+                sql = result.sql.get(name)
+                tg.create_task(self._first_attempts(t, rows, sql, batch_id, retries, dead))
+        # Step 3. Make every failure durable before the batch may commit
+        if retries or dead:
+            evicted = await self._db(store.record, retries, dead)
+            self._evicted(evicted)
+            log.info(
+                "trigger_batch_failures_queued",
+                batch_id=batch_id,
+                retry_entries=len(retries),
+                dlq_rows=sum(len(d.docs) for d in dead),
+            )
+            # Step 4. Refresh gauges, wake the retry loop
+            await self._refresh_gauges()
+            self._wake.set()
+
+    async def _first_attempts(
+        self,
+        t: Trigger,
+        rows: list[rowsmod.Row],
+        sql: evaluate.SqlOutcome | None,
+        batch_id: int,
+        retries: list[NewRetry],
+        dead: list[DeadRows],
+    ) -> None:
+        chunks = rowsmod.chunks(t.name, rows, t.batch_size)
+        if sql is not None:
+            # The statement ran in the Spark thread over all matched rows at once.
+            self._metrics.trigger_action_latency.labels(t.name).observe(sql.seconds)
+            if sql.error is None:
+                self._metrics.trigger_successes.labels(t.name).inc()
+                return
+            self._metrics.trigger_failures.labels(t.name, "retriable").inc()
+            log.warning("trigger_action_failed", trigger=t.name, batch_id=batch_id,
+                        rows=len(rows), error=sql.error, retriable=True)  # fmt: skip
+            now = self._clock()
+            failure = RetriableActionError(sql.error)
+            for c in chunks:
+                self._plan(t, c, 1, now, now, failure, retries, dead)
+            return
+        for chunk in chunks:
+            first = self._clock()
+            remaining = self._split_depth(t, chunk, 0, first, first, dead)
+            if remaining is None:
+                continue
+            exc = await self._call(t, remaining, batch_id=batch_id)
+            if exc is not None:
+                self._plan(t, remaining, 1, first, self._clock(), exc, retries, dead)
+
+    # ------------------------------------------------------------ one call
+
+    async def _call(self, t: Trigger, chunk: rowsmod.Chunk, **context: Any) -> BaseException | None:
+        """Call the action once; record metrics; return the failure, if any."""
+        started = time.perf_counter()
+        try:
+            await self._dispatch(t, chunk)
+        except Exception as exc:
+            retriable, _ = actions.classify(exc)
+            kind = "retriable" if retriable else "permanent"
+            self._metrics.trigger_failures.labels(t.name, kind).inc()
+            log.warning(
+                "trigger_action_failed",
+                trigger=t.name,
+                action=t.action.kind,
+                first_lsn=chunk.first_lsn,
+                last_lsn=chunk.last_lsn,
+                rows=len(chunk),
+                error=actions.describe(exc),
+                retriable=retriable,
+                **context,
+            )
+            return exc
+        finally:
+            self._metrics.trigger_action_latency.labels(t.name).observe(
+                time.perf_counter() - started
+            )
+        self._metrics.trigger_successes.labels(t.name).inc()
+        return None
+
+    async def _dispatch(self, t: Trigger, chunk: rowsmod.Chunk) -> None:
+        action = t.action
+        if isinstance(action, WebhookAction):
+            http = self._http or self._own_http
+            if http is None:
+                raise RetriableActionError("the trigger engine is not started")
+            await actions.call_webhook(http, action, chunk, self._clock())
+        elif isinstance(action, PythonAction):
+            await actions.call_python(action, chunk)
+        elif isinstance(action, EmitAction):
+            await actions.call_emit(self._emit, t, action, chunk)
+        elif isinstance(action, SqlAction):
+            await actions.call_sql(self._spark, self._sql_lock, t, action, chunk)
+
+    def _split_depth(
+        self,
+        t: Trigger,
+        chunk: rowsmod.Chunk,
+        attempts: int,
+        first: float,
+        now: float,
+        dead: list[DeadRows],
+    ) -> rowsmod.Chunk | None:
+        """Emit only: rows whose derived event would exceed the cascade depth go to the DLQ."""
+        if not isinstance(t.action, EmitAction):
+            return chunk
+        ok: list[bytes] = []
+        too_deep: list[bytes] = []
+        for doc in chunk.docs:
+            (too_deep if rowsmod.meta(doc).depth + 1 > self._max_depth else ok).append(doc)
+        if not too_deep:
+            return chunk
+        message = (
+            f"emit cascade stopped: trigger {t.name!r} matched {len(too_deep)} event(s) already "
+            f"at depth {self._max_depth}, the limit; they went to the DLQ instead of emitting "
+            f"depth {self._max_depth + 1}"
+        )
+        log.error(
+            "trigger_cascade_depth_exceeded",
+            trigger=t.name,
+            max_depth=self._max_depth,
+            rows=len(too_deep),
+            lsns=[rowsmod.meta(d).lsn for d in too_deep[:10]],
+            message=message,
+        )
+        self._metrics.trigger_failures.labels(t.name, "depth_limit").inc()
+        dead.append(DeadRows(t.name, too_deep, attempts, message, first, now))
+        return rowsmod.Chunk.from_docs(t.name, ok) if ok else None
+
+    def backoff_s(self, t: Trigger, attempts: int) -> float:
+        """initial * 2^(attempts-1), capped at max, with equal jitter (never below half)."""
+        nominal = min(
+            t.max_backoff_s, t.initial_backoff_s * 2.0 ** min(attempts - 1, _MAX_EXPONENT)
+        )
+        return nominal / 2 + self._rng.random() * nominal / 2
+
+    def _plan(
+        self,
+        t: Trigger,
+        chunk: rowsmod.Chunk,
+        attempts: int,
+        first: float,
+        now: float,
+        exc: BaseException,
+        retries: list[NewRetry],
+        dead: list[DeadRows],
+    ) -> None:
+        """After a failed attempt: the retry queue or the DLQ."""
+        retriable, retry_after = actions.classify(exc)
+        message = actions.describe(exc)
+        if retriable and attempts < t.max_attempts:
+            delay = self.backoff_s(t, attempts)
+            if retry_after is not None:
+                delay = max(delay, retry_after)
+            retries.append(NewRetry(chunk, attempts, now + delay, first, now, message))
+            return
+        if retriable:
+            message = f"gave up after {attempts} attempt(s): {message}"
+        log.error(
+            "trigger_rows_dead_lettered",
+            trigger=t.name,
+            rows=len(chunk),
+            first_lsn=chunk.first_lsn,
+            last_lsn=chunk.last_lsn,
+            attempts=attempts,
+            error=message,
+        )
+        dead.append(DeadRows(t.name, chunk.docs, attempts, message, first, now))
+
+    # ------------------------------------------------------------ retry queue
+
+    async def deliver_due(self) -> int:
+        """One retry pass: attempt every entry due now; returns how many were attempted.
+
+        Entries of one trigger go one after another (oldest due first);
+        triggers run concurrently. Entries of disabled triggers wait; entries
+        of triggers no longer configured go to the DLQ.
+        """
+        store = self._require_store()
+        triggers = self._triggers
+        disabled = [n for n, t in triggers.items() if not t.enabled]
+        entries = await self._db(store.due, self._clock(), disabled, RETRY_PASS_LIMIT)
+        groups: dict[str, list[RetryEntry]] = {}
+        for entry in entries:
+            groups.setdefault(entry.trigger, []).append(entry)
+        async with asyncio.TaskGroup() as tg:
+            for name, group in groups.items():
+                tg.create_task(self._retry_group(triggers.get(name), name, group))
+        if entries:
+            await self._refresh_gauges()
+        return len(entries)
+
+    async def _retry_group(self, t: Trigger | None, name: str, group: list[RetryEntry]) -> None:
+        store = self._require_store()
+        for entry in group:
+            if t is None:
+                message = (
+                    f"trigger {name!r} is no longer configured; last error: {entry.last_error}"
+                )
+                log.error("trigger_retry_orphaned", trigger=name, entry=entry.id, message=message)
+                dead = DeadRows(name, entry.chunk().docs, entry.attempts, message,
+                                entry.first_attempt, entry.last_attempt)  # fmt: skip
+                self._evicted(await self._db(store.dead_letter, entry, [dead], []))
+                continue
+            await self._retry_one(t, entry)
+
+    async def _retry_one(self, t: Trigger, entry: RetryEntry) -> None:
+        store = self._require_store()
+        now = self._clock()
+        first = entry.first_attempt or now
+        dead: list[DeadRows] = []
+        chunk = self._split_depth(t, entry.chunk(), entry.attempts, first, now, dead)
+        if chunk is None:
+            self._evicted(await self._db(store.dead_letter, entry, dead, []))
+            return
+        exc = await self._call(t, chunk, retry_entry=entry.id, attempt=entry.attempts + 1)
+        attempts = entry.attempts + 1
+        now = self._clock()
+        if exc is None:
+            log.info("trigger_retry_delivered", trigger=t.name, entry=entry.id, attempts=attempts,
+                     first_lsn=chunk.first_lsn, last_lsn=chunk.last_lsn)  # fmt: skip
+            if dead:
+                self._evicted(await self._db(store.dead_letter, entry, dead, []))
+            else:
+                await self._db(store.succeeded, entry.id)
+            return
+        retries: list[NewRetry] = []
+        self._plan(t, chunk, attempts, first, now, exc, retries, dead)
+        if retries and not dead:
+            r = retries[0]
+            await self._db(store.reschedule, entry.id, attempts, r.next_due, now, r.last_error)
+        else:
+            self._evicted(await self._db(store.dead_letter, entry, dead, retries))
+
+    async def _retry_loop(self) -> None:
+        """Supervised: CancelledError exits; repeated store failures raise RetryLoopError."""
+        failures = 0
+        while True:
+            self._wake.clear()
+            try:
+                await self.deliver_due()
+                failures = 0
+                delay = await self._next_wait()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                log.exception("trigger_retry_pass_failed", consecutive=failures)
+                if failures >= MAX_LOOP_FAILURES:
+                    raise RetryLoopError(
+                        f"the trigger retry loop failed {failures} times in a row "
+                        f"(last: {exc!r}); stopping so the service restarts"
+                    ) from exc
+                delay = min(self._poll_s * 2**failures, 30.0)
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=delay)
+
+    async def _next_wait(self) -> float:
+        store = self._require_store()
+        disabled = [n for n, t in self._triggers.items() if not t.enabled]
+        due = await self._db(store.next_due, disabled)
+        if due is None:
+            return self._poll_s
+        return min(max(due - self._clock(), 0.0), self._poll_s)
+
+    # ------------------------------------------------------------ status
+
+    async def status(self) -> dict[str, int]:
+        """Retry depth and DLQ size, for ``/v1/status``."""
+        store = self._require_store()
+        return {
+            "retry_depth": await self._db(store.retry_depth),
+            "dlq_entries": await self._db(store.dlq_size),
+        }
+
+    # ------------------------------------------------------------ helpers
+
+    async def _db(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a store call on the store's own thread (SQLite blocks on fsync)."""
+        if self._pool is None:
+            raise StoreError("the trigger engine is not started (call start() first)")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+
+    def _require_store(self) -> TriggerStore:
+        if self._store is None:
+            raise StoreError("the trigger engine is not started (call start() first)")
+        return self._store
+
+    async def _refresh_gauges(self) -> int:
+        store = self._require_store()
+        depth = await self._db(store.retry_depth)
+        self._metrics.retry_depth.set(depth)
+        self._metrics.dlq_entries.set(await self._db(store.dlq_size))
+        return depth
+
+    def _evicted(self, count: int) -> None:
+        if count:
+            self._metrics.dlq_evicted.inc(count)
+            log.warning(
+                "dlq_evicted",
+                entries=count,
+                max_entries=self._dlq_max,
+                message=f"the DLQ is full ({self._dlq_max} entries): evicted the {count} oldest",
+            )

@@ -1,0 +1,112 @@
+"""Matched rows as the actions see them: one JSON object per row.
+
+Spark renders each matched row once (``to_json`` of the batch columns), and
+the engine keeps that text as ``bytes`` from then on: a webhook body, a retry
+queue entry and a DLQ row are concatenations of the same bytes, never a
+re-encoding. A row document::
+
+    {"idempotency_key": "large-orders:42", "lsn": 42, "core": 1, "seq": 7,
+     "collection": "orders", "op": "insert", "key": "o-1",
+     "new": {"amount": 1500}, "old": null,
+     "ingest_ts": "2025-01-02T03:04:05.123456Z", "batch_id": 9,
+     "depth": 0, "source": ""}
+
+Rows matched by an ``emit`` trigger with ``key``/``new`` expressions also
+carry ``"emit": {"key": ..., "new": ...}``, the values Spark computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgspec
+
+_encode = msgspec.json.encode
+_docs_decoder = msgspec.json.Decoder(list[msgspec.Raw])
+_dict_decoder = msgspec.json.Decoder(dict[str, Any])
+
+
+class Row(NamedTuple):
+    lsn: int
+    doc: bytes  # the row's JSON object, idempotency_key first
+
+
+class RowMeta(msgspec.Struct, frozen=True):
+    """The fields of a row document the engine and the DLQ index by."""
+
+    lsn: int
+    collection: str
+    op: str
+    key: str
+    depth: int = 0
+
+
+_meta_decoder = msgspec.json.Decoder(RowMeta)
+
+
+def idempotency_key(trigger: str, lsn: int) -> str:
+    """Invariant 8: every action gets ``"<trigger>:<lsn>"``."""
+    return f"{trigger}:{lsn}"
+
+
+def with_key(trigger: str, lsn: int, doc: bytes) -> bytes:
+    """Prefix a Spark-rendered row object with its idempotency key."""
+    return b'{"idempotency_key":' + _encode(idempotency_key(trigger, lsn)) + b"," + doc[1:]
+
+
+def with_member(doc: bytes, name: str, value_json: bytes) -> bytes:
+    """Append ``"name": value`` to a JSON object."""
+    return doc[:-1] + b"," + _encode(name) + b":" + value_json + b"}"
+
+
+def join(docs: Sequence[bytes]) -> bytes:
+    return b"[" + b",".join(docs) + b"]"
+
+
+def split(array: bytes | str) -> list[bytes]:
+    """Inverse of :func:`join`; each element keeps its exact bytes."""
+    return [bytes(raw) for raw in _docs_decoder.decode(array)]
+
+
+def meta(doc: bytes | str) -> RowMeta:
+    return _meta_decoder.decode(doc)
+
+
+def to_dict(doc: bytes | str) -> dict[str, Any]:
+    return _dict_decoder.decode(doc)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Up to ``batch_size`` rows of one trigger, in LSN order: one action call."""
+
+    trigger: str
+    docs: list[bytes]
+    first_lsn: int
+    last_lsn: int
+
+    @classmethod
+    def of(cls, trigger: str, rows: Sequence[Row]) -> Chunk:
+        return cls(trigger, [r.doc for r in rows], rows[0].lsn, rows[-1].lsn)
+
+    @classmethod
+    def from_docs(cls, trigger: str, docs: list[bytes]) -> Chunk:
+        lsns = [meta(d).lsn for d in docs]
+        return cls(trigger, docs, min(lsns), max(lsns))
+
+    @property
+    def idempotency_key(self) -> str:
+        """The whole call's key: ``<trigger>:<first_lsn>-<last_lsn>``."""
+        return f"{self.trigger}:{self.first_lsn}-{self.last_lsn}"
+
+    def dicts(self) -> list[dict[str, Any]]:
+        return [to_dict(d) for d in self.docs]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+
+def chunks(trigger: str, rows: Sequence[Row], size: int) -> list[Chunk]:
+    return [Chunk.of(trigger, rows[i : i + size]) for i in range(0, len(rows), size)]

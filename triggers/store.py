@@ -1,0 +1,382 @@
+"""The durable retry queue and dead-letter queue: one SQLite file (WAL mode).
+
+Layout (``<data_dir>/triggers/queue.sqlite3``, ``PRAGMA user_version = 1``)::
+
+    retry  one row per pending action call (a chunk of matched rows)
+      id             INTEGER  autoincrement; delivery order among equally due entries
+      trigger        TEXT     trigger name
+      first_lsn      INTEGER  lowest LSN in rows
+      last_lsn       INTEGER  highest LSN in rows
+      rows           TEXT     JSON array of row documents (triggers.rows)
+      attempts       INTEGER  attempts made so far (0 after a DLQ replay)
+      next_due       REAL     Unix time the next attempt is due
+      first_attempt  REAL     Unix time of the first attempt
+      last_attempt   REAL     Unix time of the latest attempt (0 if none)
+      last_error     TEXT     what the latest attempt got
+
+    dlq  one row per dead-lettered matched row
+      id, trigger, collection, key, op, lsn, attempts, last_error,
+      first_attempt, last_attempt, row (the row document)
+
+Every write is one transaction with ``synchronous = FULL``: when a method
+returns, its effect survives a crash or power loss. That is what lets
+``TriggerEngine.finish`` count a queued action as done (invariant 6).
+
+The engine calls this class from one worker thread; the ``eventplane dlq``
+command opens the same file from another process (SQLite's locking and a
+busy timeout make that safe).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from triggers import rows as rowsmod
+from triggers.errors import StoreError
+
+SCHEMA_VERSION = 1
+# A second process (the dlq command) may hold the write lock briefly.
+BUSY_TIMEOUT_S = 10.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS retry (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    trigger TEXT NOT NULL,
+    first_lsn INTEGER NOT NULL,
+    last_lsn INTEGER NOT NULL,
+    rows TEXT NOT NULL,
+    attempts INTEGER NOT NULL,
+    next_due REAL NOT NULL,
+    first_attempt REAL NOT NULL,
+    last_attempt REAL NOT NULL,
+    last_error TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS retry_due ON retry (next_due, id);
+CREATE TABLE IF NOT EXISTS dlq (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    trigger TEXT NOT NULL,
+    collection TEXT NOT NULL,
+    key TEXT NOT NULL,
+    op TEXT NOT NULL,
+    lsn INTEGER NOT NULL,
+    attempts INTEGER NOT NULL,
+    last_error TEXT NOT NULL,
+    first_attempt REAL NOT NULL,
+    last_attempt REAL NOT NULL,
+    row TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS dlq_trigger ON dlq (trigger, id);
+"""
+
+
+def store_path(data_dir: Path | str) -> Path:
+    return Path(data_dir) / "triggers" / "queue.sqlite3"
+
+
+@dataclass(frozen=True, slots=True)
+class RetryEntry:
+    id: int
+    trigger: str
+    first_lsn: int
+    last_lsn: int
+    rows: str  # JSON array of row documents
+    attempts: int
+    next_due: float
+    first_attempt: float
+    last_attempt: float
+    last_error: str
+
+    def chunk(self) -> rowsmod.Chunk:
+        return rowsmod.Chunk(self.trigger, rowsmod.split(self.rows), self.first_lsn, self.last_lsn)
+
+
+@dataclass(frozen=True, slots=True)
+class NewRetry:
+    chunk: rowsmod.Chunk
+    attempts: int
+    next_due: float
+    first_attempt: float
+    last_attempt: float
+    last_error: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadRows:
+    """Rows of one trigger that go to the DLQ with the same history."""
+
+    trigger: str
+    docs: Sequence[bytes]
+    attempts: int
+    last_error: str
+    first_attempt: float
+    last_attempt: float
+
+
+@dataclass(frozen=True, slots=True)
+class DlqEntry:
+    id: int
+    trigger: str
+    collection: str
+    key: str
+    op: str
+    lsn: int
+    attempts: int
+    last_error: str
+    first_attempt: float
+    last_attempt: float
+    row: str
+
+
+class TriggerStore:
+    def __init__(self, path: Path | str, dlq_max_entries: int = 100_000) -> None:
+        self.path = Path(path)
+        self.dlq_max_entries = dlq_max_entries
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(
+                self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            )
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open the trigger store {self.path}: {exc}") from exc
+        self._db = db
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            # FULL: a commit is on disk when it returns (NORMAL may lose it on power loss).
+            db.execute("PRAGMA synchronous = FULL")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path}: layout version {version} was written by a newer eventplane "
+                    f"(this one reads {SCHEMA_VERSION}); upgrade, or move the file away"
+                )
+            db.executescript(f"BEGIN; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+        except sqlite3.Error as exc:
+            db.close()
+            raise StoreError(f"cannot initialise the trigger store {self.path}: {exc}") from exc
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Cursor]:
+        # IMMEDIATE takes the write lock up front, so a concurrent dlq command
+        # waits on the busy timeout instead of failing half-way.
+        cur = self._db.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            yield cur
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+        else:
+            cur.execute("COMMIT")
+        finally:
+            cur.close()
+
+    # ------------------------------------------------------------------ writes
+
+    def record(self, retries: Sequence[NewRetry], dead: Sequence[DeadRows]) -> int:
+        """Queue retries and dead-letter rows in one transaction; returns DLQ evictions."""
+        if not retries and not dead:
+            return 0
+        with self._tx() as cur:
+            self._insert_retries(cur, retries)
+            self._insert_dead(cur, dead)
+            return self._evict(cur) if dead else 0
+
+    def succeeded(self, entry_id: int) -> None:
+        with self._tx() as cur:
+            cur.execute("DELETE FROM retry WHERE id = ?", (entry_id,))
+
+    def reschedule(
+        self, entry_id: int, attempts: int, next_due: float, last_attempt: float, error: str
+    ) -> None:
+        with self._tx() as cur:
+            cur.execute(
+                "UPDATE retry SET attempts = ?, next_due = ?, last_attempt = ?, last_error = ? "
+                "WHERE id = ?",
+                (attempts, next_due, last_attempt, error, entry_id),
+            )
+
+    def dead_letter(
+        self, entry: RetryEntry, dead: Sequence[DeadRows], requeue: Sequence[NewRetry] = ()
+    ) -> int:
+        """Replace a retry entry by DLQ rows (and what is left of it), atomically.
+
+        Returns DLQ evictions.
+        """
+        with self._tx() as cur:
+            cur.execute("DELETE FROM retry WHERE id = ?", (entry.id,))
+            self._insert_retries(cur, requeue)
+            self._insert_dead(cur, dead)
+            return self._evict(cur)
+
+    def make_all_due(self, now: float) -> int:
+        """After a restart every pending retry is due at once (issue 5)."""
+        with self._tx() as cur:
+            cur.execute("UPDATE retry SET next_due = ? WHERE next_due > ?", (now, now))
+            return cur.rowcount
+
+    def _insert_retries(self, cur: sqlite3.Cursor, retries: Sequence[NewRetry]) -> None:
+        cur.executemany(
+            "INSERT INTO retry (trigger, first_lsn, last_lsn, rows, attempts, next_due, "
+            "first_attempt, last_attempt, last_error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (
+                    r.chunk.trigger,
+                    r.chunk.first_lsn,
+                    r.chunk.last_lsn,
+                    rowsmod.join(r.chunk.docs).decode(),
+                    r.attempts,
+                    r.next_due,
+                    r.first_attempt,
+                    r.last_attempt,
+                    r.last_error,
+                )
+                for r in retries
+            ],
+        )
+
+    def _insert_dead(self, cur: sqlite3.Cursor, dead: Sequence[DeadRows]) -> None:
+        values = []
+        for d in dead:
+            for doc in d.docs:
+                m = rowsmod.meta(doc)
+                values.append(
+                    (
+                        d.trigger, m.collection, m.key, m.op, m.lsn, d.attempts,
+                        d.last_error, d.first_attempt, d.last_attempt, doc.decode(),
+                    )
+                )  # fmt: skip
+        cur.executemany(
+            "INSERT INTO dlq (trigger, collection, key, op, lsn, attempts, last_error, "
+            "first_attempt, last_attempt, row) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            values,
+        )
+
+    def _evict(self, cur: sqlite3.Cursor) -> int:
+        size = int(cur.execute("SELECT COUNT(*) FROM dlq").fetchone()[0])
+        excess = size - self.dlq_max_entries
+        if excess <= 0:
+            return 0
+        cur.execute(
+            "DELETE FROM dlq WHERE id IN (SELECT id FROM dlq ORDER BY id LIMIT ?)", (excess,)
+        )
+        return excess
+
+    # ------------------------------------------------------------------- reads
+
+    def due(self, now: float, exclude: Collection[str] = (), limit: int = 256) -> list[RetryEntry]:
+        """Entries due at ``now``, oldest due first; ``exclude`` names disabled triggers."""
+        marks = ",".join("?" * len(exclude))
+        sql = (
+            "SELECT id, trigger, first_lsn, last_lsn, rows, attempts, next_due, first_attempt, "
+            "last_attempt, last_error FROM retry WHERE next_due <= ? "
+            + (f"AND trigger NOT IN ({marks}) " if exclude else "")
+            + "ORDER BY next_due, id LIMIT ?"
+        )
+        cur = self._db.execute(sql, (now, *exclude, limit))
+        return [RetryEntry(*row) for row in cur.fetchall()]
+
+    def next_due(self, exclude: Collection[str] = ()) -> float | None:
+        marks = ",".join("?" * len(exclude))
+        sql = "SELECT MIN(next_due) FROM retry" + (
+            f" WHERE trigger NOT IN ({marks})" if exclude else ""
+        )
+        value = self._db.execute(sql, tuple(exclude)).fetchone()[0]
+        return None if value is None else float(value)
+
+    def pending(self, trigger: str | None = None) -> list[RetryEntry]:
+        where, args = ("WHERE trigger = ?", (trigger,)) if trigger else ("", ())
+        cur = self._db.execute(
+            "SELECT id, trigger, first_lsn, last_lsn, rows, attempts, next_due, first_attempt, "
+            f"last_attempt, last_error FROM retry {where} ORDER BY id",
+            args,
+        )
+        return [RetryEntry(*row) for row in cur.fetchall()]
+
+    def retry_depth(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM retry").fetchone()[0])
+
+    def dlq_size(self, trigger: str | None = None) -> int:
+        if trigger is None:
+            return int(self._db.execute("SELECT COUNT(*) FROM dlq").fetchone()[0])
+        sql = "SELECT COUNT(*) FROM dlq WHERE trigger = ?"
+        return int(self._db.execute(sql, (trigger,)).fetchone()[0])
+
+    def dlq_list(self, trigger: str | None = None, limit: int = 100) -> list[DlqEntry]:
+        """Oldest first (DLQ ids grow with time)."""
+        where, args = ("WHERE trigger = ?", (trigger,)) if trigger else ("", ())
+        cur = self._db.execute(
+            "SELECT id, trigger, collection, key, op, lsn, attempts, last_error, first_attempt, "
+            f"last_attempt, row FROM dlq {where} ORDER BY id LIMIT ?",
+            (*args, limit),
+        )
+        return [DlqEntry(*row) for row in cur.fetchall()]
+
+    def dlq_get(self, entry_id: int) -> DlqEntry | None:
+        cur = self._db.execute(
+            "SELECT id, trigger, collection, key, op, lsn, attempts, last_error, first_attempt, "
+            "last_attempt, row FROM dlq WHERE id = ?",
+            (entry_id,),
+        )
+        row = cur.fetchone()
+        return None if row is None else DlqEntry(*row)
+
+    # ------------------------------------------------------------- operations
+
+    def dlq_replay(
+        self,
+        now: float,
+        *,
+        entry_id: int | None = None,
+        trigger: str | None = None,
+        chunk_sizes: Mapping[str, int] | None = None,
+        default_chunk: int = 1024,
+    ) -> int:
+        """Move DLQ rows back to the retry queue, due now, attempts reset.
+
+        Rows are regrouped per trigger in LSN order into chunks of the
+        trigger's ``batch_size``. Returns how many rows moved.
+        """
+        if (entry_id is None) == (trigger is None):
+            raise ValueError("give exactly one of entry_id and trigger")
+        sizes = chunk_sizes or {}
+        with self._tx() as cur:
+            if entry_id is not None:
+                found = cur.execute(
+                    "SELECT id, trigger, row, first_attempt FROM dlq WHERE id = ?", (entry_id,)
+                ).fetchall()
+            else:
+                found = cur.execute(
+                    "SELECT id, trigger, row, first_attempt FROM dlq WHERE trigger = ? "
+                    "ORDER BY lsn, id",
+                    (trigger,),
+                ).fetchall()
+            by_trigger: dict[str, list[tuple[int, bytes, float]]] = {}
+            for _id, name, row, first in found:
+                by_trigger.setdefault(name, []).append((rowsmod.meta(row).lsn, row.encode(), first))
+            retries: list[NewRetry] = []
+            for name, items in by_trigger.items():
+                items.sort(key=lambda item: item[0])
+                size = sizes.get(name, default_chunk)
+                for i in range(0, len(items), size):
+                    part = items[i : i + size]
+                    chunk = rowsmod.Chunk(name, [d for _, d, _ in part], part[0][0], part[-1][0])
+                    first = min(f for _, _, f in part)
+                    retries.append(NewRetry(chunk, 0, now, first, 0.0, "replayed from the DLQ"))
+            self._insert_retries(cur, retries)
+            cur.executemany("DELETE FROM dlq WHERE id = ?", [(r[0],) for r in found])
+            return len(found)
+
+    def dlq_purge(self, trigger: str | None = None) -> int:
+        with self._tx() as cur:
+            if trigger is None:
+                cur.execute("DELETE FROM dlq")
+            else:
+                cur.execute("DELETE FROM dlq WHERE trigger = ?", (trigger,))
+            return cur.rowcount
