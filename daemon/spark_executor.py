@@ -1,0 +1,507 @@
+"""The Spark executor: one planned micro-batch -> one DataFrame -> every consumer.
+
+``SparkExecutor`` implements ``daemon.batch.Executor``:
+
+- ``start()`` checks what can be checked without Spark (handler imports, CDC
+  stream paths, ledger identity, interrupted commits) and raises on a bad
+  configuration; then it builds the SparkSession in the background, with
+  backoff on failure. The WAL and ingest never wait for Spark; ``ready()``
+  tells the planner when batches can be handed over.
+- ``execute(batch)`` runs all py4j work in the executor's own worker thread
+  (one thread: Spark work is serialized, and a minutes-long job never holds a
+  slot of the loop's shared default pool). Per batch, in that thread:
+
+  1. slices -> one Arrow table (``batch_table``; payloads decoded in one pass);
+  2. Arrow -> DataFrame with ``new``/``old`` parsed to VARIANT
+     (``batch_dataframe``); persisted when more than one consumer reads it;
+  3. each CDC stream commits its rows exactly once (``daemon.cdc``);
+  4. each ``BatchStage.run_in_spark`` (triggers) computes its result;
+  5. each ``[[cdc.handlers]]`` function gets ``(df, batch_id)``.
+
+  Back on the loop, each stage's ``finish`` completes its effects. ``execute``
+  returns only when all of it is done (invariant 6); any failure raises, so
+  the planner retries the batch with the same id and rows, and is counted in
+  ``eventplane_microbatch_outcomes_total`` and shown by ``status()``.
+- ``stop()`` waits for the batch in flight, closes the streams and stops the
+  session it built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import enum
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from daemon import spark as sparkmod
+from daemon.batch import BatchStage, MicroBatch
+from daemon.cdc import CDC_COLUMNS, CdcSink, CommitResult, crash_point
+from daemon.config import Config
+from daemon.errors import ConfigError, DaemonError, ExecutorError
+from daemon.events import StoredEvent
+from daemon.metrics import Metrics
+
+log = structlog.get_logger("eventplane.spark")
+
+# Columns of the batch DataFrame: the CDC contract plus what triggers need.
+EXTRA_COLUMNS = ("depth", "source")
+BATCH_COLUMNS = (*CDC_COLUMNS, *EXTRA_COLUMNS)
+
+Handler = Callable[[Any, int], Any]
+
+# A msgpack array header (0xdd + uint32 count) in front of the concatenated
+# payloads turns a slice into one msgpack document: one C-level decode per
+# slice instead of one Python call per event.
+_events_decoder = msgspec.msgpack.Decoder(list[StoredEvent])
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+# --------------------------------------------------------------------------
+# Batch -> Arrow -> DataFrame (pure functions; the bench and tests use them)
+
+
+def batch_table(batch: MicroBatch) -> Any:
+    """The batch's rows as one Arrow table, slices in core order, LSN order within."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    lsn: list[int] = []
+    core: list[int] = []
+    seq: list[int] = []
+    events: list[StoredEvent] = []
+    for c in sorted(batch.slices):
+        records = batch.slices[c].records
+        if not records:
+            continue
+        lsns, cores, seqs, payloads = zip(*records, strict=True)
+        lsn.extend(lsns)
+        core.extend(cores)
+        seq.extend(seqs)
+        header = b"\xdd" + len(payloads).to_bytes(4, "big")
+        events.extend(_events_decoder.decode(header + b"".join(payloads)))
+    ts_ns = pa.array([e.ingest_ts_ns for e in events], pa.int64())
+    return pa.table(
+        {
+            "lsn": pa.array(lsn, pa.int64()),
+            "core": pa.array(core, pa.int32()),
+            "seq": pa.array(seq, pa.int64()),
+            "collection": pa.array([e.collection for e in events], pa.string()),
+            "op": pa.array([e.op for e in events], pa.string()),
+            "key": pa.array([e.key for e in events], pa.string()),
+            # Binary then one C-level UTF-8 check: 5x faster than str conversion.
+            "new_json": pa.array([e.new for e in events], pa.binary()).cast(pa.string()),
+            "old_json": pa.array([e.old for e in events], pa.binary()).cast(pa.string()),
+            "ingest_ts": pc.divide(ts_ns, 1000).cast(pa.timestamp("us", tz="UTC")),
+            "depth": pa.array([e.depth for e in events], pa.int32()),
+            "source": pa.array([e.source for e in events], pa.string()),
+        }
+    )
+
+
+def collection_counts(table: Any) -> dict[str, int]:
+    import pyarrow.compute as pc
+
+    counts = pc.value_counts(table["collection"])
+    return {str(v): int(n) for v, n in zip(*counts.flatten(), strict=True)} if len(counts) else {}
+
+
+def batch_dataframe(spark: Any, table: Any, batch_id: int) -> Any:
+    """Arrow table -> the batch DataFrame (``BATCH_COLUMNS``, new/old as VARIANT)."""
+    from pyspark.sql import functions as F
+
+    raw = spark.createDataFrame(table)
+    return raw.select(
+        "lsn",
+        "core",
+        "seq",
+        "collection",
+        "op",
+        "key",
+        F.parse_json("new_json").alias("new"),
+        F.parse_json("old_json").alias("old"),
+        "ingest_ts",
+        F.lit(batch_id).cast("bigint").alias("batch_id"),
+        "depth",
+        "source",
+    )
+
+
+def load_handler(ref: str) -> Handler:
+    """Import ``"pkg.mod:func"``; raise ValueError with the reason."""
+    module_name, _, func_name = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time error of user code is a config error
+        raise ValueError(
+            f"cannot import module {module_name!r} ({type(exc).__name__}: {exc})"
+        ) from exc
+    func = getattr(module, func_name, None)
+    if func is None:
+        raise ValueError(f"module {module_name!r} has no attribute {func_name!r}")
+    if not callable(func):
+        raise ValueError(f"{ref} is not callable")
+    return func  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Outcome:
+    rows: int
+    commits: list[CommitResult]
+    stage_results: list[tuple[BatchStage, Any]]
+    spark_seconds: float
+
+
+@dataclass(slots=True)
+class _Status:
+    state: State = State.STARTING
+    session_error: str | None = None
+    session_attempts: int = 0
+    last_batch_id: int | None = None
+    last_batch_rows: int | None = None
+    last_batch_duration_s: float | None = None
+    last_committed_at: float | None = None
+    batches_committed: int = 0
+    batches_failed: int = 0
+    last_error: str | None = None
+    last_error_batch_id: int | None = None
+    last_error_at: float | None = None
+    streams: dict[str, int] = field(default_factory=dict)  # name -> last committed batch
+
+
+class SparkExecutor:
+    """Runs micro-batches on Spark; see the module docstring for the flow."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        metrics: Metrics,
+        stages: Sequence[BatchStage] = (),
+        *,
+        wal_id: str = "",
+        session: Any | None = None,
+        session_factory: Callable[[], Any] | None = None,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+    ) -> None:
+        """``wal_id`` is written into (and checked against) every stream's ledger.
+
+        ``session``: use this SparkSession and never stop it (tests share one).
+        ``session_factory``: how to build one (default: ``build_session`` from
+        ``cfg.spark``); it runs in the worker thread.
+        """
+        self.cfg = cfg
+        self.metrics = metrics
+        self.wal_id = wal_id
+        self._stages: list[BatchStage] = list(stages)
+        self._session = session
+        self._owns_session = session is None
+        self._factory = session_factory or self._default_factory
+        self._sleep = sleep
+        self._sinks: list[CdcSink] = []
+        self._handlers: list[tuple[str, Handler]] = []
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eventplane-spark")
+        self._ready = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._boot_task: asyncio.Task[None] | None = None
+        self._status = _Status()
+
+    # -- wiring ------------------------------------------------------------
+
+    def add_stage(self, stage: BatchStage) -> None:
+        """Plug a consumer of each batch's DataFrame in (triggers). Runs in order added."""
+        self._stages.append(stage)
+
+    @property
+    def session(self) -> Any | None:
+        return self._session
+
+    @property
+    def sinks(self) -> Sequence[CdcSink]:
+        return tuple(self._sinks)
+
+    def _default_factory(self) -> Any:
+        s = self.cfg.spark
+        return sparkmod.build_session(s.master, s.app_name, s.ui, s.log_level, s.conf, s.remote)
+
+    # -- Executor protocol -------------------------------------------------
+
+    async def start(self) -> None:
+        """Check configuration now (raises ConfigError); build Spark in the background."""
+        self._handlers = self._load_handlers()
+        self._check_stream_paths()
+        loop = asyncio.get_running_loop()
+        self._sinks = await loop.run_in_executor(self._pool, self._open_sinks)
+        for sink in self._sinks:
+            self._status.streams[sink.name] = sink.last_batch_id
+        if self._session is not None:
+            self._mark_ready()
+        else:
+            self._boot_task = asyncio.create_task(self._boot(), name="spark-session-boot")
+
+    def ready(self) -> bool:
+        return self._status.state is State.READY
+
+    async def wait_ready(self) -> None:
+        """Return once batches can run (tests, and callers that prefer to wait)."""
+        await self._ready.wait()
+        if self._status.state is not State.READY:
+            raise ExecutorError("the Spark executor stopped before it became ready")
+
+    async def execute(self, batch: MicroBatch) -> None:
+        if self._status.state in (State.STOPPING, State.STOPPED):
+            raise ExecutorError(f"batch {batch.batch_id}: the Spark executor is stopped")
+        await self.wait_ready()  # consumers hold their batches until Spark is up
+        async with self._lock:
+            await self._execute_locked(batch)
+
+    async def stop(self) -> None:
+        """Wait for the batch in flight, close streams, stop the session we built."""
+        if self._status.state is State.STOPPED:
+            return
+        self._status.state = State.STOPPING
+        self._ready.set()  # release waiters; they see STOPPING and raise
+        if self._boot_task is not None and not self._boot_task.done():
+            self._boot_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._boot_task
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            try:
+                # Queued behind any build still running in the thread, so a session
+                # that finishes building after cancellation is stopped too.
+                await loop.run_in_executor(self._pool, self._close_in_thread)
+            finally:
+                self._status.state = State.STOPPED
+                self._pool.shutdown(wait=False)
+        log.info("spark_executor_stopped")
+
+    def status(self) -> dict[str, Any]:
+        st = self._status
+        spark = self.cfg.spark
+        return {
+            "ready": st.state is State.READY,
+            "state": st.state.value,
+            "spark": {"remote": spark.remote} if spark.remote else {"master": spark.master},
+            "session_error": st.session_error,
+            "session_attempts": st.session_attempts,
+            "last_batch_id": st.last_batch_id,
+            "last_batch_rows": st.last_batch_rows,
+            "last_batch_duration_s": st.last_batch_duration_s,
+            "last_committed_at": st.last_committed_at,
+            "batches_committed": st.batches_committed,
+            "batches_failed": st.batches_failed,
+            "last_error": st.last_error,
+            "last_error_batch_id": st.last_error_batch_id,
+            "last_error_at": st.last_error_at,
+            "streams": {
+                s.name: {"path": str(s.path), "last_batch_id": st.streams.get(s.name)}
+                for s in self._sinks
+            },
+            "stages": [s.name for s in self._stages],
+            "handlers": [ref for ref, _ in self._handlers],
+        }
+
+    # -- start-up ----------------------------------------------------------
+
+    def _load_handlers(self) -> list[tuple[str, Handler]]:
+        errors: list[str] = []
+        out: list[tuple[str, Handler]] = []
+        for i, h in enumerate(self.cfg.cdc.handlers):
+            try:
+                out.append((h.function, load_handler(h.function)))
+            except ValueError as exc:
+                errors.append(f"cdc.handlers[{i}].function: {exc}")
+        if errors:
+            raise ConfigError(errors, str(self.cfg.source or "config"))
+        return out
+
+    def _check_stream_paths(self) -> None:
+        errors: list[str] = []
+        seen: list[tuple[int, Path]] = []
+        for i, s in enumerate(self.cfg.cdc.streams):
+            p = Path(s.path).resolve()
+            for j, q in seen:
+                if p == q or p.is_relative_to(q) or q.is_relative_to(p):
+                    errors.append(
+                        f"cdc.streams[{i}].path: {p} overlaps cdc.streams[{j}].path ({q}); "
+                        f"each stream needs its own folder (a reader of one would see both)"
+                    )
+            seen.append((i, p))
+            try:
+                (p / "_eventplane").mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                errors.append(f"cdc.streams[{i}].path: cannot create {p} ({exc.strerror})")
+        if errors:
+            raise ConfigError(errors, str(self.cfg.source or "config"))
+
+    def _open_sinks(self) -> list[CdcSink]:
+        sinks: list[CdcSink] = []
+        try:
+            for s in self.cfg.cdc.streams:
+                sink = CdcSink(s, wal_id=self.wal_id, cores=self.cfg.daemon.cores)
+                sink.open()
+                sinks.append(sink)
+        except BaseException:
+            for sink in sinks:
+                sink.close()
+            raise
+        return sinks
+
+    async def _boot(self) -> None:
+        """Build the session, retrying with backoff; a routine that only ends by success."""
+        loop = asyncio.get_running_loop()
+        mb = self.cfg.microbatch
+        delay = mb.retry_initial_ms / 1000
+        while True:
+            self._status.session_attempts += 1
+            started = time.monotonic()
+            try:
+                session = await loop.run_in_executor(self._pool, self._factory)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._status.session_error = f"{type(exc).__name__}: {exc}"
+                log.error(
+                    "spark_session_failed",
+                    attempt=self._status.session_attempts,
+                    retry_in_s=delay,
+                    error=self._status.session_error,
+                )
+                await self._sleep(delay)
+                delay = min(delay * 2, mb.retry_max_ms / 1000)
+                continue
+            if self._status.state is not State.STARTING:  # stop() raced us
+                return
+            self._session = session
+            self._status.session_error = None
+            self._mark_ready()
+            log.info(
+                "spark_session_ready",
+                seconds=round(time.monotonic() - started, 3),
+                **self.status()["spark"],
+            )
+            return
+
+    def _mark_ready(self) -> None:
+        self._status.state = State.READY
+        self._ready.set()
+
+    def _close_in_thread(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+        if self._owns_session and self._session is not None:
+            try:
+                self._session.stop()
+            except Exception:
+                log.exception("spark_session_stop_failed")
+            self._session = None
+
+    # -- one batch -----------------------------------------------------------
+
+    async def _execute_locked(self, batch: MicroBatch) -> None:
+        started = time.monotonic()
+        bound = log.bind(batch_id=batch.batch_id)
+        loop = asyncio.get_running_loop()
+        ctx = contextvars.copy_context()
+        try:
+            outcome = await loop.run_in_executor(self._pool, ctx.run, self._run_in_spark, batch)
+            for stage, result in outcome.stage_results:
+                await stage.finish(batch, result)
+            crash_point("executor.after_commit")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._record_failure(batch, exc, time.monotonic() - started)
+            bound.warning(
+                "microbatch_failed", rows=batch.rows, error=f"{type(exc).__name__}: {exc}"
+            )
+            if isinstance(exc, DaemonError):
+                raise
+            raise ExecutorError(
+                f"micro-batch {batch.batch_id} ({batch.rows} rows) failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        seconds = time.monotonic() - started
+        self._record_success(batch, outcome, seconds)
+        bound.debug(
+            "microbatch_committed",
+            rows=outcome.rows,
+            seconds=round(seconds, 4),
+            spark_seconds=round(outcome.spark_seconds, 4),
+            streams={c.stream: ("noop" if c.noop else c.rows) for c in outcome.commits},
+        )
+
+    def _run_in_spark(self, batch: MicroBatch) -> _Outcome:
+        """Steps 1-5 of the module docstring. Runs in the worker thread."""
+        started = time.monotonic()
+        spark = self._session
+        if spark is None:
+            raise ExecutorError("no SparkSession (the executor was stopped)")
+        table = batch_table(batch)
+        counts = collection_counts(table)
+        df = batch_dataframe(spark, table, batch.batch_id)
+        todo = [(sink, self._rows_for(sink, counts)) for sink in self._sinks]
+        pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
+        readers = len(pending) + len(self._stages) + len(self._handlers)
+        cached = readers > 1
+        if cached:
+            df = df.persist()
+        try:
+            commits = [sink.commit(df, batch, rows) for sink, rows in todo]
+            results = [(st, st.run_in_spark(spark, df, batch)) for st in self._stages]
+            if self._handlers:
+                contract = df.select(*CDC_COLUMNS)
+                for _, func in self._handlers:
+                    func(contract, batch.batch_id)
+        finally:
+            if cached:
+                df.unpersist(blocking=False)
+        return _Outcome(table.num_rows, commits, results, time.monotonic() - started)
+
+    @staticmethod
+    def _rows_for(sink: CdcSink, counts: dict[str, int]) -> int:
+        if sink.stream.collections == ("*",):
+            return sum(counts.values())
+        return sum(counts.get(c, 0) for c in sink.stream.collections)
+
+    def _record_success(self, batch: MicroBatch, outcome: _Outcome, seconds: float) -> None:
+        st = self._status
+        st.last_batch_id = batch.batch_id
+        st.last_batch_rows = outcome.rows
+        st.last_batch_duration_s = seconds
+        st.last_committed_at = time.time()
+        st.batches_committed += 1
+        for c in outcome.commits:
+            st.streams[c.stream] = max(st.streams.get(c.stream) or 0, c.batch_id)
+        m = self.metrics
+        m.batch_duration.observe(seconds)
+        m.batch_rows.inc(outcome.rows)
+        m.batch_outcomes.labels(outcome="committed").inc()
+        m.batch_last_id.set(batch.batch_id)
+
+    def _record_failure(self, batch: MicroBatch, exc: BaseException, seconds: float) -> None:
+        st = self._status
+        st.batches_failed += 1
+        st.last_error = f"{type(exc).__name__}: {exc}"[:2000]
+        st.last_error_batch_id = batch.batch_id
+        st.last_error_at = time.time()
+        self.metrics.batch_outcomes.labels(outcome="failed").inc()
+        self.metrics.batch_duration.observe(seconds)

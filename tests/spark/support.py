@@ -1,0 +1,113 @@
+"""Deterministic micro-batches and configs for the Spark tests (and crash subprocesses).
+
+The same arguments always give the same batches (ids, LSNs, rows), in this
+process and in a crash subprocess: that is what "a re-run has the same rows"
+means for a planner that recorded its plan before running it.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from daemon.batch import MicroBatch, Slice
+from daemon.config import CdcConfig, CdcHandler, CdcStream, Config, DaemonConfig, SparkConfig
+from daemon.events import StoredEvent, encode
+from wal.record import Record
+
+CORES = 4
+COLLECTIONS = ("orders", "users")
+BASE_TS_NS = 1_700_000_000_000_000_000
+
+
+def core_of(collection: str, key: str, cores: int = CORES) -> int:
+    return zlib.crc32(f"{collection}\0{key}".encode()) % cores
+
+
+def event_for(lsn: int, keys: int = 50) -> StoredEvent:
+    """Event number ``lsn``: a few keys per collection see many updates (order tests)."""
+    collection = COLLECTIONS[lsn % len(COLLECTIONS)]
+    key = f"k{(lsn * 7919) % keys}"
+    op = "insert" if lsn % 5 == 1 else "update"
+    new = json.dumps({"amount": lsn * 10 % 2000, "note": "x" * 40, "lsn": lsn}).encode()
+    old = None if op == "insert" else json.dumps({"amount": lsn % 7}).encode()
+    return StoredEvent(collection, op, key, new, old, BASE_TS_NS + lsn * 1000)
+
+
+def make_batches(
+    n_batches: int,
+    per_batch: int,
+    *,
+    first_batch_id: int = 1,
+    first_lsn: int = 1,
+    cores: int = CORES,
+    keys: int = 50,
+) -> list[MicroBatch]:
+    """``n_batches`` consecutive batches of ``per_batch`` events, LSNs from ``first_lsn``."""
+    batches = []
+    seq = dict.fromkeys(range(cores), 0)
+    lsn = first_lsn
+    for b in range(n_batches):
+        per_core: dict[int, list[Record]] = {}
+        for _ in range(per_batch):
+            ev = event_for(lsn, keys)
+            c = core_of(ev.collection, ev.key, cores)
+            seq[c] += 1
+            per_core.setdefault(c, []).append(Record(lsn, c, seq[c], encode(ev)))
+            lsn += 1
+        slices = {
+            c: Slice(c, recs[0].lsn, recs[-1].lsn, recs) for c, recs in sorted(per_core.items())
+        }
+        batches.append(MicroBatch(first_batch_id + b, slices))
+    return batches
+
+
+def batch_lsns(batches: Sequence[MicroBatch]) -> list[int]:
+    return sorted(r.lsn for b in batches for s in b.slices.values() for r in s.records)
+
+
+def make_config(
+    root: Path,
+    *,
+    streams: Sequence[tuple[str, Sequence[str]]] = (("all", ("*",)),),
+    handlers: Sequence[str] = (),
+    master: str = "local[2]",
+    remote: str = "",
+    cores: int = CORES,
+) -> Config:
+    return Config(
+        daemon=DaemonConfig(data_dir=root / "var", cores=cores),
+        spark=SparkConfig(
+            master=master,
+            remote=remote,
+            app_name="eventplane-tests",
+            log_level="ERROR",
+            conf={"spark.sql.shuffle.partitions": "2"},
+        ),
+        cdc=CdcConfig(
+            streams=tuple(
+                CdcStream(name, tuple(cols), root / "cdc" / name) for name, cols in streams
+            ),
+            handlers=tuple(CdcHandler(h) for h in handlers),
+        ),
+    )
+
+
+def read_table(spark: Any, path: Path) -> list[Any]:
+    """Every row a plain reader sees, as Rows (new as JSON text)."""
+    df = spark.read.parquet(str(path))
+    return df.selectExpr(
+        "lsn",
+        "core",
+        "seq",
+        "collection",
+        "op",
+        "key",
+        "to_json(new) AS new",
+        "to_json(old) AS old",
+        "ingest_ts",
+        "batch_id",
+    ).collect()

@@ -1,0 +1,348 @@
+"""The Spark executor: batch DataFrame, consumers, failures, status, metrics, start-up checks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.batch import MicroBatch
+from daemon.cdc import CDC_COLUMNS
+from daemon.errors import ConfigError, ExecutorError
+from daemon.metrics import Metrics
+from daemon.spark_executor import BATCH_COLUMNS, SparkExecutor, batch_dataframe, batch_table
+from tests.spark import handlers
+from tests.spark.support import batch_lsns, make_batches, make_config, read_table
+
+pytestmark = pytest.mark.spark
+
+CONTRACT_TYPES = {
+    "lsn": "bigint",
+    "core": "int",
+    "seq": "bigint",
+    "collection": "string",
+    "op": "string",
+    "key": "string",
+    "new": "variant",
+    "old": "variant",
+    "ingest_ts": "timestamp",
+    "batch_id": "bigint",
+    "depth": "int",
+    "source": "string",
+}
+
+
+def test_batch_dataframe_has_contract_columns_with_variant_new_and_old(spark: Any) -> None:
+    (batch,) = make_batches(1, 200, first_batch_id=7)
+    df = batch_dataframe(spark, batch_table(batch), batch.batch_id)
+
+    assert tuple(df.columns) == BATCH_COLUMNS
+    assert dict(df.dtypes) == CONTRACT_TYPES
+    rows = (
+        df.selectExpr(
+            "lsn",
+            "new:amount::double AS amount",
+            "new:lsn::bigint AS new_lsn",
+            "old",
+            "op",
+            "batch_id",
+            "ingest_ts",
+            "depth",
+            "source",
+        )
+        .orderBy("lsn")
+        .collect()
+    )
+    assert [r.lsn for r in rows] == batch_lsns([batch])
+    assert all(r.new_lsn == r.lsn and r.amount == float(r.lsn * 10 % 2000) for r in rows)
+    assert all((r.old is None) == (r.op == "insert") for r in rows)
+    assert {r.batch_id for r in rows} == {7}
+    assert rows[0].ingest_ts.year == 2023 and rows[0].depth == 0 and rows[0].source == ""
+
+
+async def test_cdc_table_holds_each_event_exactly_once_after_normal_runs(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory()
+    batches = make_batches(4, 300)
+    for b in batches:
+        await ex.execute(b)
+
+    rows = read_table(spark, tmp_path / "cdc" / "all")
+    assert sorted(r.lsn for r in rows) == batch_lsns(batches)
+    table = spark.read.parquet(str(tmp_path / "cdc" / "all"))
+    assert sorted(table.columns) == sorted(CDC_COLUMNS)
+    assert {k: v for k, v in table.dtypes} == {c: CONTRACT_TYPES[c] for c in CDC_COLUMNS}
+    assert table.where("new:amount::double >= 0").count() == len(rows)
+
+
+async def test_rerun_of_a_committed_batch_is_a_noop(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory()
+    batches = make_batches(2, 200)
+    for b in batches:
+        await ex.execute(b)
+    files_before = sorted((tmp_path / "cdc" / "all").rglob("part-*"))
+
+    await ex.execute(batches[0])
+    await ex.execute(batches[1])
+
+    assert sorted((tmp_path / "cdc" / "all").rglob("part-*")) == files_before
+    assert sorted(r.lsn for r in read_table(spark, tmp_path / "cdc" / "all")) == batch_lsns(batches)
+
+
+async def test_same_batch_id_yields_the_same_rows_in_a_fresh_table(
+    spark: Any, tmp_path: Path, metrics: Metrics
+) -> None:
+    """1. Run batches 1-3 into table A.  2. Regenerate batch 2 from its plan and run it
+    alone into table B.  3. Batch 2's rows in A equal B's rows, id included."""
+    batches = make_batches(3, 250)
+    tables = []
+    for name, todo in (("a", batches), ("b", make_batches(3, 250)[1:2])):
+        cfg = make_config(tmp_path / name)
+        ex = SparkExecutor(cfg, metrics, wal_id="w", session=spark)
+        await ex.start()
+        for b in todo:
+            await ex.execute(b)
+        await ex.stop()
+        tables.append(read_table(spark, tmp_path / name / "cdc" / "all"))
+    in_a = sorted((r for r in tables[0] if r.batch_id == 2), key=lambda r: r.lsn)
+    assert in_a == sorted(tables[1], key=lambda r: r.lsn)
+    assert len(in_a) == 250
+
+
+async def test_per_key_lsns_increase_with_batch_id(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory()
+    for b in make_batches(5, 200, keys=7):
+        await ex.execute(b)
+
+    rows = read_table(spark, tmp_path / "cdc" / "all")
+    by_key: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for r in rows:
+        by_key.setdefault((r.collection, r.key), []).append((r.batch_id, r.lsn))
+    assert len(by_key) == 14
+    for seen in by_key.values():
+        seen.sort()
+        assert [lsn for _, lsn in seen] == sorted(lsn for _, lsn in seen)
+        assert len({b for b, _ in seen}) == 5  # every key changed in every batch
+
+
+async def test_stream_with_named_collections_takes_only_those(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory(streams=[("all", ["*"]), ("orders", ["orders"])])
+    batches = make_batches(2, 100)
+    for b in batches:
+        await ex.execute(b)
+
+    orders = read_table(spark, tmp_path / "cdc" / "orders")
+    every = read_table(spark, tmp_path / "cdc" / "all")
+    assert {r.collection for r in orders} == {"orders"}
+    assert sorted(r.lsn for r in orders) == sorted(r.lsn for r in every if r.collection == "orders")
+    assert len(every) == 200
+
+
+class RecordingStage:
+    """A BatchStage double: what triggers would see, and when finish runs."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.ran: list[tuple[int, int, list[str], str]] = []
+        self.finished: list[tuple[int, Any]] = []
+
+    def run_in_spark(self, spark: Any, df: Any, batch: MicroBatch) -> Any:
+        thread = threading.current_thread().name
+        self.ran.append((batch.batch_id, df.count(), list(df.columns), thread))
+        return {"matched": df.where("new:amount::double > 1000").count()}
+
+    async def finish(self, batch: MicroBatch, result: Any) -> None:
+        await asyncio.sleep(0)
+        self.finished.append((batch.batch_id, result))
+
+
+async def test_stages_get_the_batch_dataframe_and_finish_on_the_loop(executor_factory: Any) -> None:
+    stage = RecordingStage()
+    ex = await executor_factory(stages=[stage], handlers=["tests.spark.handlers:record"])
+    batches = make_batches(2, 100)
+    for b in batches:
+        await ex.execute(b)
+
+    assert [(b, n) for b, n, _, _ in stage.ran] == [(1, 100), (2, 100)]
+    assert stage.ran[0][2] == list(BATCH_COLUMNS)
+    assert all(t.startswith("eventplane-spark") for *_, t in stage.ran)
+    assert [b for b, _ in stage.finished] == [1, 2]
+    assert all(isinstance(r["matched"], int) for _, r in stage.finished)
+    assert [(1, 100, list(CDC_COLUMNS)), (2, 100, list(CDC_COLUMNS))] == handlers.CALLS
+
+
+async def test_add_stage_plugs_a_stage_into_later_batches(executor_factory: Any) -> None:
+    ex = await executor_factory()
+    stage = RecordingStage()
+    ex.add_stage(stage)
+    await ex.execute(make_batches(1, 10)[0])
+    assert [b for b, _ in stage.finished] == [1]
+    assert ex.status()["stages"] == ["recording"]
+
+
+@pytest.mark.parametrize(
+    ("ref", "reason"),
+    [
+        ("tests.spark.no_such_module:record", "cannot import module"),
+        ("tests.spark.handlers:missing", "has no attribute 'missing'"),
+        ("tests.spark.handlers:NOT_CALLABLE", "is not callable"),
+    ],
+)
+async def test_bad_handler_name_fails_at_startup(
+    spark: Any, tmp_path: Path, ref: str, reason: str
+) -> None:
+    ex = SparkExecutor(make_config(tmp_path, handlers=[ref]), Metrics(), session=spark)
+    with pytest.raises(ConfigError) as info:
+        await ex.start()
+    assert "cdc.handlers[0].function" in str(info.value) and reason in str(info.value)
+
+
+async def test_overlapping_stream_paths_fail_at_startup(spark: Any, tmp_path: Path) -> None:
+    cfg = make_config(tmp_path)
+    inner = type(cfg.cdc.streams[0])("inner", ("*",), cfg.cdc.streams[0].path / "sub")
+    cfg = type(cfg)(
+        **{
+            **{f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
+            "cdc": type(cfg.cdc)(streams=(cfg.cdc.streams[0], inner)),
+        }
+    )
+    with pytest.raises(ConfigError, match=r"cdc.streams\[1\].path: .* overlaps"):
+        await SparkExecutor(cfg, Metrics(), session=spark).start()
+
+
+async def test_handler_failure_fails_the_batch_and_shows_in_status_and_metrics(
+    executor_factory: Any, metrics: Metrics
+) -> None:
+    ex = await executor_factory(handlers=["tests.spark.handlers:explode"])
+    batch = make_batches(1, 50)[0]
+    with pytest.raises(ExecutorError, match=r"micro-batch 1 .* handler failed on batch 1"):
+        await ex.execute(batch)
+
+    st = ex.status()
+    assert st["batches_failed"] == 1 and st["last_error_batch_id"] == 1
+    assert "handler failed" in st["last_error"]
+    text = metrics.render().decode()
+    assert 'eventplane_microbatch_outcomes_total{outcome="failed"} 1.0' in text
+
+
+async def test_status_and_metrics_report_the_last_committed_batch(
+    executor_factory: Any, metrics: Metrics
+) -> None:
+    ex = await executor_factory()
+    for b in make_batches(3, 40):
+        await ex.execute(b)
+
+    st = ex.status()
+    assert st["ready"] and st["state"] == "ready"
+    assert (st["last_batch_id"], st["last_batch_rows"], st["batches_committed"]) == (3, 40, 3)
+    assert st["last_batch_duration_s"] > 0 and st["last_error"] is None
+    assert st["streams"]["all"]["last_batch_id"] == 3
+    text = metrics.render().decode()
+    assert 'eventplane_microbatch_outcomes_total{outcome="committed"} 3.0' in text
+    assert "eventplane_microbatch_rows_total 120.0" in text
+    assert "eventplane_microbatch_last_committed_id 3.0" in text
+    assert "eventplane_microbatch_duration_seconds_count 3.0" in text
+
+
+class _SharedSession:
+    """The shared test session behind a factory; stop() must not end it."""
+
+    def __init__(self, spark: Any) -> None:
+        self._spark = spark
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._spark, name)
+
+    def stop(self) -> None:
+        pass
+
+
+async def test_batches_wait_for_the_session_built_in_the_background(
+    spark: Any, tmp_path: Path
+) -> None:
+    """1. The factory blocks, as a JVM start does.  2. start() returns at once, not ready.
+    3. A batch handed over waits.  4. The session arrives; the batch commits."""
+    release = threading.Event()
+
+    def factory() -> Any:
+        release.wait(30)
+        return _SharedSession(spark)
+
+    ex = SparkExecutor(make_config(tmp_path), Metrics(), session_factory=factory)
+    started = time.monotonic()
+    await ex.start()
+    assert time.monotonic() - started < 1.0
+    assert not ex.ready() and ex.status()["state"] == "starting"
+    run = asyncio.create_task(ex.execute(make_batches(1, 20)[0]))
+    await asyncio.sleep(0.2)
+    assert not run.done()
+
+    release.set()
+    await asyncio.wait_for(run, 60)
+    assert ex.ready() and ex.status()["last_batch_id"] == 1
+    await ex.stop()
+    assert ex.status()["state"] == "stopped"
+
+
+async def test_session_build_failures_retry_with_backoff_and_show_in_status(
+    spark: Any, tmp_path: Path
+) -> None:
+    attempts: list[float] = []
+    sleeps: list[float] = []
+
+    def factory() -> Any:
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise RuntimeError("Java gateway process exited before sending its port number")
+        return _SharedSession(spark)
+
+    async def fake_sleep(s: float) -> None:
+        sleeps.append(s)
+
+    ex = SparkExecutor(make_config(tmp_path), Metrics(), session_factory=factory, sleep=fake_sleep)
+    await ex.start()
+    await asyncio.wait_for(ex.wait_ready(), 30)
+    assert len(attempts) == 3 and sleeps == [0.5, 1.0]
+    assert ex.status()["session_attempts"] == 3 and ex.status()["session_error"] is None
+    await ex.stop()
+
+
+async def test_event_loop_keeps_running_while_a_batch_runs(executor_factory: Any) -> None:
+    ex = await executor_factory()
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    for b in make_batches(2, 2000):
+        await ex.execute(b)
+    stop.set()
+    await tick
+    assert len(gaps) > 20
+    assert max(gaps) < 0.5, f"event loop stalled {max(gaps):.3f}s during a batch"
+
+
+async def test_stopped_executor_refuses_batches(executor_factory: Any) -> None:
+    ex = await executor_factory()
+    await ex.stop()
+    with pytest.raises(ExecutorError, match="stopped"):
+        await ex.execute(make_batches(1, 5)[0])
