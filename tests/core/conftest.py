@@ -1,0 +1,119 @@
+"""Factories for the event-plane core tests: configs, records, a recording executor."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.batch import MicroBatch
+from daemon.config import (
+    Config,
+    ConsumerConfig,
+    DaemonConfig,
+    MicrobatchConfig,
+    WalConfig,
+)
+from daemon.errors import ExecutorError
+from daemon.metrics import Metrics
+from wal.record import Record
+
+
+class RecordingExecutor:
+    """Test double for :class:`daemon.batch.Executor`: records every batch.
+
+    ``fail_next`` makes the next N attempts raise; ``stall`` (an Event) makes
+    attempts wait until it is set; ``is_ready`` drives ``ready()``.
+    """
+
+    def __init__(self) -> None:
+        self.committed: list[MicroBatch] = []
+        self.attempts: list[MicroBatch] = []
+        self.fail_next = 0
+        self.stall: asyncio.Event | None = None
+        self.is_ready = True
+        self.rows_seen = 0
+        self.changed = asyncio.Event()
+
+    async def start(self) -> None:
+        return None
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    async def execute(self, batch: MicroBatch) -> None:
+        self.attempts.append(batch)
+        if self.stall is not None:
+            await self.stall.wait()
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ExecutorError(f"injected failure of batch {batch.batch_id}")
+        self.committed.append(batch)
+        self.rows_seen += batch.rows
+        self.changed.set()
+
+    async def stop(self) -> None:
+        return None
+
+    def per_core(self) -> dict[int, list[Record]]:
+        out: dict[int, list[Record]] = {}
+        for batch in self.committed:
+            for core, s in sorted(batch.slices.items()):
+                out.setdefault(core, []).extend(s.records)
+        return out
+
+    async def wait_rows(self, rows: int, within_s: float = 30.0) -> None:
+        async with asyncio.timeout(within_s):
+            while self.rows_seen < rows:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+@pytest.fixture
+def executor() -> RecordingExecutor:
+    return RecordingExecutor()
+
+
+@pytest.fixture
+def metrics() -> Metrics:
+    return Metrics()
+
+
+MakeConfig = Callable[..., Config]
+
+
+@pytest.fixture
+def make_config(tmp_path: Path) -> MakeConfig:
+    """Config factory: small, fast defaults; override any section's fields by keyword.
+
+    ``make_config(cores=2, ring_capacity=4, interval_ms=10)`` -- each keyword is
+    looked up in daemon, consumer, microbatch and wal, in that order.
+    """
+
+    def make(data_dir: Path | None = None, **overrides: Any) -> Config:
+        sections: dict[str, Any] = {
+            "daemon": DaemonConfig(data_dir=data_dir or tmp_path / "data", cores=4),
+            "consumer": ConsumerConfig(
+                poll_min_ms=0.2, poll_max_ms=2.0, replay_retry_ms=1, watermark_flush_ms=20
+            ),
+            "microbatch": MicrobatchConfig(interval_ms=10, retry_initial_ms=1, retry_max_ms=8),
+            "wal": WalConfig(segment_bytes=1024 * 1024),
+        }
+        for key, value in overrides.items():
+            for name, section in sections.items():
+                if key in section.__dataclass_fields__:
+                    sections[name] = replace(section, **{key: value})
+                    break
+            else:
+                raise TypeError(f"no config field {key!r}")
+        return Config(**sections)
+
+    return make
+
+
+def rec(lsn: int, core: int = 0, seq: int | None = None, payload: bytes = b"x") -> Record:
+    return Record(lsn, core, lsn if seq is None else seq, payload)

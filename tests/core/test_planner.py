@@ -1,0 +1,225 @@
+"""Micro-batch planner: plan before run, retry forever with the same id and rows,
+hold while the executor is not ready, bounded pending memory."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from daemon.config import MicrobatchConfig
+from daemon.metrics import Metrics
+from daemon.planner import RECORD_OVERHEAD_BYTES, PlanLog, PlanMismatchError, Planner, Ranges
+from daemon.watermarks import Watermarks, WatermarkSnapshot
+from tests.core.conftest import RecordingExecutor, rec
+from wal.record import Record
+
+
+def make_planner(
+    tmp_path: Path,
+    executor: RecordingExecutor,
+    metrics: Metrics,
+    *,
+    cores: int = 2,
+    cfg: MicrobatchConfig | None = None,
+    pending_max_bytes: int = 1 << 20,
+    wal: list[Record] | None = None,
+    persisted: WatermarkSnapshot | None = None,
+) -> tuple[Planner, PlanLog]:
+    plan_log = PlanLog(tmp_path / "plans.log", "wal-t", cores)
+    plans = plan_log.open()
+    wm = Watermarks(persisted or WatermarkSnapshot("wal-t", cores, 0, (0,) * cores), metrics)
+    stored = wal or []
+
+    async def load_slice(core: int, first: int, last: int) -> list[Record]:
+        return [r for r in stored if r.core == core and first <= r.lsn <= last]
+
+    planner = Planner(
+        cores=cores,
+        cfg=cfg or MicrobatchConfig(interval_ms=10, retry_initial_ms=1, retry_max_ms=4),
+        pending_max_bytes=pending_max_bytes,
+        executor=executor,
+        plan_log=plan_log,
+        watermarks=wm,
+        metrics=metrics,
+        plans=plans,
+        load_slice=load_slice,
+    )
+    return planner, plan_log
+
+
+async def test_plan_is_durable_before_the_executor_runs(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    planner, plan_log = make_planner(tmp_path, executor, metrics)
+    seen_on_disk: list[dict[int, Ranges]] = []
+    original = executor.execute
+
+    async def execute(batch):  # type: ignore[no-untyped-def]
+        seen_on_disk.append(PlanLog(plan_log.path, "wal-t", 2).open())
+        await original(batch)
+
+    executor.execute = execute  # type: ignore[method-assign]
+    planner.add(0, [rec(1, 0), rec(3, 0)])
+    planner.add(1, [rec(2, 1)])
+
+    batch = await planner.run_once()
+
+    assert batch is not None and batch.batch_id == 1
+    assert seen_on_disk == [{1: {0: (1, 3), 1: (2, 2)}}]
+    assert planner.watermarks.lsns == [3, 2]
+
+
+async def test_failed_batch_is_retried_with_the_same_id_and_rows_until_it_commits(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    planner, _ = make_planner(tmp_path, executor, metrics)
+    executor.fail_next = 3
+    planner.add(0, [rec(1), rec(2)])
+
+    with capture_logs() as logs:
+        await planner.run_once()
+
+    assert [b.batch_id for b in executor.attempts] == [1, 1, 1, 1]
+    assert {tuple(b.slices[0].records) for b in executor.attempts} == {(rec(1), rec(2))}
+    assert [b.batch_id for b in executor.committed] == [1]
+    failures = [e for e in logs if e["event"] == "microbatch_failed"]
+    assert [e["attempt"] for e in failures] == [1, 2, 3]
+    assert [e["retry_in_s"] for e in failures] == [0.001, 0.002, 0.004]  # doubling
+    sample = metrics.registry.get_sample_value
+    assert sample("eventplane_microbatch_outcomes_total", {"outcome": "failed"}) == 3
+    assert sample("eventplane_microbatch_outcomes_total", {"outcome": "committed"}) == 1
+    assert planner.last_batch is not None and planner.last_batch["attempts"] == 4
+
+
+async def test_backoff_is_capped_at_retry_max(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    planner, _ = make_planner(tmp_path, executor, metrics)
+    executor.fail_next = 5
+    planner.add(0, [rec(1)])
+    with capture_logs() as logs:
+        await planner.run_once()
+    delays = [e["retry_in_s"] for e in logs if e["event"] == "microbatch_failed"]
+    assert delays == [0.001, 0.002, 0.004, 0.004, 0.004]
+
+
+async def test_batches_are_held_while_the_executor_is_not_ready(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    planner, _ = make_planner(tmp_path, executor, metrics)
+    executor.is_ready = False
+    planner.add(0, [rec(1)])
+    with capture_logs() as logs:
+        task = asyncio.create_task(planner.run())
+        await asyncio.sleep(0.1)
+        assert executor.attempts == []
+        executor.is_ready = True
+        await executor.wait_rows(1, within_s=5)
+        planner.request_stop()
+        await asyncio.wait_for(task, 5)
+    assert [e["event"] for e in logs if e["event"].startswith("microbatch_")][:2] == [
+        "microbatch_held",
+        "microbatch_resumed",
+    ]
+
+
+async def test_slice_closes_at_max_rows_without_waiting_for_the_interval(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=3, catchup_max_rows=10)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg)
+    task = asyncio.create_task(planner.run())
+    planner.add(0, [rec(lsn) for lsn in range(1, 8)])
+    await executor.wait_rows(6, within_s=5)
+    planner.request_stop()
+    await asyncio.wait_for(task, 5)
+
+    assert [b.ranges() for b in executor.committed] == [{0: (1, 3)}, {0: (4, 6)}]
+    assert planner.pending_rows(0) == 1  # under max_rows: waits for the interval
+
+
+async def test_catching_up_core_gets_catchup_sized_slices(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, catchup_max_rows=5)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg)
+    planner.set_catching_up(0, True)
+    planner.add(0, [rec(lsn) for lsn in range(1, 8)])
+    planner.add(1, [rec(lsn, 1) for lsn in range(8, 10)])
+
+    batch = await planner.run_once()
+
+    assert batch is not None and batch.ranges() == {0: (1, 5), 1: (8, 9)}
+
+
+async def test_pending_bytes_bound_closes_room_until_a_batch_takes_the_rows(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    bound = 3 * (RECORD_OVERHEAD_BYTES + 100)
+    planner, _ = make_planner(tmp_path, executor, metrics, pending_max_bytes=bound)
+    planner.add(0, [rec(1, payload=b"x" * 100), rec(2, payload=b"x" * 100)])
+    assert planner.has_room(0)
+    planner.add(0, [rec(3, payload=b"x" * 100)])
+    assert not planner.has_room(0)
+    waiter = asyncio.create_task(planner.wait_room(0))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+
+    await planner.run_once()
+
+    await asyncio.wait_for(waiter, 1)
+    assert planner.has_room(0) and planner.pending_bytes(0) == 0
+
+
+async def test_planned_batch_is_rerun_after_restart_with_the_same_id_and_rows(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    """1. Plan and run batches 1 and 2; only batch 1 is covered by persisted watermarks.
+    2. Restart: batch 2 is re-run first, same id, rows read back from the WAL.
+    3. New rows get batch id 3; consumers resume after batch 2's LSNs."""
+    wal = [rec(lsn, lsn % 2) for lsn in range(1, 9)]
+    first, _log = make_planner(tmp_path, executor, metrics)
+    first.add(0, [r for r in wal[:4] if r.core == 0])
+    first.add(1, [r for r in wal[:4] if r.core == 1])
+    await first.run_once()
+    first.add(0, [r for r in wal[4:] if r.core == 0])
+    first.add(1, [r for r in wal[4:] if r.core == 1])
+    await first.run_once()
+    _log.close()
+
+    again = RecordingExecutor()
+    persisted = WatermarkSnapshot("wal-t", 2, 1, (4, 3))
+    second, log2 = make_planner(tmp_path, again, Metrics(), wal=wal, persisted=persisted)
+    assert (second.resume_lsn(0), second.resume_lsn(1)) == (8, 7)
+    assert second.owes(0) and second.owes(1)
+    task = asyncio.create_task(second.run())
+    await again.wait_rows(4, within_s=5)
+    second.add(0, [rec(10, 0)])
+    await again.wait_rows(5, within_s=5)
+    second.request_stop()
+    await asyncio.wait_for(task, 5)
+    log2.close()
+
+    assert [b.batch_id for b in again.committed] == [2, 3]
+    assert again.committed[0].slices[0].records == executor.committed[1].slices[0].records
+    assert again.committed[0].slices[1].records == executor.committed[1].slices[1].records
+    assert second.watermarks.lsns == [10, 7]
+
+
+async def test_rerun_refuses_a_wal_that_does_not_match_the_plan(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    first, log1 = make_planner(tmp_path, executor, metrics, cores=1)
+    first.add(0, [rec(1), rec(2)])
+    await first.run_once()
+    log1.close()
+
+    second, log2 = make_planner(tmp_path, RecordingExecutor(), Metrics(), cores=1, wal=[rec(2)])
+    with pytest.raises(
+        PlanMismatchError, match=r"plan says LSN 1\.\.2 but the WAL returned 2\.\.2"
+    ):
+        await second.run()
+    log2.close()

@@ -1,0 +1,109 @@
+"""Rings: bounded by count and bytes, never blocking, with backpressure hysteresis."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.errors import LsnRegressionError
+from daemon.metrics import Metrics
+from daemon.ring import Backpressure, Ring, RingSet, next_state
+from tests.core.conftest import rec
+
+N, T, S = Backpressure.NORMAL, Backpressure.THROTTLED, Backpressure.SUSPENDED
+
+
+@pytest.mark.parametrize(
+    ("state", "fill", "expected"),
+    [
+        (N, 0.84, N),
+        (N, 0.85, T),
+        (N, 0.95, S),  # a burst can jump straight to Suspended
+        (T, 0.80, T),  # stays until below 75 %
+        (T, 0.7499, N),
+        (T, 0.95, S),
+        (S, 0.90, S),  # stays until below 85 %
+        (S, 0.80, T),
+        (S, 0.50, N),
+    ],
+)
+def test_backpressure_hysteresis_table(
+    state: Backpressure, fill: float, expected: Backpressure
+) -> None:
+    assert next_state(state, fill) is expected
+
+
+def test_full_ring_drops_without_blocking_and_emitted_still_advances() -> None:
+    ring = Ring(0, capacity=4, max_bytes=1 << 20)
+    kept = [ring.offer(rec(lsn)) for lsn in range(1, 7)]
+    ring.settle()
+
+    assert kept == [True, True, True, True, False, False]
+    assert len(ring) == 4
+    assert ring.emitted == 6
+    assert ring.dropped == 2
+    assert ring.last_drop_lsn == 6
+    assert [r.lsn for r in ring.take(10)] == [1, 2, 3, 4]
+
+
+def test_ring_is_bounded_by_payload_bytes() -> None:
+    ring = Ring(0, capacity=100, max_bytes=10)
+    assert ring.offer(rec(1, payload=b"123456"))
+    assert not ring.offer(rec(2, payload=b"123456"))  # would make 12 bytes
+    assert ring.offer(rec(3, payload=b"1234"))  # fits again: the consumer sees a gap
+    assert ring.nbytes == 10
+    ring.settle()
+    assert ring.state is Backpressure.SUSPENDED  # byte fill 100 %
+
+
+def test_backpressure_transitions_are_counted_per_core() -> None:
+    m = Metrics()
+    rings = RingSet(2, capacity=20, max_bytes=1 << 20, metrics=m)
+    rings.push_group([rec(lsn, core=1) for lsn in range(1, 18)])  # 85 %
+    assert rings[1].state is T
+    rings.push_group([rec(lsn, core=1) for lsn in range(18, 20)])  # 95 %
+    assert rings[1].state is S
+    rings[1].take(2)  # 85 %: still Suspended
+    assert rings[1].state is S
+    rings[1].take(3)  # 70 %: below both exits
+    assert rings[1].state is N
+
+    def count(to: str) -> float:
+        value = m.registry.get_sample_value(
+            "eventplane_backpressure_transitions_total", {"core": "1", "to": to}
+        )
+        return value or 0.0
+
+    assert (count("throttled"), count("suspended"), count("normal")) == (1, 1, 1)
+    assert m.registry.get_sample_value("eventplane_backpressure_state", {"core": "1"}) == 0
+    assert rings[0].state is N
+
+
+def test_push_group_counts_drops_and_tracks_pushed_lsn() -> None:
+    m = Metrics()
+    rings = RingSet(2, capacity=2, max_bytes=1 << 20, metrics=m)
+    rings.push_group([rec(1, 0), rec(2, 1), rec(3, 0), rec(4, 0), rec(5, 0)])
+
+    assert rings.pushed_lsn == 5
+    assert m.registry.get_sample_value("eventplane_ring_dropped_events_total", {"core": "0"}) == 2
+    assert m.registry.get_sample_value("eventplane_ring_utilization_ratio", {"core": "0"}) == 1.0
+
+
+def test_push_group_refuses_lsns_that_do_not_grow() -> None:
+    rings = RingSet(1, capacity=8, max_bytes=1 << 20, pushed_lsn=10)
+    with pytest.raises(LsnRegressionError, match="LSN 10 after LSN 10"):
+        rings.push_group([rec(10)])
+
+
+def test_push_group_refuses_unknown_core() -> None:
+    rings = RingSet(2, capacity=8, max_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"core 2, but daemon\.cores = 2"):
+        rings.push_group([rec(1, core=2)])
+
+
+def test_discard_through_drops_only_delivered_entries() -> None:
+    ring = Ring(0, capacity=8, max_bytes=1 << 20)
+    for lsn in (3, 5, 9, 12):
+        ring.offer(rec(lsn))
+    assert ring.discard_through(9) == 3
+    assert ring.peek() == rec(12)
+    assert ring.nbytes == 1

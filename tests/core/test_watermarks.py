@@ -1,0 +1,85 @@
+"""Watermarks file: atomic replace, identity checks (invariant 13), damage detection."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from daemon.batch import MicroBatch, Slice
+from daemon.errors import IdentityMismatchError, LsnRegressionError
+from daemon.watermarks import (
+    WatermarkFileError,
+    Watermarks,
+    WatermarkSnapshot,
+    WatermarkStore,
+)
+from tests.core.conftest import rec
+
+
+def test_missing_file_means_every_core_starts_at_zero(tmp_path: Path) -> None:
+    snap = WatermarkStore(tmp_path / "w.json").load("wal-a", 3)
+    assert snap == WatermarkSnapshot("wal-a", 3, 0, (0, 0, 0))
+
+
+def test_saved_watermarks_load_back_and_leave_no_temp_file(tmp_path: Path) -> None:
+    store = WatermarkStore(tmp_path / "w.json")
+    store.save(WatermarkSnapshot("wal-a", 2, 7, (40, 39)))
+
+    assert store.load("wal-a", 2) == WatermarkSnapshot("wal-a", 2, 7, (40, 39))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.json"]
+
+
+def test_other_wal_id_refuses_to_start_and_says_what_to_do(tmp_path: Path) -> None:
+    store = WatermarkStore(tmp_path / "w.json")
+    store.save(WatermarkSnapshot("wal-a", 2, 7, (40, 39)))
+
+    with pytest.raises(IdentityMismatchError) as info:
+        store.load("wal-b", 2, plans_path=tmp_path / "plans.log")
+    message = str(info.value)
+    assert "belongs to WAL wal-a" in message
+    assert "has id wal-b" in message
+    assert "move" in message and "plans.log" in message
+
+
+def test_other_core_count_refuses_to_start_and_says_what_to_do(tmp_path: Path) -> None:
+    store = WatermarkStore(tmp_path / "w.json")
+    store.save(WatermarkSnapshot("wal-a", 2, 7, (40, 39)))
+
+    with pytest.raises(IdentityMismatchError, match=r"daemon.cores = 2.*now says 4.*new data_dir"):
+        store.load("wal-a", 4)
+
+
+def test_damaged_file_is_refused_not_read_as_zero(tmp_path: Path) -> None:
+    path = tmp_path / "w.json"
+    WatermarkStore(path).save(WatermarkSnapshot("wal-a", 2, 7, (40, 39)))
+    doc = json.loads(path.read_text())
+    doc["lsns"] = [400, 39]  # a flipped digit
+    path.write_text(json.dumps(doc))
+
+    with pytest.raises(WatermarkFileError, match="checksum mismatch"):
+        WatermarkStore(path).load("wal-a", 2)
+
+
+def test_commit_moves_only_the_batch_cores_and_marks_dirty() -> None:
+    wm = Watermarks(WatermarkSnapshot("w", 3, 0, (0, 0, 0)))
+    assert not wm.dirty
+    wm.commit(MicroBatch(1, {1: Slice(1, 2, 5, [rec(2, 1), rec(5, 1)])}))
+
+    assert wm.lsns == [0, 5, 0]
+    assert wm.batch_id == 1
+    assert wm.dirty
+
+
+def test_commit_refuses_to_move_a_watermark_back() -> None:
+    wm = Watermarks(WatermarkSnapshot("w", 1, 3, (10,)))
+    with pytest.raises(LsnRegressionError, match="back from LSN 10 to 9"):
+        wm.commit(MicroBatch(4, {0: Slice(0, 9, 9, [rec(9)])}))
+
+
+def test_heartbeat_advance_never_moves_back() -> None:
+    wm = Watermarks(WatermarkSnapshot("w", 1, 0, (10,)))
+    assert not wm.advance(0, 5)
+    assert wm.advance(0, 12)
+    assert wm.lsns == [12]
