@@ -115,6 +115,8 @@ class TriggerEngine:
         self._pool: ThreadPoolExecutor | None = None
         self._retry_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._depth = 0
+        self._dlq_size = 0
 
     # ------------------------------------------------------------ properties
 
@@ -183,6 +185,26 @@ class TriggerEngine:
         self._wake.set()  # enabled/disabled changes what the retry loop may deliver
         return []
 
+    async def reload_specs(self, specs: Sequence[TriggerSpecLike]) -> list[str]:
+        """SIGHUP from the event loop: :meth:`reload` in a worker thread.
+
+        Before Spark is up (no session seen yet) only the Spark-free checks
+        run; the first batch then has Spark analyze the new set before using it.
+        """
+        spark = self._spark
+        if spark is not None:
+            return await asyncio.to_thread(self.reload, specs, spark)
+        triggers, errors = compile_specs(specs)
+        if errors:
+            for message in errors:
+                log.error("trigger_reload_rejected", error=message)
+            return errors
+        self._triggers = {t.name: t for t in triggers}
+        self._compile_errors = []
+        self._validated = False
+        log.info("triggers_reloaded", active=sorted(self._triggers), spark_checked=False)
+        return []
+
     # ------------------------------------------------------------- lifecycle
 
     async def start(self, *, retry_loop: bool = True) -> None:
@@ -238,9 +260,11 @@ class TriggerEngine:
     def run_in_spark(self, spark: Any, df: Any, batch: Any) -> evaluate.Evaluation:
         """Evaluate every enabled trigger over the batch (Spark worker thread)."""
         if not self._validated:
-            raise TriggerConfigError(
-                self._compile_errors or ["TriggerEngine.validate(spark) has not passed yet"]
-            )
+            # Not validated yet (Spark came up after the engine): check now, in
+            # this thread; a failing set fails the batch, which is retried.
+            errors = self.validate(spark)
+            if errors:
+                raise TriggerConfigError(errors)
         triggers = self._triggers  # one set per batch, even if a reload lands meanwhile
         return evaluate.evaluate(spark, df, triggers, int(batch.batch_id), self._sql_lock)
 
@@ -456,8 +480,7 @@ class TriggerEngine:
         async with asyncio.TaskGroup() as tg:
             for name, group in groups.items():
                 tg.create_task(self._retry_group(triggers.get(name), name, group))
-        if entries:
-            await self._refresh_gauges()
+        await self._refresh_gauges()  # also sees `eventplane dlq` changes made elsewhere
         return len(entries)
 
     async def _retry_group(self, t: Trigger | None, name: str, group: list[RetryEntry]) -> None:
@@ -536,12 +559,16 @@ class TriggerEngine:
 
     # ------------------------------------------------------------ status
 
-    async def status(self) -> dict[str, int]:
-        """Retry depth and DLQ size, for ``/v1/status``."""
-        store = self._require_store()
+    def status(self) -> dict[str, Any]:
+        """For ``/v1/status``: retry depth and DLQ size as of the last refresh
+        (every retry pass, at most ``poll_s`` old) and the active triggers."""
         return {
-            "retry_depth": await self._db(store.retry_depth),
-            "dlq_entries": await self._db(store.dlq_size),
+            "retry_queue": {"depth": self._depth},
+            "dlq": {"entries": self._dlq_size},
+            "triggers": {
+                "active": sorted(n for n, t in self._triggers.items() if t.enabled),
+                "disabled": sorted(n for n, t in self._triggers.items() if not t.enabled),
+            },
         }
 
     # ------------------------------------------------------------ helpers
@@ -560,9 +587,10 @@ class TriggerEngine:
 
     async def _refresh_gauges(self) -> int:
         store = self._require_store()
-        depth = await self._db(store.retry_depth)
+        depth = self._depth = await self._db(store.retry_depth)
+        self._dlq_size = await self._db(store.dlq_size)
         self._metrics.retry_depth.set(depth)
-        self._metrics.dlq_entries.set(await self._db(store.dlq_size))
+        self._metrics.dlq_entries.set(self._dlq_size)
         return depth
 
     def _evicted(self, count: int) -> None:

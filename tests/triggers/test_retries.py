@@ -1,0 +1,290 @@
+"""Retry queue and DLQ against a real aiohttp receiver on loopback (no Spark:
+evaluations are built by hand, exactly as run_in_spark returns them)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.triggers.support import (
+    FakeClock,
+    Receiver,
+    Reply,
+    batch,
+    event,
+    hand_evaluation,
+    sample,
+    webhook,
+)
+from triggers import PermanentError, Retry, Spec
+from triggers.actions import parse_retry_after
+from triggers.store import TriggerStore
+
+FAILURES = "eventplane_trigger_action_failures_total"
+SUCCESSES = "eventplane_trigger_action_successes_total"
+
+
+def spec(url: str, **kwargs: Any) -> Spec:
+    kwargs.setdefault("retry", Retry(max_attempts=5, initial_backoff_ms=1000, max_backoff_ms=8000))
+    return Spec(name="hook", collection="orders", action=webhook(url), **kwargs)
+
+
+async def test_500_twice_then_200_is_delivered_with_attempts_counted(
+    make_engine: Any, receiver: Receiver, clock: FakeClock, metrics: Any
+) -> None:
+    """1. First attempt (in finish) gets 500: the chunk is queued, attempts = 1.
+    2. The retry after the first backoff gets 500 again: attempts = 2.
+    3. The next retry gets 200: the entry is gone; the same body and
+       Idempotency-Key went out three times."""
+    receiver.script = [Reply(500), Reply(500)]
+    engine = await make_engine([spec(receiver.url)])
+    events = [event(10, new={"amount": 1}), event(11, new={"amount": 2})]
+
+    await engine.finish(batch(), hand_evaluation(engine, {"hook": events}))
+    store: TriggerStore = engine._store
+    [entry] = store.pending()
+    assert entry.attempts == 1
+    # Backoff 1: initial (1 s) with equal jitter -> between 0.5 and 1 s.
+    assert clock.now + 0.5 <= entry.next_due <= clock.now + 1.0
+    assert await engine.deliver_due() == 0  # not due yet
+
+    clock.advance(1.0)
+    assert await engine.deliver_due() == 1
+    [entry] = store.pending()
+    assert entry.attempts == 2
+    assert clock.now + 1.0 <= entry.next_due <= clock.now + 2.0  # initial * 2
+
+    clock.advance(2.0)
+    assert await engine.deliver_due() == 1
+    assert store.pending() == []
+    assert store.dlq_size() == 0
+
+    assert [r.status for r in receiver.requests] == [500, 500, 200]
+    assert {r.headers["Idempotency-Key"] for r in receiver.requests} == {"hook:10-11"}
+    assert all(r.lsns == [10, 11] for r in receiver.requests)
+    assert receiver.requests[-1].body["rows"][0]["idempotency_key"] == "hook:10"
+    assert sample(metrics, FAILURES, trigger="hook", kind="retriable") == 2
+    assert sample(metrics, SUCCESSES, trigger="hook") == 1
+    assert sample(metrics, "eventplane_trigger_fires_total", trigger="hook") == 2
+    assert sample(metrics, "eventplane_trigger_retry_queue_depth") == 0
+
+
+async def test_400_goes_to_the_dlq_at_once_with_the_answer(
+    make_engine: Any, receiver: Receiver, metrics: Any
+) -> None:
+    receiver.default = Reply(400, body="amount missing")
+    engine = await make_engine([spec(receiver.url)])
+    events = [event(5, key="a", new={"x": 1}), event(6, key="b", new={"x": 2})]
+
+    await engine.finish(batch(), hand_evaluation(engine, {"hook": events}))
+
+    store: TriggerStore = engine._store
+    assert store.pending() == []
+    entries = store.dlq_list()
+    assert [(e.trigger, e.key, e.op, e.lsn, e.attempts) for e in entries] == [
+        ("hook", "a", "insert", 5, 1),
+        ("hook", "b", "insert", 6, 1),
+    ]
+    assert entries[0].last_error == f"HTTP 400 from {receiver.url}: amount missing"
+    assert json.loads(entries[0].row)["new"] == {"x": 1}
+    assert len(receiver.requests) == 1
+    assert sample(metrics, FAILURES, trigger="hook", kind="permanent") == 1
+    assert sample(metrics, "eventplane_dlq_entries") == 2
+
+
+async def test_timeouts_are_retried_then_dead_lettered(
+    make_engine: Any, receiver: Receiver, clock: FakeClock
+) -> None:
+    receiver.default = Reply(200, delay_s=2.0)
+    s = Spec(
+        name="slow", collection="orders", action=webhook(receiver.url, timeout_s=0.1),
+        retry=Retry(max_attempts=3, initial_backoff_ms=100, max_backoff_ms=100),
+    )  # fmt: skip
+    engine = await make_engine([s])
+
+    await engine.finish(batch(), hand_evaluation(engine, {"slow": [event(1)]}))
+    for _ in range(2):
+        clock.advance(1.0)
+        assert await engine.deliver_due() == 1
+
+    store: TriggerStore = engine._store
+    assert store.pending() == []
+    [dead] = store.dlq_list()
+    assert dead.attempts == 3
+    assert dead.last_error.startswith("gave up after 3 attempt(s): no answer from")
+    assert "within 0.1 s" in dead.last_error
+    assert len(receiver.requests) == 3
+
+
+async def test_429_retry_after_is_honoured_over_a_shorter_backoff(
+    make_engine: Any, receiver: Receiver, clock: FakeClock
+) -> None:
+    receiver.script = [Reply(429, headers={"Retry-After": "30"})]
+    engine = await make_engine([spec(receiver.url)])
+
+    await engine.finish(batch(), hand_evaluation(engine, {"hook": [event(1)]}))
+    [entry] = engine._store.pending()
+    assert entry.next_due == clock.now + 30
+    clock.advance(29)
+    assert await engine.deliver_due() == 0
+    clock.advance(1)
+    assert await engine.deliver_due() == 1
+    assert [r.status for r in receiver.requests] == [429, 200]
+
+
+async def test_connection_refused_is_retriable(make_engine: Any, clock: FakeClock) -> None:
+    from tests.conftest import free_port
+
+    engine = await make_engine([spec(f"http://127.0.0.1:{free_port()}/hook")])
+    await engine.finish(batch(), hand_evaluation(engine, {"hook": [event(1)]}))
+    [entry] = engine._store.pending()
+    assert entry.last_error.startswith("cannot reach http://127.0.0.1:")
+
+
+async def test_python_permanent_error_dead_letters_and_other_errors_retry(
+    make_engine: Any, clock: FakeClock
+) -> None:
+    specs = [
+        Spec(name="perm", collection="orders", action={"type": "python",
+             "function": "tests.triggers.actions_for_tests:reject"}),
+        Spec(name="flaky", collection="orders", action={"type": "python",
+             "function": "tests.triggers.actions_for_tests:flaky_async"}),
+    ]  # fmt: skip
+    from tests.triggers import actions_for_tests as a
+
+    a.CALLS.clear()
+    a.FLAKY_FAILURES[:] = [1]
+    engine = await make_engine(specs)
+    await engine.finish(
+        batch(), hand_evaluation(engine, {"perm": [event(1)], "flaky": [event(2, new={"v": 1})]})
+    )
+    store: TriggerStore = engine._store
+    assert [(e.trigger, e.lsn, e.last_error) for e in store.dlq_list()] == [
+        ("perm", 1, "no such customer")
+    ]
+    [entry] = store.pending()
+    assert entry.trigger == "flaky"
+    assert entry.last_error == "RuntimeError: flaky once"
+
+    clock.advance(10)
+    await engine.deliver_due()
+    assert store.pending() == []
+    assert a.CALLS[-1] == ("flaky_async", [2], [{"v": 1}], ["flaky:2"])
+
+
+async def test_dlq_cap_evicts_the_oldest_and_counts_it(
+    make_engine: Any, receiver: Receiver, metrics: Any
+) -> None:
+    receiver.default = Reply(404)
+    engine = await make_engine([spec(receiver.url, batch_size=1)], dlq_max_entries=3)
+
+    with capture_logs() as logs:
+        await engine.finish(
+            batch(), hand_evaluation(engine, {"hook": [event(i) for i in range(1, 6)]})
+        )
+
+    assert [e.lsn for e in engine._store.dlq_list()] == [3, 4, 5]
+    assert sample(metrics, "eventplane_dlq_evicted_total") == 2
+    assert sample(metrics, "eventplane_dlq_entries") == 3
+    assert [x["entries"] for x in logs if x["event"] == "dlq_evicted"] == [2]
+
+
+async def test_entries_of_a_removed_trigger_go_to_the_dlq(
+    make_engine: Any, receiver: Receiver, clock: FakeClock
+) -> None:
+    receiver.script = [Reply(503)]
+    engine = await make_engine([spec(receiver.url)])
+    await engine.finish(batch(), hand_evaluation(engine, {"hook": [event(1)]}))
+    assert (
+        await engine.reload_specs(
+            [Spec(name="other", collection="x", action=webhook(receiver.url))]
+        )
+        == []
+    )
+
+    clock.advance(100)
+    await engine.deliver_due()
+    [dead] = engine._store.dlq_list()
+    assert dead.trigger == "hook"
+    assert "no longer configured" in dead.last_error
+    assert len(receiver.requests) == 1
+
+
+async def test_entries_of_a_disabled_trigger_wait(
+    make_engine: Any, receiver: Receiver, clock: FakeClock
+) -> None:
+    receiver.script = [Reply(503)]
+    engine = await make_engine([spec(receiver.url)])
+    await engine.finish(batch(), hand_evaluation(engine, {"hook": [event(1)]}))
+    await engine.reload_specs([spec(receiver.url, enabled=False)])
+    clock.advance(100)
+    assert await engine.deliver_due() == 0
+    await engine.reload_specs([spec(receiver.url)])
+    assert await engine.deliver_due() == 1
+    assert [r.status for r in receiver.requests] == [503, 200]
+
+
+async def test_background_loop_delivers_due_retries(make_engine: Any, receiver: Receiver) -> None:
+    """Real clock, 20 ms backoff: the supervised loop delivers without being poked."""
+    import time
+
+    receiver.script = [Reply(500)]
+    s = spec(receiver.url, retry=Retry(max_attempts=3, initial_backoff_ms=20, max_backoff_ms=20))
+    engine = await make_engine([s], retry_loop=True, clock=time.time, poll_s=0.05)
+    await engine.finish(batch(), hand_evaluation(engine, {"hook": [event(1)]}))
+    for _ in range(100):
+        if receiver.accepted():
+            break
+        await asyncio.sleep(0.02)
+    assert [r.status for r in receiver.requests] == [500, 200]
+    await asyncio.sleep(0.1)
+    assert engine.status()["retry_queue"] == {"depth": 0}
+
+
+async def test_finish_returns_only_after_failures_are_durable(
+    make_engine: Any, receiver: Receiver, tmp_path: Any
+) -> None:
+    """What finish queued is readable from a fresh connection the moment it returns."""
+    receiver.default = Reply(502)
+    engine = await make_engine([spec(receiver.url, batch_size=2)])
+    events = [event(i) for i in range(1, 6)]
+    await engine.finish(batch(), hand_evaluation(engine, {"hook": events}))
+    other = TriggerStore(engine.store_path)
+    try:
+        assert [(e.first_lsn, e.last_lsn) for e in other.pending()] == [(1, 2), (3, 4), (5, 5)]
+    finally:
+        other.close()
+
+
+def test_backoff_doubles_from_initial_and_is_capped_with_jitter() -> None:
+    from triggers.engine import TriggerEngine
+
+    s = Spec(name="b", collection="c", action={"type": "emit", "collection": "d"},
+             retry=Retry(max_attempts=99, initial_backoff_ms=500, max_backoff_ms=60_000))  # fmt: skip
+    engine = TriggerEngine([s], data_dir="/nonexistent", rng=random.Random(1))
+    t = engine.triggers["b"]
+    for attempts, nominal in [(1, 0.5), (2, 1.0), (3, 2.0), (8, 60.0), (99, 60.0), (5000, 60.0)]:
+        delays = [engine.backoff_s(t, attempts) for _ in range(200)]
+        assert nominal / 2 <= min(delays) and max(delays) <= nominal
+        assert max(delays) - min(delays) > nominal / 4  # jitter spreads them
+
+
+def test_retry_after_accepts_seconds_and_http_dates() -> None:
+    now = 1_700_000_000.0
+    assert parse_retry_after("7", now) == 7.0
+    assert parse_retry_after("Tue, 14 Nov 2023 22:13:40 GMT", now) == 20.0
+    assert parse_retry_after("garbage", now) is None
+    assert parse_retry_after(None, now) is None
+    assert parse_retry_after("999999", now) == 3600.0
+
+
+def test_permanent_error_is_exported_for_python_actions() -> None:
+    assert issubclass(PermanentError, Exception)
+    assert PermanentError.retriable is False
+    with pytest.raises(PermanentError):
+        raise PermanentError("x")
