@@ -264,8 +264,8 @@ async def test_finish_returns_only_after_failures_are_durable(
 def test_backoff_doubles_from_initial_and_is_capped_with_jitter() -> None:
     from triggers.engine import TriggerEngine
 
-    s = Spec(name="b", collection="c", action={"type": "emit", "collection": "d"},
-             retry=Retry(max_attempts=99, initial_backoff_ms=500, max_backoff_ms=60_000))  # fmt: skip
+    retry = Retry(max_attempts=99, initial_backoff_ms=500, max_backoff_ms=60_000)
+    s = Spec(name="b", collection="c", action={"type": "emit", "collection": "d"}, retry=retry)
     engine = TriggerEngine([s], data_dir="/nonexistent", rng=random.Random(1))
     t = engine.triggers["b"]
     for attempts, nominal in [(1, 0.5), (2, 1.0), (3, 2.0), (8, 60.0), (99, 60.0), (5000, 60.0)]:
