@@ -423,10 +423,9 @@ class CdcSink:
         many of its rows this stream takes (counted from Arrow, no Spark job).
         """
         started = time.monotonic()
-        ledger = self.ledger
         # Step 0. Idempotency: finish an interrupted commit, skip a committed batch.
         self._complete_pending(RecoveryReport())
-        if batch.batch_id <= ledger.last_batch_id:
+        if batch.batch_id <= self.ledger.last_batch_id:
             self._check_rerun(batch)
             return CommitResult(self.name, batch.batch_id, rows, 0, True, 0.0)
         self._check_lsns(batch)

@@ -1,0 +1,243 @@
+"""CDC sink: exactly-once under injected failures, recovery of leftovers, identity checks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+
+from daemon.cdc import (
+    META_DIR,
+    CdcLedgerMismatchError,
+    CdcSink,
+    CdcStreamLockedError,
+    read_ledger,
+)
+from daemon.errors import ExecutorError, IdentityMismatchError, LsnRegressionError
+from tests.spark.support import batch_lsns, make_batches, read_table
+
+pytestmark = pytest.mark.spark
+
+REAL_WRITE = CdcSink._write_staged
+
+
+def visible_lsns(spark: Any, path: Path) -> list[int]:
+    return sorted(r.lsn for r in read_table(spark, path))
+
+
+def leftovers(path: Path) -> list[str]:
+    meta = path / META_DIR
+    return sorted(
+        str(p.relative_to(meta)) for p in meta.rglob("*") if p.is_file() and p.name != "lock"
+    ) + sorted(str(p.relative_to(meta)) for p in (meta / "staging").iterdir())
+
+
+async def test_write_failure_after_partial_write_retries_to_exactly_once(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """1. Batch 2's Spark write writes its files, then fails (as a lost executor would).
+    2. execute raises; readers still see batch 1 only.  3. The planner retries: batch 2
+    commits once, no staging left behind."""
+    ex = await executor_factory()
+    batches = make_batches(3, 150)
+    table = tmp_path / "cdc" / "all"
+    await ex.execute(batches[0])
+
+    def write_then_fail(self: CdcSink, df: Any, staging: Path) -> None:
+        REAL_WRITE(self, df, staging)
+        raise RuntimeError("Job aborted due to stage failure: lost executor 1")
+
+    wrapped = mock.patch.object(
+        CdcSink, "_write_staged", autospec=True, side_effect=write_then_fail
+    )
+    with wrapped, pytest.raises(ExecutorError, match="lost executor"):
+        await ex.execute(batches[1])
+    assert visible_lsns(spark, table) == batch_lsns(batches[:1])
+    assert leftovers(table) == ["ledger.json"]
+
+    await ex.execute(batches[1])
+    await ex.execute(batches[2])
+    assert visible_lsns(spark, table) == batch_lsns(batches)
+    assert leftovers(table) == ["ledger.json"]
+
+
+async def test_write_failures_on_every_other_attempt_never_duplicate(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory()
+    batches = make_batches(4, 80)
+    calls = {"n": 0}
+
+    def flaky(self: CdcSink, df: Any, staging: Path) -> None:
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise OSError(28, "No space left on device")
+        REAL_WRITE(self, df, staging)
+
+    with mock.patch.object(CdcSink, "_write_staged", autospec=True, side_effect=flaky):
+        for b in batches:
+            for _attempt in range(3):
+                try:
+                    await ex.execute(b)
+                    break
+                except ExecutorError:
+                    continue
+    assert calls["n"] == 8
+    assert visible_lsns(spark, tmp_path / "cdc" / "all") == batch_lsns(batches)
+    assert ex.status()["batches_failed"] == 4
+
+
+async def test_publish_failure_after_the_intent_rolls_forward_on_retry(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """1. The first rename of step 3 succeeds, the second fails (EIO).  2. The intent is
+    kept.  3. The retry completes the renames without a new Spark write."""
+    ex = await executor_factory()
+    (batch,) = make_batches(1, 200)
+    real_rename = os.rename
+    renames = {"n": 0}
+
+    def rename_once(src: Any, dst: Any) -> None:
+        renames["n"] += 1
+        if renames["n"] == 2:
+            raise OSError(5, "Input/output error")
+        real_rename(src, dst)
+
+    failing = mock.patch("daemon.cdc.os.rename", side_effect=rename_once)
+    with failing, pytest.raises(ExecutorError, match="Input/output error"):
+        await ex.execute(batch)
+    table = tmp_path / "cdc" / "all"
+    assert (table / META_DIR / "pending" / "b000000000001.json").exists()
+
+    with mock.patch.object(CdcSink, "_write_staged", autospec=True) as write:
+        await ex.execute(batch)
+    write.assert_not_called()  # rolled forward from the intent, no second write
+    assert visible_lsns(spark, table) == batch_lsns([batch])
+    assert leftovers(table) == ["ledger.json"]
+
+
+async def test_ledger_records_batch_ranges_rows_and_identity(
+    executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory(wal_id="wal-abc")
+    batches = make_batches(2, 60)
+    for b in batches:
+        await ex.execute(b)
+
+    ledger = read_ledger(tmp_path / "cdc" / "all")
+    assert ledger is not None
+    assert (ledger.stream, ledger.wal_id, ledger.cores, ledger.last_batch_id) == (
+        "all",
+        "wal-abc",
+        4,
+        2,
+    )
+    assert [e.batch_id for e in ledger.batches] == [1, 2]
+    assert [e.ranges for e in ledger.batches] == [b.ranges() for b in batches]
+    assert [e.rows for e in ledger.batches] == [60, 60] and ledger.rows_total == 120
+    assert ledger.high_lsn == {c: hi for c, (_, hi) in batches[1].ranges().items()}
+    for e in ledger.batches:
+        assert all((tmp_path / "cdc" / "all" / f).is_file() for f in e.files)
+
+
+async def test_ledger_of_another_wal_refuses_to_start(
+    executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory(wal_id="wal-1")
+    await ex.execute(make_batches(1, 10)[0])
+    await ex.stop()
+
+    with pytest.raises(IdentityMismatchError, match=r"WAL id wal-1 -> wal-2.*new folder"):
+        await executor_factory(wal_id="wal-2")
+    with pytest.raises(IdentityMismatchError, match="cores 4 -> 8"):
+        await executor_factory(wal_id="wal-1", cores=8)
+
+
+async def test_same_lsns_under_a_new_batch_id_are_refused(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory()
+    batches = make_batches(2, 50)
+    for b in batches:
+        await ex.execute(b)
+    replanned = make_batches(1, 50, first_batch_id=3, first_lsn=51)[0]
+
+    with pytest.raises(LsnRegressionError, match="duplicate rows"):
+        await ex.execute(replanned)
+    assert visible_lsns(spark, tmp_path / "cdc" / "all") == batch_lsns(batches)
+
+
+async def test_committed_id_with_other_ranges_is_refused(executor_factory: Any) -> None:
+    ex = await executor_factory()
+    await ex.execute(make_batches(1, 50)[0])
+    changed = make_batches(1, 60)[0]
+    with pytest.raises(CdcLedgerMismatchError, match="came back with"):
+        await ex.execute(changed)
+
+
+async def test_second_writer_of_a_stream_is_refused(executor_factory: Any) -> None:
+    await executor_factory()
+    with pytest.raises(CdcStreamLockedError, match="locked by another process"):
+        await executor_factory()
+
+
+async def test_restart_removes_staging_temp_files_and_orphans(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """Leftovers a crash can leave (and a few it cannot) are removed at start, while
+    committed files stay."""
+    ex = await executor_factory()
+    batches = make_batches(2, 100)
+    await ex.execute(batches[0])
+    await ex.stop()
+    table = tmp_path / "cdc" / "all"
+    meta = table / META_DIR
+    stray = meta / "staging" / "b000000000002" / "collection=orders"
+    stray.mkdir(parents=True)
+    (stray / "part-00000-x.snappy.parquet").write_bytes(b"PAR1")
+    (meta / ".ledger.json.999.tmp").write_text("{")
+    orphan = table / "collection=orders" / "part-b000000000002-00000-x.snappy.parquet"
+    orphan.write_bytes(b"PAR1 not really")
+
+    ex2 = await executor_factory()
+    assert not orphan.exists()
+    assert leftovers(table) == ["ledger.json"]
+    assert visible_lsns(spark, table) == batch_lsns(batches[:1])
+    await ex2.execute(batches[1])
+    assert visible_lsns(spark, table) == batch_lsns(batches)
+
+
+async def test_intent_left_by_a_dead_process_is_rolled_forward_at_start(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory()
+    batches = make_batches(2, 100)
+    await ex.execute(batches[0])
+    failing = mock.patch.object(CdcSink, "_publish", autospec=True, side_effect=OSError(5, "EIO"))
+    with failing, pytest.raises(ExecutorError):
+        await ex.execute(batches[1])
+    await ex.stop()
+
+    await executor_factory()
+    ledger = read_ledger(tmp_path / "cdc" / "all")
+    assert ledger is not None and ledger.last_batch_id == 2
+    assert visible_lsns(spark, tmp_path / "cdc" / "all") == batch_lsns(batches)
+
+
+async def test_batch_without_rows_for_a_stream_is_recorded_without_files(
+    executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory(streams=[("nothing", ["no-such-collection"])])
+    batches = make_batches(2, 30)
+    for b in batches:
+        await ex.execute(b)
+    ledger = read_ledger(tmp_path / "cdc" / "nothing")
+    assert ledger is not None and ledger.last_batch_id == 2
+    assert [e.files for e in ledger.batches] == [[], []]
+    assert not list((tmp_path / "cdc" / "nothing").glob("collection=*"))
+    raw = json.loads((tmp_path / "cdc" / "nothing" / META_DIR / "ledger.json").read_text())
+    assert raw["format"] == 1 and raw["high_lsn"]
