@@ -43,3 +43,7 @@ class WalReadError(WalError):
     """A transient read failure during replay; the caller retries (bounded)."""
 
     retriable = True
+
+
+class WalLockedError(WalError):
+    """Another process (or another Wal in this one) has the WAL directory open."""

@@ -1,0 +1,28 @@
+"""eventplane's write-ahead log: segmented, checksummed, group-committed. See docs/wal.md."""
+
+from wal.errors import (
+    BelowRetainedFloorError,
+    WalClosedError,
+    WalCorruptionError,
+    WalError,
+    WalFatalError,
+    WalLockedError,
+    WalReadError,
+)
+from wal.log import FsyncMode, Wal
+from wal.reader import RecordBatch
+from wal.record import Record
+
+__all__ = [
+    "BelowRetainedFloorError",
+    "FsyncMode",
+    "Record",
+    "RecordBatch",
+    "Wal",
+    "WalClosedError",
+    "WalCorruptionError",
+    "WalError",
+    "WalFatalError",
+    "WalLockedError",
+    "WalReadError",
+]

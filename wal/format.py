@@ -1,0 +1,338 @@
+"""Byte layout of WAL segments and frames, and the pure functions that encode and check them.
+
+A segment file is one segment header followed by frames, back to back, no padding::
+
+    +----------------+---------+---------+-----+---------+
+    | segment header | frame 1 | frame 2 | ... | frame k |
+    +----------------+---------+---------+-----+---------+
+
+One frame holds one group commit (every append the writer thread coalesced
+between two fdatasyncs). Inside a frame the events are grouped by core, one
+*section* per core present, in ascending core order::
+
+    frame header | section(core a) | section(core b) | ...
+    section      = section header | LSN deltas | payload lengths | payloads
+
+A one-core reader reads the section header, compares the core and jumps
+``body_len`` bytes ahead when it is another core's: no decoding of the other
+cores' arrays or payloads. The LSN deltas (``array('I')``, relative to the
+frame's first LSN) say where each event sits in the frame's LSN order; the
+per-core sequence of the i-th event of a section is ``base_seq + i``.
+
+Integers are little-endian. Every check returns a reason string instead of
+raising, so recovery, ``verify`` and ``repair`` can decide what a failure
+means (torn tail or corruption) at the place where that is known.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+import sys
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Final, NamedTuple
+
+import crc32c as _crc32c
+
+from wal.errors import WalError
+
+FORMAT_VERSION: Final = 1
+
+# ---------------------------------------------------------------------------
+# Segment header: written and fsynced (file, then directory) before any frame.
+# The CRC covers bytes [0, SEGMENT_CRC_OFFSET).
+SEGMENT_MAGIC: Final = b"EPWALSEG"
+SEGMENT_HEADER: Final = struct.Struct(
+    "<"
+    "8s"  # magic: SEGMENT_MAGIC
+    "H"  # format version: FORMAT_VERSION
+    "H"  # flags: 0, reserved
+    "I"  # reserved: 0
+    "16s"  # wal_id: the 16 bytes of the WAL's uuid4 (IDENTITY holds the hex form)
+    "Q"  # segment number: 1 for the first segment of a WAL, +1 per rotation
+    "Q"  # first LSN of the segment; also the file name
+    "I"  # CRC32C of the bytes before this field
+    "12x"  # padding, so frames start at a 64-byte offset
+)
+SEGMENT_CRC_OFFSET: Final = struct.calcsize("<8sHHI16sQQ")
+SEGMENT_HEADER_SIZE: Final = SEGMENT_HEADER.size  # 64
+
+# ---------------------------------------------------------------------------
+# Frame header. The CRC covers bytes [FRAME_CRC_START, frame_len) of the frame:
+# the rest of this header (so frame_len itself is covered) and every section.
+# magic and version are checked by value; a torn or stale frame fails the CRC.
+FRAME_MAGIC: Final = 0xE9F7
+FRAME_HEADER: Final = struct.Struct(
+    "<"
+    "H"  # magic: FRAME_MAGIC
+    "B"  # format version: FORMAT_VERSION
+    "B"  # flags: 0, reserved
+    "I"  # crc: CRC32C of frame bytes [FRAME_CRC_START, frame_len)
+    "I"  # frame_len: bytes of the whole frame, this header included
+    "I"  # segment number stamp: bytes left over from another segment never pass
+    "Q"  # first LSN: LSNs of the frame are first_lsn .. first_lsn + count - 1
+    "I"  # count: events in the frame (>= 1)
+    "H"  # sections: number of core sections (>= 1)
+    "H"  # reserved: 0
+)
+FRAME_CRC_OFFSET: Final = struct.calcsize("<HBB")
+FRAME_CRC_START: Final = struct.calcsize("<HBBI")
+FRAME_HEADER_SIZE: Final = FRAME_HEADER.size  # 32
+FRAME_PREFIX: Final = struct.pack("<HB", FRAME_MAGIC, FORMAT_VERSION)  # what a scan looks for
+MAX_FRAME_BYTES: Final = 0xFFFF_FFFF  # frame_len is a u32
+
+# ---------------------------------------------------------------------------
+# Section header, followed by ``count`` u32 LSN deltas, ``count`` u32 payload
+# lengths and the payloads concatenated in LSN order.
+SECTION_HEADER: Final = struct.Struct(
+    "<"
+    "Q"  # base_seq: per-core sequence of the section's first event; +1 per event
+    "I"  # core
+    "I"  # count: events of this core in the frame (>= 1)
+    "I"  # body_len: bytes after this header = 8 * count + sum(payload lengths)
+)
+SECTION_HEADER_SIZE: Final = SECTION_HEADER.size  # 20
+ARRAY_ITEM: Final = 4  # bytes per LSN delta and per payload length
+
+SEGMENT_NAME_RE: Final = re.compile(r"^(\d{20})\.wal$")
+
+Buf = bytes | bytearray | memoryview | mmap.mmap  # anything struct and crc32c read in place
+
+if array("I").itemsize != ARRAY_ITEM:  # pragma: no cover - every CPython platform we target
+    raise ImportError("wal.format needs a 4-byte array('I')")
+_SWAP: Final = sys.byteorder != "little"
+
+
+def crc32c(data: Buf | array[int], value: int = 0) -> int:
+    """CRC32C (Castagnoli); hardware accelerated, releases the GIL for large buffers."""
+    return int(_crc32c.crc32c(data, value))
+
+
+def segment_name(first_lsn: int) -> str:
+    return f"{first_lsn:020d}.wal"
+
+
+# ---------------------------------------------------------------------------
+# Segment header
+
+
+def encode_segment_header(wal_id: bytes, number: int, first_lsn: int) -> bytes:
+    head = bytearray(
+        SEGMENT_HEADER.pack(SEGMENT_MAGIC, FORMAT_VERSION, 0, 0, wal_id, number, first_lsn, 0)
+    )
+    struct.pack_into("<I", head, SEGMENT_CRC_OFFSET, crc32c(head[:SEGMENT_CRC_OFFSET]))
+    return bytes(head)
+
+
+class SegmentHeader(NamedTuple):
+    wal_id: bytes
+    number: int
+    first_lsn: int
+
+
+def parse_segment_header(buf: bytes) -> SegmentHeader | str:
+    """The header, or the reason it is not one."""
+    if len(buf) < SEGMENT_HEADER_SIZE:
+        return f"segment header truncated: {len(buf)} of {SEGMENT_HEADER_SIZE} bytes"
+    magic, version, _flags, _res, wal_id, number, first_lsn, crc = SEGMENT_HEADER.unpack_from(buf)
+    if magic != SEGMENT_MAGIC:
+        return f"bad segment magic {bytes(magic)!r}"
+    actual = crc32c(buf[:SEGMENT_CRC_OFFSET])
+    if crc != actual:
+        return f"segment header CRC mismatch (stored {crc:#010x}, computed {actual:#010x})"
+    if version != FORMAT_VERSION:
+        return f"unsupported segment format version {version} (this build reads {FORMAT_VERSION})"
+    return SegmentHeader(bytes(wal_id), number, first_lsn)
+
+
+# ---------------------------------------------------------------------------
+# Frames
+
+
+class EncodedFrame(NamedTuple):
+    parts: list[bytes | bytearray | array[int]]  # write these in order (os.pwritev)
+    size: int  # frame_len
+    base_seqs: dict[int, int]  # core -> seq of its first event in this frame
+
+
+def encode_frame(
+    segment_no: int,
+    first_lsn: int,
+    cores: list[int],
+    payloads: list[bytes],
+    lens: array[int],
+    next_seq: dict[int, int],
+) -> EncodedFrame:
+    """Encode one group as one frame. ``next_seq`` (core -> next sequence) is advanced.
+
+    ``cores``, ``payloads`` and ``lens`` are parallel, in LSN order. The work is
+    a stable sort of the event indices by core plus C-level gathers: no Python
+    code runs per event.
+    """
+    n = len(cores)
+    counts = Counter(cores)
+    parts: list[bytes | bytearray | array[int]] = [b""]  # the header goes first, once known
+    base_seqs: dict[int, int] = {}
+    size = FRAME_HEADER_SIZE
+    if len(counts) == 1:
+        runs: list[tuple[int, Sequence[int] | None]] = [(cores[0], None)]
+    else:
+        order = sorted(range(n), key=cores.__getitem__)
+        runs = []
+        pos = 0
+        for core in sorted(counts):
+            step = counts[core]
+            runs.append((core, order[pos : pos + step]))
+            pos += step
+    for core, idx in runs:
+        if idx is None:  # one core: the frame order is the section order
+            deltas = array("I", range(n))
+            lengths = lens
+            blob = b"".join(payloads)
+        else:
+            deltas = array("I", idx)
+            lengths = array("I", map(lens.__getitem__, idx))
+            blob = b"".join(map(payloads.__getitem__, idx))
+        if _SWAP:  # pragma: no cover - big-endian hosts
+            deltas.byteswap()
+            lengths = array("I", lengths)
+            lengths.byteswap()
+        count = len(deltas)
+        base = next_seq.get(core, 1)
+        next_seq[core] = base + count
+        base_seqs[core] = base
+        body_len = 2 * ARRAY_ITEM * count + len(blob)
+        parts += (SECTION_HEADER.pack(base, core, count, body_len), deltas, lengths, blob)
+        size += SECTION_HEADER_SIZE + body_len
+    if size > MAX_FRAME_BYTES:
+        raise WalError(f"one group of {n} events needs {size} bytes; a frame holds at most 4 GiB")
+    head = bytearray(
+        FRAME_HEADER.pack(
+            FRAME_MAGIC, FORMAT_VERSION, 0, 0, size, segment_no, first_lsn, n, len(runs), 0
+        )
+    )
+    crc = crc32c(memoryview(head)[FRAME_CRC_START:])
+    for part in parts[1:]:
+        crc = crc32c(part, crc)
+    struct.pack_into("<I", head, FRAME_CRC_OFFSET, crc)
+    parts[0] = head
+    return EncodedFrame(parts, size, base_seqs)
+
+
+class Section(NamedTuple):
+    core: int
+    events: int
+    base_seq: int
+    body: int  # absolute offset of the LSN deltas (right after the section header)
+    body_len: int
+
+
+class Frame(NamedTuple):
+    offset: int
+    size: int
+    first_lsn: int
+    events: int
+    sections: list[Section]
+
+
+def check_frame(
+    buf: Buf, offset: int, limit: int, segment_no: int, *, check_crc: bool = True
+) -> Frame | str:
+    """Parse and check the frame at ``offset`` (``limit`` = end of readable bytes).
+
+    Returns the frame or the reason it is not a whole, intact frame of this
+    segment. Checks: header bounds, magic, version, length, segment stamp, CRC,
+    and that the section headers tile the frame exactly with ascending cores
+    and counts summing to the frame's count. Per-event checks live in
+    :func:`check_frame_deep`.
+    """
+    avail = limit - offset
+    if avail < FRAME_HEADER_SIZE:
+        return f"truncated frame header: {avail} of {FRAME_HEADER_SIZE} bytes"
+    magic, version, _flags, crc, size, stamp, first_lsn, count, nsec, _res = (
+        FRAME_HEADER.unpack_from(buf, offset)
+    )
+    if magic != FRAME_MAGIC:
+        return f"bad frame magic {magic:#06x} (expected {FRAME_MAGIC:#06x})"
+    if version != FORMAT_VERSION:
+        return f"unsupported frame format version {version}"
+    if size < FRAME_HEADER_SIZE + SECTION_HEADER_SIZE:
+        return f"frame length {size} is below the minimum"
+    if size > avail:
+        return f"frame length {size} runs past the end of the data ({avail} bytes left)"
+    if check_crc:
+        actual = crc32c(memoryview(buf)[offset + FRAME_CRC_START : offset + size])
+        if actual != crc:
+            return f"frame CRC mismatch (stored {crc:#010x}, computed {actual:#010x}, {size} bytes)"
+    if stamp != segment_no:
+        return f"frame carries segment stamp {stamp}, this is segment {segment_no} (stale bytes)"
+    if count < 1 or nsec < 1:
+        return f"frame with {count} events in {nsec} sections"
+    sections: list[Section] = []
+    pos = offset + FRAME_HEADER_SIZE
+    end = offset + size
+    total = 0
+    last_core = -1
+    for _ in range(nsec):
+        if end - pos < SECTION_HEADER_SIZE:
+            return f"section header at offset {pos} runs past the frame end"
+        base_seq, core, scount, body_len = SECTION_HEADER.unpack_from(buf, pos)
+        body = pos + SECTION_HEADER_SIZE
+        if core <= last_core:
+            return f"section of core {core} after core {last_core} (cores must ascend)"
+        if scount < 1 or body_len < 2 * ARRAY_ITEM * scount or body + body_len > end:
+            return f"section of core {core} at offset {pos}: count {scount}, length {body_len}"
+        sections.append(Section(core, scount, base_seq, body, body_len))
+        total += scount
+        last_core = core
+        pos = body + body_len
+    if pos != end:
+        return f"sections end at offset {pos}, the frame at {end}"
+    if total != count:
+        return f"sections hold {total} events, the frame header says {count}"
+    return Frame(offset, size, first_lsn, count, sections)
+
+
+def decode_u32(buf: Buf, start: int, count: int) -> array[int]:
+    out = array("I")
+    out.frombytes(memoryview(buf)[start : start + ARRAY_ITEM * count])
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        out.byteswap()
+    return out
+
+
+def check_frame_deep(buf: Buf, frame: Frame) -> str | None:
+    """Per-event checks (``wal verify``): deltas and lengths agree with the frame."""
+    seen: list[int] = []
+    for sec in frame.sections:
+        deltas = decode_u32(buf, sec.body, sec.events)
+        lengths = decode_u32(buf, sec.body + ARRAY_ITEM * sec.events, sec.events)
+        if sum(lengths) != sec.body_len - 2 * ARRAY_ITEM * sec.events:
+            return f"core {sec.core}: payload lengths do not add up to the section length"
+        if any(a >= b for a, b in pairwise(deltas)):
+            return f"core {sec.core}: LSN deltas are not strictly increasing"
+        seen += deltas
+    if sorted(seen) != list(range(frame.events)):
+        return "the sections' LSN deltas do not cover the frame's LSNs exactly once"
+    return None
+
+
+def find_frame_after(
+    buf: bytes | mmap.mmap, start: int, limit: int, segment_no: int, min_lsn: int
+) -> Frame | None:
+    """First intact frame of this segment carrying LSNs >= ``min_lsn`` at any offset >= start.
+
+    Recovery uses it to tell a torn tail (nothing valid after the damage) from
+    damage in the middle of the log (valid frames follow: acknowledged data).
+    """
+    pos = buf.find(FRAME_PREFIX, start, limit)
+    while pos >= 0:
+        found = check_frame(buf, pos, limit, segment_no)
+        if isinstance(found, Frame) and found.first_lsn >= min_lsn:
+            return found
+        pos = buf.find(FRAME_PREFIX, pos + 1, limit)
+    return None

@@ -1,0 +1,850 @@
+"""The write-ahead log: group-commit writer thread, recovery on open, readers, retention.
+
+Threads and ownership:
+
+- the **writer thread** owns the active segment's file descriptor, assigns
+  LSNs and per-core sequences, writes one frame per group and fdatasyncs it;
+- the **event loop** calls :meth:`Wal.append` and runs the listener;
+- **readers** (any thread) open their own descriptors and only trust bytes
+  below a segment's published durable ``end``.
+
+Publication order in the writer (what readers rely on): frame bytes written and
+synced -> frame index appended -> ``segment.end`` -> ``head``. A reader that
+sees ``head >= x`` therefore finds LSN ``x`` below the ``end`` it reads next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import os
+import threading
+import time
+import uuid
+from array import array
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Sequence
+from itertools import chain, count, repeat
+from operator import itemgetter
+from pathlib import Path
+from typing import Any, Final, Literal, TypeVar
+
+import structlog
+
+from wal.errors import (
+    BelowRetainedFloorError,
+    WalClosedError,
+    WalCorruptionError,
+    WalFatalError,
+    WalLockedError,
+)
+from wal.format import (
+    FRAME_CRC_OFFSET,
+    FRAME_CRC_START,
+    FRAME_HEADER_SIZE,
+    MAX_FRAME_BYTES,
+    SECTION_HEADER_SIZE,
+    SEGMENT_HEADER_SIZE,
+    crc32c,
+    encode_frame,
+    encode_segment_header,
+    segment_name,
+)
+from wal.reader import ReadBuf, RecordBatch, frame_batches, frame_records, segment_frames
+from wal.record import Record
+from wal.segments import Damage, Segment, scan, segment_files
+
+log = structlog.get_logger("wal")
+
+MiB: Final = 1024 * 1024
+FsyncMode = Literal["always", "interval", "never"]
+Listener = Callable[[list[Record]], None]
+GroupObserver = Callable[[int, int, float], None]
+IDENTITY: Final = "IDENTITY"
+LOCK: Final = "LOCK"
+MIN_SEGMENT_BYTES: Final = 4096  # tests rotate tiny segments; the config asks for >= 1 MiB
+_PER_EVENT_BYTES: Final = 8  # one u32 LSN delta + one u32 length per event
+_core_of = itemgetter(0)
+_payload_of = itemgetter(1)
+T = TypeVar("T")
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a create, rename or unlink in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def lock_directory(directory: Path) -> int:
+    """Exclusive advisory lock on ``directory/LOCK``; released with the fd or the process."""
+    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise WalLockedError(
+                f"{directory} is in use by another process or Wal (lock on {directory / LOCK}); "
+                "stop the daemon before opening or repairing this WAL"
+            ) from exc
+        raise
+    return fd
+
+
+def read_identity(directory: Path) -> bytes | None:
+    """The wal_id in ``IDENTITY`` (16 bytes) or None when there is no IDENTITY file."""
+    path = directory / IDENTITY
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WalCorruptionError(
+            f"cannot read IDENTITY: {exc}", segment=IDENTITY, offset=0
+        ) from exc
+    try:
+        return uuid.UUID(hex=text).bytes
+    except ValueError as exc:
+        raise WalCorruptionError(
+            f"IDENTITY does not hold a WAL id (32 hex digits): {text[:40]!r}",
+            segment=IDENTITY,
+            offset=0,
+        ) from exc
+
+
+def save_aside(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``<path>.broken`` (``.broken.2``, ... if taken), fsynced."""
+    target = path.with_name(path.name + ".broken")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.broken.{n}")
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return target
+
+
+def cut_torn_tail(directory: Path, damage: Damage) -> Path:
+    """Recovery: move the torn bytes aside, truncate the segment, sync; returns the .broken file."""
+    path = damage.path
+    if damage.whole_file:  # torn creation: the file holds a partial header and nothing else
+        target = save_aside(path, path.read_bytes())
+        path.unlink()
+    else:
+        with path.open("rb") as f:
+            f.seek(damage.offset)
+            cut = f.read()
+        target = save_aside(path, cut)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, damage.offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(directory)
+    log.warning(
+        "wal.torn_tail_cut",
+        segment=damage.segment,
+        offset=damage.offset,
+        bytes=damage.file_size - damage.offset,
+        next_lsn=damage.next_lsn,
+        reason=damage.reason,
+        saved_as=target.name,
+    )
+    return target
+
+
+def create_segment(directory: Path, wal_id: bytes, number: int, first_lsn: int) -> Segment:
+    """Create a segment holding only its header; file and directory fsynced before return."""
+    path = directory / segment_name(first_lsn)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        header = encode_segment_header(wal_id, number, first_lsn)
+        if os.write(fd, header) != len(header):
+            raise OSError(errno.EIO, f"short write of the segment header of {path.name}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(directory)
+    return Segment(path=path, number=number, first_lsn=first_lsn, sealed=False)
+
+
+class _Waiter:
+    """One append() call waiting for its group's fdatasync."""
+
+    __slots__ = ("cores", "error", "event", "future", "lens", "nbytes", "payloads", "result")
+
+    def __init__(
+        self,
+        cores: list[int],
+        payloads: list[bytes],
+        lens: array[int],
+        future: asyncio.Future[tuple[int, int]] | None,
+        event: threading.Event | None,
+    ) -> None:
+        self.cores = cores
+        self.payloads = payloads
+        self.lens = lens
+        self.nbytes = sum(lens) + _PER_EVENT_BYTES * len(lens)
+        self.future = future
+        self.event = event
+        self.result: tuple[int, int] | None = None
+        self.error: BaseException | None = None
+
+    def settle(self, on_loop: asyncio.AbstractEventLoop | None) -> None:
+        """Hand the result (or error) to whoever waits; ``on_loop``: the loop we run on, if any."""
+        if self.event is not None:
+            self.event.set()
+            return
+        fut = self.future
+        if fut is None:
+            return
+        loop = fut.get_loop()
+        if loop is on_loop:
+            _settle_future(fut, self.result, self.error)
+            return
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting
+            loop.call_soon_threadsafe(_settle_future, fut, self.result, self.error)
+
+
+def _settle_future(
+    fut: asyncio.Future[tuple[int, int]],
+    result: tuple[int, int] | None,
+    error: BaseException | None,
+) -> None:
+    if fut.done():  # the caller was cancelled; the events are durable all the same
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        assert result is not None
+        fut.set_result(result)
+
+
+class Wal:
+    """Segmented, checksummed write-ahead log with group commit. See docs/wal.md.
+
+    Open with :meth:`Wal.open`; the constructor is internal.
+    """
+
+    on_group: GroupObserver | None
+
+    def __init__(
+        self,
+        directory: Path,
+        wal_id: bytes,
+        segments: list[Segment],
+        lock_fd: int,
+        *,
+        segment_bytes: int,
+        fsync: FsyncMode,
+        fsync_interval_ms: int,
+        max_group_bytes: int,
+    ) -> None:
+        self.directory = directory
+        self.wal_id = wal_id.hex()
+        self._wal_id_bytes = wal_id
+        self._segments = segments  # copy-on-write: replaced, never mutated, under _seg_lock
+        self._seg_lock = threading.Lock()
+        self._lock_fd = lock_fd
+        self._segment_bytes = segment_bytes
+        self._fsync: FsyncMode = fsync
+        self._fsync_interval = fsync_interval_ms / 1000.0
+        self._max_group_bytes = max_group_bytes
+        active = segments[-1]
+        self._head = active.next_lsn - 1
+        self._fd = os.open(active.path, os.O_WRONLY)
+        self._next_seq: dict[int, int] = {}  # core -> next sequence; restarts with the process
+        self._cond = threading.Condition(threading.Lock())
+        self._pending: list[_Waiter] = []
+        self._closing = False
+        self._closed = False
+        self._fatal: BaseException | None = None
+        self._dirty = False  # written but not fdatasynced (fsync = interval | never)
+        self._last_sync = time.monotonic()
+        self._listener: Listener | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_group = None
+        self._thread = threading.Thread(target=self._writer_main, name="wal-writer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ open
+
+    @classmethod
+    def open(
+        cls,
+        directory: Path,
+        *,
+        segment_bytes: int = 64 * MiB,
+        fsync: FsyncMode = "always",
+        fsync_interval_ms: int = 100,
+        max_group_bytes: int = 8 * MiB,
+    ) -> Wal:
+        """Open (or create) the WAL in ``directory`` and recover it.
+
+        1. Create the directory if needed and take its lock.
+        2. Read IDENTITY, or create a new WAL (segment 1, then IDENTITY).
+        3. Scan every segment: headers, order, frames, CRCs.
+        4. Cut a torn tail of the last segment (bytes saved as ``.broken``);
+           refuse any other damage with :class:`WalCorruptionError`.
+        5. Start the writer thread on the last segment.
+        """
+        if segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(f"segment_bytes must be >= {MIN_SEGMENT_BYTES}, got {segment_bytes}")
+        if fsync not in ("always", "interval", "never"):
+            raise ValueError(f"fsync must be 'always', 'interval' or 'never', got {fsync!r}")
+        if fsync_interval_ms <= 0 or max_group_bytes <= 0:
+            raise ValueError("fsync_interval_ms and max_group_bytes must be positive")
+        directory = Path(directory)
+        # Step 1. Directory and lock.
+        created = not directory.exists()
+        directory.mkdir(parents=True, exist_ok=True)
+        if created:
+            fsync_dir(directory.parent)
+        lock_fd = lock_directory(directory)
+        try:
+            # Step 2. Identity.
+            wal_id = read_identity(directory)
+            if wal_id is None:
+                wal_id = cls._create(directory)
+            # Steps 3-4. Scan and recover.
+            segments = cls._recover(directory, wal_id)
+            return cls(
+                directory,
+                wal_id,
+                segments,
+                lock_fd,
+                segment_bytes=segment_bytes,
+                fsync=fsync,
+                fsync_interval_ms=fsync_interval_ms,
+                max_group_bytes=max_group_bytes,
+            )
+        except BaseException:
+            os.close(lock_fd)
+            raise
+
+    @staticmethod
+    def _create(directory: Path) -> bytes:
+        """New WAL: segment 1 first, IDENTITY last, so IDENTITY means "creation finished"."""
+        leftovers = segment_files(directory)
+        if any(p.stat().st_size > SEGMENT_HEADER_SIZE for p in leftovers):
+            names = ", ".join(p.name for p in leftovers[:3])
+            raise WalCorruptionError(
+                f"segment files ({names}) but no IDENTITY file: restore IDENTITY or move the "
+                "segments away",
+                segment=IDENTITY,
+                offset=0,
+            )
+        for path in leftovers:  # an interrupted creation: header-only files, no events
+            path.unlink()
+        wal_id = uuid.uuid4().bytes
+        create_segment(directory, wal_id, 1, 1)
+        tmp = directory / (IDENTITY + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, (wal_id.hex() + "\n").encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, directory / IDENTITY)
+        fsync_dir(directory)
+        log.info("wal.created", directory=str(directory), wal_id=wal_id.hex())
+        return wal_id
+
+    @staticmethod
+    def _recover(directory: Path, wal_id: bytes) -> list[Segment]:
+        result = scan(directory, wal_id)
+        if result.strays:
+            path, why = result.strays[0]
+            raise WalCorruptionError(
+                f"duplicated segment: {why}; run `eventplane wal repair` or move the copy away",
+                segment=path.name,
+                offset=0,
+            )
+        damage = result.damage
+        if damage is not None and not damage.torn:
+            raise WalCorruptionError(
+                f"{damage.reason}. Refusing to open: this is not a torn tail, acknowledged "
+                f"events may be affected (LSN {damage.next_lsn} onwards). "
+                "Run `eventplane wal verify` for details and `eventplane wal repair` to cut the "
+                "log at this point",
+                segment=damage.segment,
+                offset=damage.offset,
+                length=damage.file_size - damage.offset,
+            )
+        if damage is not None:
+            cut_torn_tail(directory, damage)
+            if damage.whole_file:
+                result = scan(directory, wal_id)
+        segments = result.segments
+        if not segments:
+            raise WalCorruptionError(
+                "IDENTITY exists but there is no segment file: the log was deleted",
+                segment=IDENTITY,
+                offset=0,
+            )
+        for seg in segments:
+            seg.sealed = True
+        segments[-1].sealed = False
+        log.info(
+            "wal.opened",
+            directory=str(directory),
+            wal_id=wal_id.hex(),
+            segments=len(segments),
+            head_lsn=segments[-1].next_lsn - 1,
+            floor_lsn=segments[0].first_lsn,
+        )
+        return segments
+
+    # ------------------------------------------------------------------ state
+
+    def head_lsn(self) -> int:
+        """Last durable LSN (0 for an empty log). With fsync=interval|never: last written."""
+        return self._head
+
+    def retained_floor(self) -> int:
+        """Lowest LSN still readable; ``head_lsn() + 1`` when nothing is retained."""
+        head = self._head
+        first = self._segments[0].first_lsn
+        return min(first, head + 1)
+
+    def segment_count(self) -> int:
+        return len(self._segments)
+
+    @property
+    def fsync_mode(self) -> FsyncMode:
+        return self._fsync
+
+    def set_listener(self, fn: Listener | None) -> None:
+        """``fn(records)`` runs on the event loop thread once per durable group, in LSN
+        order, before that group's ``append()`` calls return.
+
+        The loop is the one running here, else the one of the first ``append()``.
+        Without a loop (only ``append_blocking``) it runs on the writer thread.
+        """
+        self._listener = fn
+        with contextlib.suppress(RuntimeError):
+            self._loop = asyncio.get_running_loop()
+
+    # ------------------------------------------------------------------ append
+
+    async def append(self, items: Sequence[tuple[int, bytes]]) -> tuple[int, int]:
+        """Append ``(core, payload)`` items as one unit; ``(first_lsn, last_lsn)`` once durable.
+
+        All items land in one frame: all durable or none. Raises
+        :class:`WalFatalError` after any write/fsync failure (this call's or an
+        earlier one's) and :class:`WalClosedError` once closing.
+        """
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop.is_closed():
+            self._loop = loop
+        fut: asyncio.Future[tuple[int, int]] = loop.create_future()
+        self._enqueue(items, fut, None)
+        return await fut
+
+    def append_blocking(self, items: Sequence[tuple[int, bytes]]) -> tuple[int, int]:
+        """:meth:`append` for threads without an event loop (tools, subprocess tests)."""
+        with contextlib.suppress(RuntimeError):
+            if asyncio.get_running_loop() is self._loop and self._listener is not None:
+                raise RuntimeError("append_blocking() on the listener's loop would deadlock")
+        event = threading.Event()
+        waiter = self._enqueue(items, None, event)
+        event.wait()
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.result is not None
+        return waiter.result
+
+    def _enqueue(
+        self,
+        items: Sequence[tuple[int, bytes]],
+        fut: asyncio.Future[tuple[int, int]] | None,
+        event: threading.Event | None,
+    ) -> _Waiter:
+        cores = list(map(_core_of, items))
+        if not cores:
+            raise ValueError("append() needs at least one (core, payload) item")
+        payloads = list(map(_payload_of, items))
+        try:
+            array("I", cores)  # C-level range check: 0 <= core < 2**32
+            lens = array("I", map(len, payloads))
+        except (TypeError, OverflowError) as exc:
+            raise ValueError(f"append(): cores must be ints in [0, 2**32): {exc}") from exc
+        if set(map(type, payloads)) != {bytes}:
+            raise TypeError("append(): payloads must be bytes")
+        waiter = _Waiter(cores, payloads, lens, fut, event)
+        if waiter.nbytes + FRAME_HEADER_SIZE + SECTION_HEADER_SIZE * len(cores) > MAX_FRAME_BYTES:
+            raise ValueError(f"append(): {waiter.nbytes} bytes do not fit one frame (4 GiB)")
+        with self._cond:
+            if self._fatal is not None:
+                raise WalFatalError(
+                    f"the WAL refuses appends after a failed write or fsync: {self._fatal}"
+                ) from self._fatal
+            if self._closing:
+                raise WalClosedError(f"the WAL in {self.directory} is closed")
+            self._pending.append(waiter)
+            self._cond.notify()
+        return waiter
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _writer_main(self) -> None:
+        group: list[_Waiter] = []
+        try:
+            while True:
+                taken = self._next_group()
+                if taken is None:
+                    break
+                group = taken
+                if group:
+                    self._commit(group)
+                elif self._dirty:
+                    self._sync()
+                group = []
+            if self._dirty and self._fsync == "interval":
+                self._sync()
+        except BaseException as exc:  # every failure here is fatal; callers get it typed
+            self._fail(exc, group)
+
+    def _next_group(self) -> list[_Waiter] | None:
+        """Wait for appends and take up to max_group_bytes of them.
+
+        Returns [] when an interval fsync is due and None when closing.
+        """
+        with self._cond:
+            while not self._pending:
+                if self._closing:
+                    return None
+                if self._dirty and self._fsync == "interval":
+                    remaining = self._last_sync + self._fsync_interval - time.monotonic()
+                    if remaining <= 0:
+                        return []
+                    self._cond.wait(remaining)
+                else:
+                    self._cond.wait()
+            pending = self._pending
+            size = pending[0].nbytes
+            take = 1
+            while take < len(pending) and size + pending[take].nbytes <= self._max_group_bytes:
+                size += pending[take].nbytes
+                take += 1
+            group = pending[:take]
+            del pending[:take]
+            return group
+
+    def _commit(self, group: list[_Waiter]) -> None:
+        """One group commit.
+
+        1. Gather the group's events in LSN order (calls in arrival order).
+        2. Encode one frame; rotate first if it would overflow the segment.
+        3. Write it with one pwritev at the segment's end.
+        4. fdatasync (fsync = always; interval: when due).
+        5. Publish: frame index, segment end, head.
+        6. Hand over: listener, then the waiters' results (on the loop).
+        """
+        # Step 1. Gather.
+        if len(group) == 1:
+            cores, payloads, lens = group[0].cores, group[0].payloads, group[0].lens
+        else:
+            cores = list(chain.from_iterable(w.cores for w in group))
+            payloads = list(chain.from_iterable(w.payloads for w in group))
+            lens = array("I")
+            for w in group:
+                lens += w.lens
+        first = self._head + 1
+        n = len(cores)
+        # Step 2. Encode (and rotate).
+        seg = self._segments[-1]
+        frame = encode_frame(seg.number, first, cores, payloads, lens, self._next_seq)
+        if seg.next_lsn > seg.first_lsn and seg.end + frame.size > self._segment_bytes:
+            seg = self._rotate(seg)
+            _restamp(frame.parts, seg.number)
+        # Step 3. Write.
+        offset = seg.end
+        _pwrite_all(self._fd, frame.parts, offset, frame.size)
+        # Step 4. Sync.
+        started = time.perf_counter()
+        if self._fsync == "always":
+            os.fdatasync(self._fd)
+        else:
+            self._dirty = True
+            if (
+                self._fsync == "interval"
+                and time.monotonic() - self._last_sync >= self._fsync_interval
+            ):
+                self._sync()
+        synced = time.perf_counter() - started
+        # Step 5. Publish (order matters: see the module docstring).
+        seg.frame_offsets.append(offset)
+        seg.frame_lsns.append(first)
+        seg.end = offset + frame.size
+        seg.next_lsn = first + n
+        self._head = first + n - 1
+        # Step 6. Hand over.
+        lsn = first
+        for w in group:
+            k = len(w.cores)
+            w.result = (lsn, lsn + k - 1)
+            lsn += k
+        observer = self.on_group
+        if observer is not None:
+            try:
+                observer(n, frame.size, synced)
+            except Exception:
+                log.exception("wal.on_group_failed")
+        listener = self._listener
+        records: list[Record] | None = None
+        if listener is not None:
+            counters = {core: count(base) for core, base in frame.base_seqs.items()}
+            seqs = map(next, map(counters.__getitem__, cores))
+            rows = zip(range(first, first + n), cores, seqs, payloads, strict=True)
+            records = list(map(tuple.__new__, repeat(Record), rows))
+        self._deliver(records, group)
+
+    def _deliver(self, records: list[Record] | None, group: list[_Waiter]) -> None:
+        loop = self._loop
+        if records is not None and loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._finish, records, group, loop)
+                return
+            except RuntimeError:  # closed between the check and the call
+                pass
+        self._finish(records, group, None)
+
+    def _finish(
+        self,
+        records: list[Record] | None,
+        group: list[_Waiter],
+        on_loop: asyncio.AbstractEventLoop | None,
+    ) -> None:
+        listener = self._listener
+        if records is not None and listener is not None:
+            try:
+                listener(records)
+            except Exception:
+                # The events are durable whatever the listener did: acknowledge
+                # them. A consumer that missed them finds a gap and catches up
+                # from the WAL (DESIGN.md, consumer modes).
+                log.exception("wal.listener_failed", first_lsn=records[0].lsn, events=len(records))
+        for w in group:
+            w.settle(on_loop)
+
+    def _sync(self) -> None:
+        os.fdatasync(self._fd)
+        self._dirty = False
+        self._last_sync = time.monotonic()
+
+    def _rotate(self, seg: Segment) -> Segment:
+        """Seal ``seg`` (synced whatever the fsync mode) and create the next segment."""
+        if self._dirty:
+            self._sync()
+        new = create_segment(self.directory, self._wal_id_bytes, seg.number + 1, seg.next_lsn)
+        fd = os.open(new.path, os.O_WRONLY)
+        old_fd, self._fd = self._fd, fd
+        os.close(old_fd)
+        with self._seg_lock:
+            seg.sealed = True
+            self._segments = [*self._segments, new]
+        log.info("wal.segment_rotated", sealed=seg.name, created=new.name, first_lsn=new.first_lsn)
+        return new
+
+    def _fail(self, exc: BaseException, group: list[_Waiter]) -> None:
+        """Invariant 10: after a failed write or fsync nothing more is acknowledged.
+
+        ``group`` is the group whose commit failed: its waiters were taken off
+        ``_pending`` already and fail with everything still queued.
+        """
+        log.error("wal.fatal", error=repr(exc), head_lsn=self._head, exc_info=exc)
+        error = WalFatalError(
+            f"WAL write or fsync failed ({exc!r}); the WAL refuses all further appends. "
+            "Restart the daemon: recovery keeps every acknowledged event"
+        )
+        error.__cause__ = exc
+        with self._cond:
+            self._fatal = exc
+            failed = [*group, *self._pending]
+            self._pending = []
+        for w in failed:
+            w.error = error
+            w.settle(None)
+
+    # ------------------------------------------------------------------ read
+
+    def read(
+        self, from_lsn: int, *, core: int | None = None, to_lsn: int | None = None
+    ) -> Iterator[Record]:
+        """Durable records with ``from_lsn <= lsn <= to_lsn``, one core or all, in LSN order.
+
+        Stops at the durable head as seen when it gets there. Raises
+        :class:`BelowRetainedFloorError` (now) when ``from_lsn`` is below the
+        retained floor and not above the head. Safe from any thread.
+        """
+        start = self._check_floor(from_lsn)
+        return chain.from_iterable(self._scan(start, core, to_lsn, frame_records))
+
+    def read_batches(
+        self, from_lsn: int, *, core: int | None = None, to_lsn: int | None = None
+    ) -> Iterator[RecordBatch]:
+        """Like :meth:`read`, columnar: one :class:`RecordBatch` per frame and core.
+
+        With ``core`` given, batches come in LSN order. For all cores, the
+        batches of one frame come in core order, so LSNs of different cores
+        interleave across them (each batch's ``lsns`` says where they go);
+        use :meth:`read` when one global order is needed.
+        """
+        start = self._check_floor(from_lsn)
+        return chain.from_iterable(self._scan(start, core, to_lsn, frame_batches))
+
+    def _check_floor(self, from_lsn: int) -> int:
+        start = max(from_lsn, 1)
+        floor = self.retained_floor()
+        if start < floor and start <= self._head:
+            raise BelowRetainedFloorError(from_lsn, floor)
+        return start
+
+    def _scan(
+        self,
+        lsn: int,
+        core: int | None,
+        to_lsn: int | None,
+        decode: Callable[[ReadBuf, Any, int | None, int, int], list[T]],
+    ) -> Iterator[list[T]]:
+        hi = to_lsn if to_lsn is not None else 1 << 63
+        stalled = 0
+        while lsn <= hi:
+            head = self._head  # read before any segment's end: see the module docstring
+            if lsn > head:
+                return
+            segments = self._segments
+            i = bisect_right([s.first_lsn for s in segments], lsn) - 1
+            if i < 0:
+                raise BelowRetainedFloorError(lsn, self.retained_floor())
+            seg = segments[i]
+            sealed = seg.sealed  # read before end: a sealed segment's end is final
+            end = seg.end
+            progressed = False
+            for buf, frame in segment_frames(seg, lsn, end, sealed):
+                last = frame.first_lsn + frame.events - 1
+                if last < lsn:
+                    continue
+                items = decode(buf, frame, core, lsn, hi)
+                if items:
+                    yield items
+                lsn = last + 1
+                progressed = True
+                if lsn > hi:
+                    return
+            # No progress once is a race with rotation (look again); twice is a bug.
+            stalled = 0 if progressed else stalled + 1
+            if stalled > 2:
+                raise WalCorruptionError(
+                    f"LSN {lsn} is durable (head {head}) but not found in the segment",
+                    segment=seg.name,
+                    offset=end,
+                )
+
+    # ------------------------------------------------------------------ retention
+
+    def truncate_below(self, lsn: int) -> int:
+        """Delete sealed segments whose every LSN is below ``lsn``; returns how many."""
+        with self._seg_lock:
+            segments = self._segments
+            drop = 0
+            # Never the active (last) segment; only a prefix, so the floor stays contiguous.
+            while drop < len(segments) - 1 and segments[drop].last_lsn < lsn:
+                drop += 1
+            if not drop:
+                return 0
+            removed = segments[:drop]
+            self._segments = segments[drop:]
+        for seg in removed:
+            seg.path.unlink(missing_ok=True)
+        fsync_dir(self.directory)
+        log.info(
+            "wal.segments_removed",
+            count=drop,
+            below_lsn=lsn,
+            floor_lsn=self.retained_floor(),
+            first=removed[0].name,
+            last=removed[-1].name,
+        )
+        return drop
+
+    # ------------------------------------------------------------------ close
+
+    def _begin_close(self) -> bool:
+        with self._cond:
+            if self._closing:
+                return False
+            self._closing = True
+            self._cond.notify_all()
+            return True
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
+        log.info("wal.closed", directory=str(self.directory), head_lsn=self._head)
+
+    async def aclose(self) -> None:
+        """Flush pending appends, stop the writer thread, close the files."""
+        self._begin_close()
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join)
+        self._release()
+
+    def close(self) -> None:
+        """Synchronous :meth:`aclose`."""
+        self._begin_close()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        self._release()
+
+    def __enter__(self) -> Wal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Wal({str(self.directory)!r}, wal_id={self.wal_id}, head={self._head}, "
+            f"segments={len(self._segments)}, fsync={self._fsync})"
+        )
+
+
+def _pwrite_all(fd: int, parts: list[Any], offset: int, size: int) -> None:
+    written = os.pwritev(fd, parts, offset) if len(parts) < 1024 else 0
+    if written == size:
+        return
+    data = memoryview(b"".join(parts))
+    while written < size:
+        n = os.pwrite(fd, data[written:], offset + written)
+        if n <= 0:
+            raise OSError(errno.EIO, f"pwrite wrote {n} bytes at offset {offset + written}")
+        written += n
+
+
+def _restamp(parts: list[Any], segment_no: int) -> None:
+    """Point an encoded frame at another segment (rotation decided after encoding)."""
+    head = parts[0]
+    head[FRAME_CRC_START + 4 : FRAME_CRC_START + 8] = segment_no.to_bytes(4, "little")
+    crc = crc32c(memoryview(head)[FRAME_CRC_START:])
+    for part in parts[1:]:
+        crc = crc32c(part, crc)
+    head[FRAME_CRC_OFFSET : FRAME_CRC_OFFSET + 4] = crc.to_bytes(4, "little")
