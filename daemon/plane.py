@@ -33,7 +33,7 @@ import structlog
 from daemon.consumer import Consumer, WalReader, read_range
 from daemon.errors import ConsumerFailedError, DaemonError, LsnRegressionError
 from daemon.planner import FILENAME as PLANS_FILENAME
-from daemon.planner import PlanLog, Planner, wait_event
+from daemon.planner import PlanLog, Planner, uncancellable, wait_event
 from daemon.ring import RingSet
 from daemon.watermarks import FILENAME as WATERMARKS_FILENAME
 from daemon.watermarks import Watermarks, WatermarkSnapshot, WatermarkStore
@@ -133,6 +133,9 @@ class EventPlane:
         loaded = await asyncio.to_thread(
             self._store.load, self.wal.wal_id, self.cores, plans_path=plans_path
         )
+        if not self._store.path.exists():
+            # Fix the identity from the first start on, even before any commit.
+            await asyncio.to_thread(self._store.save, loaded)
         # Step 2. Plan log.
         plans = await asyncio.to_thread(self._plan_log.open)
         # Step 3. Nothing may claim LSNs the WAL does not have.
@@ -202,10 +205,10 @@ class EventPlane:
         )
         # Step 5. Tasks, in dependency order: planner first, then its producers.
         self._state = "running"
-        self._spawn("planner", planner.run())
+        self._spawn("planner", planner.run)
         for consumer in self.consumers:
-            self._spawn(f"consumer-{consumer.core}", consumer.run())
-        self._spawn("ticker", self._tick())
+            self._spawn(f"consumer-{consumer.core}", consumer.run)
+        self._spawn("ticker", self._tick)
 
     async def stop(self, timeout_s: float) -> None:
         """Stop within ``timeout_s``; progress made so far is flushed.
@@ -248,8 +251,14 @@ class EventPlane:
             await asyncio.wait_for(self.flush(), remaining(0.5))
         except Exception as exc:  # logged, not swallowed: stop must go on
             log.error("watermark_flush_failed", error=f"{type(exc).__name__}: {exc}")
-        # Step 4. Plan log.
-        self._plan_log.close()
+        # Step 4. Plan log, once no append is in flight.
+        try:
+            if self.planner is not None:
+                await asyncio.wait_for(self.planner.aclose(), remaining(0.5))
+            else:
+                self._plan_log.close()
+        except Exception as exc:
+            log.error("plan_log_close_failed", error=f"{type(exc).__name__}: {exc}")
         for task in self._tasks.values():
             if task.done() and not task.cancelled() and task.exception() is not None:
                 log.debug("task_ended_with_error", task=task.get_name())
@@ -290,14 +299,14 @@ class EventPlane:
             self._failed.set()
             log.error("event_plane_failed", error=str(err), error_type=type(err).__name__)
 
-    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(self._supervise(name, coro), name=f"eventplane-{name}")
+    def _spawn(self, name: str, routine: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        task = asyncio.create_task(self._supervise(name, routine), name=f"eventplane-{name}")
         task.add_done_callback(_retrieve)
         self._tasks[name] = task
 
-    async def _supervise(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+    async def _supervise(self, name: str, routine: Callable[[], Coroutine[Any, Any, None]]) -> None:
         try:
-            await coro
+            await routine()
         except asyncio.CancelledError:
             raise
         except DaemonError as exc:
@@ -349,6 +358,9 @@ class EventPlane:
 
     async def flush(self) -> WatermarkSnapshot | None:
         """Persist dirty watermarks, then apply retention and prune the plan log."""
+        return await uncancellable(self._flush())
+
+    async def _flush(self) -> WatermarkSnapshot | None:
         wm, planner = self.watermarks, self.planner
         if wm is None or planner is None:
             return None

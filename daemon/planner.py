@@ -37,10 +37,10 @@ import json
 import os
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from operator import itemgetter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
@@ -67,7 +67,27 @@ COMPACT_AFTER = 1024
 RECORD_OVERHEAD_BYTES = 160
 
 Ranges = dict[int, tuple[int, int]]
+T = TypeVar("T")
 _payload = itemgetter(3)
+
+
+async def uncancellable(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion even if the caller is cancelled.
+
+    File steps (write + fsync + rename) run in worker threads that a cancel
+    cannot stop; the lock they hold must stay held until the thread is done,
+    or a later step (a flush at shutdown, ``close``) would race the orphan.
+    """
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(_retrieve)
+    return await asyncio.shield(task)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    # A caller cancelled mid-step logs its own cancel; a failure after that
+    # has nobody to raise to, so log it here instead of "never retrieved".
+    if not task.cancelled() and task.exception() is not None:
+        log.error("file_step_failed", error=repr(task.exception()))
 
 
 async def wait_event(event: asyncio.Event, seconds: float) -> bool:
@@ -375,14 +395,17 @@ class Planner:
         if batch is None:
             return None
         # Step 2. Record the plan durably before the batch runs.
-        async with self._file_lock:
-            await asyncio.to_thread(self.plan_log.append, batch.batch_id, batch.ranges())
-            self._logged[batch.batch_id] = batch.ranges()
+        await uncancellable(self._append_plan(batch))
         # Step 3. Execute, retrying with backoff; same id, same rows.
         await self._execute(batch, started)
         # Step 4. Commit: watermarks move only now (invariant 6).
         self._commit(batch, started)
         return batch
+
+    async def _append_plan(self, batch: MicroBatch) -> None:
+        async with self._file_lock:
+            await asyncio.to_thread(self.plan_log.append, batch.batch_id, batch.ranges())
+            self._logged[batch.batch_id] = batch.ranges()
 
     async def _wait_due(self) -> bool:
         """Wait until a batch is due. False when stopping."""
@@ -505,8 +528,16 @@ class Planner:
             del self._logged[b]
         if self.plan_log.entries - len(self._logged) < COMPACT_AFTER:
             return
+        await uncancellable(self._compact())
+
+    async def _compact(self) -> None:
         async with self._file_lock:
             # Under the lock: a plan appended meanwhile must be in ``keep``.
             keep = dict(self._logged)
             await asyncio.to_thread(self.plan_log.rewrite, keep)
         log.debug("plan_log_compacted", kept=len(keep))
+
+    async def aclose(self) -> None:
+        """Close the plan log once no append or rewrite is in flight."""
+        async with self._file_lock:
+            self.plan_log.close()

@@ -1,0 +1,490 @@
+"""EventPlane end to end: WAL -> rings -> consumers -> planner -> executor -> watermarks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from daemon.config import Config
+from daemon.errors import ConsumerFailedError, IdentityMismatchError
+from daemon.metrics import Metrics
+from daemon.plane import EventPlane
+from tests.core.conftest import MakeConfig, RecordingExecutor
+from tests.core.memwal import MemoryWal
+from wal.errors import WalReadError
+from wal.record import Record
+
+
+class Harness:
+    """One plane over one WAL, with helpers to feed it and wait for it."""
+
+    def __init__(self, cfg: Config, wal: Any, executor: RecordingExecutor) -> None:
+        self.cfg = cfg
+        self.wal = wal
+        self.executor = executor
+        self.metrics = Metrics()
+        self.plane = EventPlane(cfg, wal, executor, self.metrics)
+        wal.set_listener(self.plane.on_durable)
+
+    async def feed(self, items: list[tuple[int, bytes]]) -> tuple[int, int]:
+        result: tuple[int, int] = await self.wal.append(items)
+        return result
+
+    async def until(self, predicate: Callable[[], bool], within_s: float = 20.0) -> None:
+        async with asyncio.timeout(within_s):
+            while not predicate():  # noqa: ASYNC110 - polling plane state from outside
+                await asyncio.sleep(0.002)
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def crash(self) -> None:
+        """Stop everything without the orderly flush (like SIGKILL)."""
+        for task in self.plane._tasks.values():
+            task.cancel()
+        self.plane._plan_log.close()
+
+
+@pytest.fixture
+async def harnesses() -> AsyncIterator[list[Harness]]:
+    made: list[Harness] = []
+    yield made
+    for h in made:
+        if h.plane._state == "running":
+            await h.plane.stop(5)
+
+
+@pytest.fixture
+def make_harness(make_config: MakeConfig, harnesses: list[Harness]) -> Callable[..., Harness]:
+    def make(
+        wal: Any = None,
+        executor: RecordingExecutor | None = None,
+        **overrides: Any,
+    ) -> Harness:
+        cfg = make_config(**overrides)
+        h = Harness(cfg, wal or MemoryWal(cores=cfg.daemon.cores), executor or RecordingExecutor())
+        harnesses.append(h)
+        return h
+
+    return make
+
+
+def wal_by_core(wal: MemoryWal) -> dict[int, list[Record]]:
+    out: dict[int, list[Record]] = {}
+    for r in wal.records:
+        out.setdefault(r.core, []).append(r)
+    return out
+
+
+def keys(per_core: dict[int, list[Record]]) -> dict[int, list[tuple[int, bytes]]]:
+    return {c: [(r.lsn, r.payload) for r in rs] for c, rs in per_core.items()}
+
+
+# ---------------------------------------------------------------------------
+
+
+async def run_10k(
+    make_harness: Callable[..., Harness], tmp_path: Path, ring_capacity: int
+) -> Harness:
+    """Feed the same 10,000 events, in the same groups, and wait for all of them."""
+    rnd = random.Random(20240611)
+    # A tiny ring also gets a tiny byte bound, so drops happen with room left
+    # by count: that makes sequence gaps, not only full-ring suspensions.
+    h = make_harness(
+        data_dir=tmp_path / f"ring-{ring_capacity}",
+        ring_capacity=ring_capacity,
+        ring_max_bytes=200 if ring_capacity < 16 else 64 << 20,
+        max_rows=500,
+    )
+    await h.plane.start()
+    sent = 0
+    while sent < 10_000:
+        n = min(rnd.choice((1, 1, 2, 3, 5, 8, 40)), 10_000 - sent)
+        items = []
+        for i in range(n):
+            size = 150 if rnd.random() < 0.2 else 5
+            items.append((rnd.randrange(4), f"{sent + i:05d}".encode().ljust(size, b".")))
+        await h.feed(items)
+        sent += n
+        if rnd.random() < 0.3:
+            await asyncio.sleep(rnd.choice((0, 0, 0.001)))
+    await h.executor.wait_rows(10_000)
+    await h.plane.stop(5)
+    return h
+
+
+async def test_same_10k_events_through_ring_of_4_and_ring_of_65536_give_identical_executor_input(
+    make_harness: Callable[..., Harness], tmp_path: Path
+) -> None:
+    tiny = await run_10k(make_harness, tmp_path, 4)
+    large = await run_10k(make_harness, tmp_path, 65_536)
+
+    expected = keys(wal_by_core(tiny.wal))
+    assert keys(tiny.executor.per_core()) == expected  # each event once, LSN order per core
+    assert keys(large.executor.per_core()) == expected
+    assert keys(wal_by_core(large.wal)) == expected  # the same input both times
+    assert tiny.executor.rows_seen == large.executor.rows_seen == 10_000
+
+    def entries(h: Harness, reason: str) -> float:
+        return sum(
+            h.sample("eventplane_consumer_catchup_entries_total", core=str(c), reason=reason)
+            for c in range(4)
+        )
+
+    drops = sum(tiny.sample("eventplane_ring_dropped_events_total", core=str(c)) for c in range(4))
+    assert drops > 1000
+    assert entries(tiny, "gap") > 0
+    assert entries(tiny, "tail_drop") > 0
+    assert entries(tiny, "backpressure") > 0
+    assert (
+        sum(large.sample("eventplane_ring_dropped_events_total", core=str(c)) for c in range(4))
+        == 0
+    )
+    assert entries(large, "gap") == entries(large, "tail_drop") == 0
+
+
+def merged_logs() -> Any:
+    """capture_logs with contextvars merged, so ``core`` bound by a task shows."""
+    return capture_logs(processors=[structlog.contextvars.merge_contextvars])
+
+
+async def test_boot_enters_catchup_from_watermark_and_logs_each_transition_with_core(
+    make_harness: Callable[..., Harness],
+) -> None:
+    h = make_harness(cores=2)
+    await h.feed([(0, b"a"), (1, b"b"), (0, b"c")])  # before start: only the WAL has them
+    with merged_logs() as logs:
+        await h.plane.start()
+        await h.executor.wait_rows(3)
+        await h.until(lambda: all(c.mode and c.mode.value == "normal" for c in h.plane.consumers))
+    modes = [e for e in logs if e["event"] == "consumer_mode_changed"]
+    boot = {e["core"]: e for e in modes if e["reason"] == "boot"}
+    assert set(boot) == {0, 1}
+    assert all(e["mode"] == "catchup" and e["lsn"] == 0 for e in boot.values())
+    caught_up = {e["core"]: e for e in modes if e["reason"] == "caught_up"}
+    assert caught_up[0]["replayed"] == 2 and caught_up[1]["replayed"] == 1
+    assert keys(h.executor.per_core()) == {0: [(1, b"a"), (3, b"c")], 1: [(2, b"b")]}
+
+
+async def test_tail_drop_is_detected_and_the_dropped_event_delivered(
+    make_harness: Callable[..., Harness],
+) -> None:
+    """1. The ring holds 100 bytes; fill stays low, so backpressure stays Normal.
+    2. A 10-byte event fits, the 95-byte event after it does not: it is dropped,
+       and nothing comes after it (a tail drop, not a sequence gap).
+    3. The consumer takes the first, sees the ring empty with ``emitted`` ahead,
+       catches up from the WAL, and delivers the dropped event once."""
+    h = make_harness(cores=1, ring_capacity=1000, ring_max_bytes=100)
+    await h.plane.start()
+    await h.until(
+        lambda: (
+            h.plane.consumers[0].mode is not None and h.plane.consumers[0].mode.value == "normal"
+        )
+    )
+    with merged_logs() as logs:
+        await h.feed([(0, b"s" * 10), (0, b"B" * 95)])
+        await h.executor.wait_rows(2)
+    assert h.plane.rings[0].dropped == 1
+    assert h.plane.rings[0].state.name == "NORMAL"
+    reasons = [e["reason"] for e in logs if e["event"] == "consumer_mode_changed"]
+    assert reasons == ["tail_drop", "caught_up"]
+    assert keys(h.executor.per_core()) == {0: [(1, b"s" * 10), (2, b"B" * 95)]}
+    assert h.sample("eventplane_consumer_catchup_entries_total", core="0", reason="tail_drop") == 1
+    assert h.sample("eventplane_consumer_replayed_events_total", core="0") == 1
+
+
+async def test_suspended_backpressure_enters_catchup_and_loses_nothing(
+    make_harness: Callable[..., Harness],
+) -> None:
+    h = make_harness(cores=1, ring_capacity=100)
+    await h.plane.start()
+    await h.until(
+        lambda: (
+            h.plane.consumers[0].mode is not None and h.plane.consumers[0].mode.value == "normal"
+        )
+    )
+    with merged_logs() as logs:
+        await h.feed([(0, b"%d" % i) for i in range(96)])  # one group: 96 % fill
+        assert h.plane.rings[0].state.name == "SUSPENDED"
+        await h.executor.wait_rows(96)
+    entered = [e for e in logs if e["event"] == "consumer_mode_changed" and e["mode"] == "catchup"]
+    assert [(e["reason"], e["core"]) for e in entered] == [("backpressure", 0)]
+    assert [r.payload for r in h.executor.per_core()[0]] == [b"%d" % i for i in range(96)]
+    assert h.plane.rings[0].state.name == "NORMAL"  # stale entries dropped after catch-up
+    assert h.sample("eventplane_backpressure_transitions_total", core="0", to="suspended") == 1
+
+
+async def test_pending_memory_budget_sends_consumer_to_catchup_and_loses_nothing(
+    make_harness: Callable[..., Harness],
+) -> None:
+    """1. The executor is not ready, so batches are held and pending slices grow.
+    2. At the pending-bytes budget the consumer leaves Normal for CatchUp (memory)
+       and waits for room instead of buffering more.
+    3. Once the executor is ready, everything arrives once, in order."""
+    h = make_harness(cores=1, pending_max_bytes=4096, max_rows=10)
+    h.executor.is_ready = False
+    await h.plane.start()
+    await h.until(
+        lambda: (
+            h.plane.consumers[0].mode is not None and h.plane.consumers[0].mode.value == "normal"
+        )
+    )
+    with merged_logs() as logs:
+        for i in range(0, 200, 10):
+            await h.feed([(0, b"%03d" % (i + j)) for j in range(10)])
+            await asyncio.sleep(0.002)
+        await h.until(lambda: h.plane.consumers[0].mode.value == "catchup")  # type: ignore[union-attr]
+        assert h.plane.planner is not None
+        assert h.plane.planner.pending_bytes(0) < 4096 + 200 * 170
+        h.executor.is_ready = True
+        await h.executor.wait_rows(200)
+    reasons = [e["reason"] for e in logs if e["event"] == "consumer_mode_changed"]
+    assert reasons[0] == "memory"
+    assert [r.payload for r in h.executor.per_core()[0]] == [b"%03d" % i for i in range(200)]
+
+
+async def test_idle_cores_heartbeat_so_watermarks_and_retention_move(
+    make_harness: Callable[..., Harness],
+) -> None:
+    wal = MemoryWal(cores=4)
+    h = make_harness(wal=wal)
+    await h.plane.start()
+    await h.feed([(0, b"only core 0")] * 5)
+    await h.executor.wait_rows(5)
+    await h.until(lambda: h.plane.watermarks is not None and min(h.plane.watermarks.lsns) == 5)
+    snap = await h.plane.flush()
+    assert snap is not None and snap.lsns == (5, 5, 5, 5)
+    await h.until(lambda: wal.truncations and wal.truncations[-1] == 6)
+
+
+async def test_executor_failures_are_retried_with_the_same_id_and_nothing_is_dropped(
+    make_harness: Callable[..., Harness],
+) -> None:
+    h = make_harness(cores=2)
+    h.executor.fail_next = 4
+    await h.plane.start()
+    await h.feed([(0, b"a"), (1, b"b")])
+    await h.executor.wait_rows(2)
+    ids = [b.batch_id for b in h.executor.attempts]
+    assert ids == [ids[0]] * 5
+    assert {b.ranges()[0] for b in h.executor.attempts} == {(1, 1)}
+    assert h.plane.status()["last_batch"]["attempts"] == 5
+
+
+async def test_restart_before_watermarks_persisted_reruns_uncommitted_batches_same_ids_and_rows(
+    make_harness: Callable[..., Harness],
+) -> None:
+    """1. Feed 20 events, let them commit, flush the watermarks (batch B).
+    2. Feed 20 more; they commit, but the process dies before the next flush.
+    3. Restart on the same WAL and data_dir: the batches after B run again with
+       the same ids and rows; no event at or below the flushed watermarks does."""
+    wal = MemoryWal(cores=2)
+    first = make_harness(wal=wal, cores=2, watermark_flush_ms=3_600_000)
+    await first.plane.start()
+    await first.feed([(i % 2, b"a%d" % i) for i in range(20)])
+    await first.executor.wait_rows(20)
+    flushed = await first.plane.flush()
+    assert flushed is not None
+    await first.feed([(i % 2, b"b%d" % i) for i in range(20)])
+    await first.executor.wait_rows(40)
+    first.crash()
+    unpersisted = [b for b in first.executor.committed if b.batch_id > flushed.batch_id]
+    assert unpersisted
+
+    second = make_harness(wal=wal, cores=2, watermark_flush_ms=3_600_000)
+    await second.plane.start()
+    await second.executor.wait_rows(20)
+    await asyncio.sleep(0.05)  # nothing else may arrive
+
+    assert [b.batch_id for b in second.executor.committed] == [b.batch_id for b in unpersisted]
+    for again, before in zip(second.executor.committed, unpersisted, strict=True):
+        assert again.ranges() == before.ranges()
+        assert {c: list(s.records) for c, s in again.slices.items()} == {
+            c: list(s.records) for c, s in before.slices.items()
+        }
+    delivered = [r for rs in second.executor.per_core().values() for r in rs]
+    assert min(r.lsn for r in delivered) > min(flushed.lsns)
+    assert all(r.payload.startswith(b"b") for r in delivered)
+
+
+async def test_watermarks_of_another_wal_refuse_to_start(
+    make_harness: Callable[..., Harness], tmp_path: Path
+) -> None:
+    first = make_harness(wal=MemoryWal("wal-one"))
+    await first.plane.start()
+    await first.plane.stop(5)
+
+    second = make_harness(wal=MemoryWal("wal-two"))
+    with pytest.raises(IdentityMismatchError, match=r"belongs to WAL wal-one.*has id wal-two"):
+        await second.plane.start()
+
+
+async def test_changed_core_count_refuses_to_start(
+    make_harness: Callable[..., Harness],
+) -> None:
+    first = make_harness(cores=4)
+    await first.plane.start()
+    await first.plane.stop(5)
+
+    second = make_harness(cores=8)
+    with pytest.raises(IdentityMismatchError, match=r"daemon\.cores = 4.*now says 8"):
+        await second.plane.start()
+
+
+async def test_retention_never_deletes_what_a_watermark_or_running_plan_needs(
+    make_harness: Callable[..., Harness],
+) -> None:
+    """1. Core 0's batch stalls in the executor: it is planned, not committed.
+    2. Other cores move on and heartbeat; watermarks flush.
+    3. Retention stays below core 0's first planned LSN until the batch commits."""
+    wal = MemoryWal(cores=2)
+    h = make_harness(wal=wal, cores=2)
+    h.executor.stall = asyncio.Event()
+    await h.plane.start()
+    await h.feed([(0, b"x")] * 3)  # LSN 1..3
+    await h.until(lambda: bool(h.executor.attempts))
+    await h.feed([(1, b"y")] * 3)  # LSN 4..6
+    await h.plane.flush()
+    assert all(lsn <= 1 for lsn in wal.truncations)  # nothing of core 0 may go
+
+    h.executor.stall.set()
+    await h.executor.wait_rows(6)
+    await h.until(lambda: h.plane.watermarks is not None and h.plane.watermarks.lsns == [6, 6])
+    await h.plane.flush()
+    assert wal.truncations[-1] == 7
+
+
+async def test_replay_errors_are_retried_then_stop_the_daemon_with_a_clear_error(
+    make_harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wal = MemoryWal(cores=1)
+    h = make_harness(wal=wal, cores=1, replay_retries=3)
+    await h.feed([(0, b"x")])
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise WalReadError("EIO on segment 00000001")
+
+    monkeypatch.setattr(wal, "read", broken)
+    with merged_logs() as logs:
+        await h.plane.start()
+        error = await asyncio.wait_for(h.plane.wait_failed(), 5)
+    assert isinstance(error, ConsumerFailedError)
+    assert "replay from LSN 1 failed 4 times" in str(error)
+    assert "EIO on segment" in str(error)
+    retries = [e for e in logs if e["event"] == "replay_retry"]
+    assert [e["attempt"] for e in retries] == [1, 2, 3]
+    assert all(e["core"] == 0 for e in retries)
+    assert h.executor.rows_seen == 0
+
+
+async def test_replay_error_that_clears_within_the_retries_loses_nothing(
+    make_harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wal = MemoryWal(cores=1)
+    h = make_harness(wal=wal, cores=1, replay_retries=3)
+    await h.feed([(0, b"x"), (0, b"y")])
+    real = wal.read
+    failures = iter([WalReadError("transient"), WalReadError("transient")])
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        err = next(failures, None)
+        if err is not None:
+            raise err
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wal, "read", flaky)
+    await h.plane.start()
+    await h.executor.wait_rows(2)
+    assert h.plane.failure is None
+    assert [r.payload for r in h.executor.per_core()[0]] == [b"x", b"y"]
+
+
+async def test_replay_below_the_retained_floor_stops_at_once_naming_both_lsns(
+    make_harness: Callable[..., Harness],
+) -> None:
+    wal = MemoryWal(cores=1)
+    h = make_harness(wal=wal, cores=1, replay_retries=50)
+    await h.feed([(0, b"x")] * 10)
+    wal.floor = 8  # retention removed LSN 1..7, which the watermark (0) still needs
+    with merged_logs() as logs:
+        await h.plane.start()
+        error = await asyncio.wait_for(h.plane.wait_failed(), 5)
+    assert isinstance(error, ConsumerFailedError)
+    assert "must replay from LSN 1" in str(error)
+    assert "retained floor is LSN 8" in str(error)
+    assert not [e for e in logs if e["event"] == "replay_retry"]
+
+
+async def test_stop_lets_the_running_batch_finish_within_the_budget(
+    make_harness: Callable[..., Harness],
+) -> None:
+    h = make_harness(cores=1)
+    h.executor.stall = asyncio.Event()
+    await h.plane.start()
+    await h.feed([(0, b"x")])
+    await h.until(lambda: bool(h.executor.attempts))
+    asyncio.get_running_loop().call_later(0.05, h.executor.stall.set)
+
+    await h.plane.stop(5)
+
+    assert h.executor.rows_seen == 1
+    assert h.plane.watermarks is not None and h.plane.watermarks.persisted.lsns == (1,)
+
+
+async def test_stop_cuts_a_stalled_batch_at_the_budget_and_it_reruns_after_restart(
+    make_harness: Callable[..., Harness],
+) -> None:
+    wal = MemoryWal(cores=1)
+    h = make_harness(wal=wal, cores=1)
+    h.executor.stall = asyncio.Event()
+    await h.plane.start()
+    await h.feed([(0, b"x")])
+    await h.until(lambda: bool(h.executor.attempts))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with merged_logs() as logs:
+        await h.plane.stop(0.2)
+    assert loop.time() - started < 1.5
+    assert any(e["event"] == "microbatch_cut_short" for e in logs)
+
+    again = make_harness(wal=wal, cores=1)
+    await again.plane.start()
+    await again.executor.wait_rows(1)
+    assert [b.batch_id for b in again.executor.committed] == [h.executor.attempts[0].batch_id]
+
+
+async def test_status_reports_mode_watermark_lag_ring_and_last_batch(
+    make_harness: Callable[..., Harness],
+) -> None:
+    h = make_harness(cores=2)
+    await h.plane.start()
+    await h.feed([(0, b"abc"), (0, b"d")])
+    await h.executor.wait_rows(2)
+    await h.until(lambda: h.plane.max_lag() == 0)
+    status = h.plane.status()
+    assert status["head_lsn"] == 2
+    core0 = status["cores"][0]
+    assert core0["mode"] == "normal" and core0["watermark"] == 2 and core0["lag"] == 0
+    assert core0["backpressure"] == "normal" and core0["ring"]["events"] == 0
+    assert core0["catchup"] is None
+    assert status["last_batch"]["state"] == "committed"
+    assert status["failure"] is None
+
+
+async def test_max_lag_counts_events_not_yet_committed_by_the_slowest_core(
+    make_harness: Callable[..., Harness],
+) -> None:
+    h = make_harness(cores=2)
+    h.executor.stall = asyncio.Event()
+    await h.plane.start()
+    await h.feed([(0, b"x")] * 7)
+    assert h.plane.max_lag() == 7
+    h.executor.stall.set()
+    await h.until(lambda: h.plane.max_lag() == 0)
