@@ -655,6 +655,8 @@ class IngestServer:
             self._requests_counter(rej.status).inc()
             if nbytes:
                 self._m_bytes.inc(nbytes)
+            if rej.status == 408:
+                return await self._answer_and_drop(request, rej)
             return rej.response()
         except ConnectionError:
             # The client went away mid-body: nothing was appended. 499 as in nginx.
@@ -670,6 +672,15 @@ class IngestServer:
             body=b'{"accepted":%d,"first_lsn":%d,"last_lsn":%d}' % (n, first, last),
             content_type="application/json",
         )
+
+    async def _answer_and_drop(self, request: web.Request, rej: Rejection) -> web.StreamResponse:
+        """Send the answer, then close without aiohttp's lingering read: a client
+        that missed the body deadline gets no more of the daemon's time."""
+        resp = rej.response()
+        await resp.prepare(request)
+        await resp.write_eof()
+        request.protocol.force_close()  # the transport flushes the answer, then closes
+        return resp
 
     def _body_timeout(self) -> Rejection:
         t = self._cfg.body_timeout_s
