@@ -264,7 +264,9 @@ class Metrics:
 
         # Service
         self.up_seconds = Gauge(
-            p + "start_time_seconds", "Unix time the daemon process started.", registry=r
+            p + "start_time_seconds",
+            "Unix time the daemon process started (a change means a restart).",
+            registry=r,
         )
         self.up_seconds.set_to_current_time()
         self.healthy = Gauge(

@@ -136,6 +136,17 @@ def test_dashboard_groups_only_by_labels_the_series_has(
                     assert any(label in series.get(n, set()) for n in names), (title, label)
 
 
+def test_the_operating_guide_documents_every_series_with_its_help() -> None:
+    guide = OPERATING.read_text()
+    for family in text_string_to_metric_families(Metrics().render().decode()):
+        if not family.name.startswith("eventplane_") or family.name.endswith("_created"):
+            continue
+        name = family.name + ("_total" if family.type == "counter" else "")
+        row = re.search(rf"^\| `{name}` \| {family.type} \|.*\| (.*) \|$", guide, re.M)
+        assert row, f"{name} is not in the metrics table of docs/operating.md"
+        assert row.group(1) == family.documentation, name
+
+
 # -- alerts ----------------------------------------------------------------------
 
 
