@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import operator
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -112,6 +113,30 @@ def _explain_error(plan: str) -> str | None:
     return None
 
 
+# PySpark logs every analysis error it raises, with the JVM stack trace, on
+# these loggers. While validating user expressions we report each error
+# ourselves (one line, trigger named), so the duplicates are muted.
+_PYSPARK_ERROR_LOGGERS = ("SQLQueryContextLogger", "DataFrameQueryContextLogger")
+
+
+@contextlib.contextmanager
+def _quiet_pyspark_errors() -> Iterator[None]:
+    # Through PySparkLogger: a plain logging.getLogger would create the logger
+    # with the wrong class, and PySpark's own calls (extra keyword arguments)
+    # would then fail.
+    from pyspark.logger import PySparkLogger
+
+    loggers = [PySparkLogger.getLogger(name) for name in _PYSPARK_ERROR_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def analyze(
     triggers: Sequence[Trigger], spark: Any, sql_lock: threading.Lock | None = None
 ) -> list[str]:
@@ -120,11 +145,20 @@ def analyze(
     Nothing runs: filters and selects over an empty DataFrame are only
     analyzed, and a sql action's statement goes through ``EXPLAIN EXTENDED``.
     """
+    with _quiet_pyspark_errors():
+        return _analyze(triggers, spark, sql_lock or threading.Lock())
+
+
+def _analyze(triggers: Sequence[Trigger], spark: Any, sql_lock: threading.Lock) -> list[str]:
+    F = _functions()
     empty = empty_batch(spark)
     errors: list[str] = []
     for t in triggers:
         try:
-            empty.filter(condition(t)).schema  # noqa: B018 - forces analysis (Spark Connect too)
+            # The user's expression alone first, so Spark's message is about it
+            # ("... is not a boolean"), not about the CASE/coalesce around it.
+            empty.filter(F.expr(t.when)).schema  # noqa: B018 - forces analysis (Spark Connect too)
+            empty.filter(condition(t)).schema  # noqa: B018
         except Exception as exc:
             errors.append(
                 f"{t.where}.when: Spark cannot use {t.when!r} as a condition: {spark_message(exc)}"
@@ -142,7 +176,7 @@ def analyze(
                         f"{spark_message(exc)}"
                     )
         elif isinstance(action, SqlAction):
-            problem = _analyze_statement(spark, empty, t, action, sql_lock or threading.Lock())
+            problem = _analyze_statement(spark, empty, t, action, sql_lock)
             if problem:
                 errors.append(f"{t.where}.action.statement: {problem}")
     return errors
@@ -255,6 +289,11 @@ def evaluate(
 
 def _blame(df: Any, active: Sequence[Trigger], batch_id: int, exc: Exception) -> Exception:
     """Find which trigger's expression failed at run time, for a message that names it."""
+    with _quiet_pyspark_errors():
+        return _find_culprit(df, active, batch_id, exc)
+
+
+def _find_culprit(df: Any, active: Sequence[Trigger], batch_id: int, exc: Exception) -> Exception:
     for t in active:
         try:
             df.filter(condition(t)).select(*_emit_columns(t, condition(t), 0)).limit(1).count()
