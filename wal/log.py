@@ -25,7 +25,7 @@ import time
 import uuid
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain, count, repeat
 from operator import itemgetter
 from pathlib import Path
@@ -718,8 +718,8 @@ class Wal:
         lsn: int,
         core: int | None,
         to_lsn: int | None,
-        decode: Callable[[ReadBuf, Any, int | None, int, int], list[T]],
-    ) -> Iterator[list[T]]:
+        decode: Callable[[ReadBuf, Any, int | None, int, int], Iterable[T]],
+    ) -> Iterator[Iterable[T]]:
         hi = to_lsn if to_lsn is not None else 1 << 63
         stalled = 0
         while lsn <= hi:
@@ -738,9 +738,9 @@ class Wal:
                 last = frame.first_lsn + frame.events - 1
                 if last < lsn:
                     continue
-                items = decode(buf, frame, core, lsn, hi)
-                if items:
-                    yield items
+                # chain.from_iterable drains this before asking for the next
+                # frame, so the buffer (an mmap) outlives every lazy decode.
+                yield decode(buf, frame, core, lsn, hi)
                 lsn = last + 1
                 progressed = True
                 if lsn > hi:

@@ -77,9 +77,8 @@ class RecordBatch:
         return list(map(self.data.__getitem__, map(slice, offs, islice(offs, 1, None))))
 
     def records(self) -> list[Record]:
-        return list(
-            map(_new, repeat(Record), zip(self.lsns, repeat(self.core), self.seqs, self.payloads()))
-        )
+        rows = zip(self.lsns, repeat(self.core, len(self)), self.seqs, self.payloads(), strict=True)
+        return list(map(_new, repeat(Record), rows))
 
 
 def _section_arrays(buf: ReadBuf, sec: Section) -> tuple[array[int], array[int], int]:
@@ -93,6 +92,12 @@ def _bounds(deltas: array[int], first: int, lo: int, hi: int) -> tuple[int, int]
     return bisect_left(deltas, lo - first), bisect_right(deltas, hi - first)
 
 
+def _payloads(buf: ReadBuf, lens: array[int], p0: int) -> Iterator[bytes]:
+    offs = list(accumulate(lens, initial=p0))
+    getitem: Any = buf.__getitem__  # bytes and mmap slices are both bytes copies
+    return map(getitem, map(slice, offs, islice(offs, 1, None)))
+
+
 def _section_records(
     buf: ReadBuf,
     sec: Section,
@@ -102,46 +107,50 @@ def _section_records(
     p0: int,
     a: int,
     b: int,
-) -> list[Record]:
+) -> Iterator[Record]:
     if a or b < sec.events:
         p0 += sum(lens[:a])
         lens = lens[a:b]
         deltas = deltas[a:b]
-    offs = list(accumulate(lens, initial=p0))
-    getitem: Any = buf.__getitem__
-    payloads = map(getitem, map(slice, offs, islice(offs, 1, None)))
     lsns = map(first.__add__, deltas)
     seqs = range(sec.base_seq + a, sec.base_seq + b)
-    return list(map(_new, repeat(Record), zip(lsns, repeat(sec.core), seqs, payloads)))
+    rows = zip(lsns, repeat(sec.core, b - a), seqs, _payloads(buf, lens, p0), strict=True)
+    return map(_new, repeat(Record), rows)
 
 
-def frame_records(buf: ReadBuf, frame: Frame, core: int | None, lo: int, hi: int) -> list[Record]:
-    """Records of ``frame`` with lo <= LSN <= hi, one core or all, in LSN order."""
+def frame_records(
+    buf: ReadBuf, frame: Frame, core: int | None, lo: int, hi: int
+) -> Iterator[Record]:
+    """Records of ``frame`` with lo <= LSN <= hi, one core or all, in LSN order.
+
+    Lazy: each Record is made when the caller takes it, so a replay never holds
+    a frame's worth of objects (and the cyclic GC stays out of the way).
+    """
     first = frame.first_lsn
     n = frame.events
     whole = lo <= first and hi >= first + n - 1
-    if core is not None:
+    if core is not None or len(frame.sections) == 1:
         for sec in frame.sections:
-            if sec.core == core:
+            if core is None or sec.core == core:
                 deltas, lens, p0 = _section_arrays(buf, sec)
                 a, b = (0, sec.events) if whole else _bounds(deltas, first, lo, hi)
                 return _section_records(buf, sec, first, deltas, lens, p0, a, b)
-        return []
-    if len(frame.sections) == 1:
-        sec = frame.sections[0]
+        return iter(())
+    # Sections are per core; the frame's LSN order interleaves them. Scatter the
+    # core, seq and payload columns to their LSN slots (C-level setitem per event).
+    cores = [0] * n
+    seqs = [0] * n
+    payloads = [b""] * n
+    for sec in frame.sections:
         deltas, lens, p0 = _section_arrays(buf, sec)
-        out = _section_records(buf, sec, first, deltas, lens, p0, 0, n)
-    else:
-        # Sections are per core; the frame's LSN order interleaves them. Scatter
-        # each section's records to their LSN slot (C-level setitem per event).
-        out = [None] * n  # type: ignore[list-item]
-        for sec in frame.sections:
-            deltas, lens, p0 = _section_arrays(buf, sec)
-            recs = _section_records(buf, sec, first, deltas, lens, p0, 0, sec.events)
-            deque(map(out.__setitem__, deltas, recs), 0)
-    if not whole:
-        out = out[max(lo - first, 0) : hi - first + 1]
-    return out
+        deque(map(cores.__setitem__, deltas, repeat(sec.core)), 0)
+        deque(map(seqs.__setitem__, deltas, range(sec.base_seq, sec.base_seq + sec.events)), 0)
+        deque(map(payloads.__setitem__, deltas, _payloads(buf, lens, p0)), 0)
+    a, b = (0, n) if whole else (max(lo - first, 0), min(hi - first + 1, n))
+    if a or b < n:
+        cores, seqs, payloads = cores[a:b], seqs[a:b], payloads[a:b]
+    rows = zip(range(first + a, first + b), cores, seqs, payloads, strict=True)
+    return map(_new, repeat(Record), rows)
 
 
 def frame_batches(
