@@ -331,14 +331,16 @@ class TriggerStore:
 
     def dlq_replay(
         self,
-        now: float,
         *,
         entry_id: int | None = None,
         trigger: str | None = None,
         chunk_sizes: Mapping[str, int] | None = None,
         default_chunk: int = 1024,
     ) -> int:
-        """Move DLQ rows back to the retry queue, due now, attempts reset.
+        """Move DLQ rows back to the retry queue, due at once, attempts reset.
+
+        Due time 0 rather than this process's "now": the daemon's clock
+        decides, so clock skew between the CLI and the daemon cannot delay it.
 
         Rows are regrouped per trigger in LSN order into chunks of the
         trigger's ``batch_size``. Returns how many rows moved.
@@ -368,7 +370,7 @@ class TriggerStore:
                     part = items[i : i + size]
                     chunk = rowsmod.Chunk(name, [d for _, d, _ in part], part[0][0], part[-1][0])
                     first = min(f for _, _, f in part)
-                    retries.append(NewRetry(chunk, 0, now, first, 0.0, "replayed from the DLQ"))
+                    retries.append(NewRetry(chunk, 0, 0.0, first, 0.0, "replayed from the DLQ"))
             self._insert_retries(cur, retries)
             cur.executemany("DELETE FROM dlq WHERE id = ?", [(r[0],) for r in found])
             return len(found)
