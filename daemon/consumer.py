@@ -32,11 +32,13 @@ import enum
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from daemon.errors import ConsumerFailedError, LsnRegressionError
+from daemon.planner import RECORD_OVERHEAD_BYTES
 from daemon.ring import Backpressure, Ring
 from wal.errors import BelowRetainedFloorError
 from wal.record import Record
@@ -46,10 +48,16 @@ if TYPE_CHECKING:
     from daemon.metrics import Metrics
 
 log = structlog.get_logger(__name__)
+_payload = itemgetter(3)
 
 # Records per worker-thread hop during replay: large enough that the hop
 # (~50 µs) is noise next to decoding, small enough to keep memory per core low.
 CHUNK_ROWS = 16_384
+# Bytes per hop are bounded too (payload + RECORD_OVERHEAD_BYTES each), so one
+# chunk of large events cannot blow the pending budget (invariant 11).
+CHUNK_MAX_BYTES = 8 * 1024 * 1024
+# Records pulled from the WAL iterator between two byte checks (C-level islice).
+_BLOCK = 512
 
 
 class Mode(enum.Enum):
@@ -89,8 +97,26 @@ class SliceSink(Protocol):
     def set_catching_up(self, core: int, flag: bool) -> None: ...
 
 
-def _take(it: Iterator[Record], n: int) -> list[Record]:
-    return list(itertools.islice(it, n))
+def _take(it: Iterator[Record], rows: int, max_bytes: int) -> tuple[list[Record], bool]:
+    """Up to ``rows`` records or about ``max_bytes``; True if the iterator ran dry.
+
+    Pulls blocks sized from the average record seen so far (the first block is
+    one record), so the byte bound overshoots by about one record at most.
+    """
+    out: list[Record] = []
+    nbytes = 0
+    avg = max_bytes  # unknown yet: the first block is a single record
+    while len(out) < rows and nbytes < max_bytes:
+        want = max(1, min(_BLOCK, rows - len(out), (max_bytes - nbytes) // avg))
+        block = list(itertools.islice(it, want))
+        if block:
+            size = sum(map(len, map(_payload, block))) + RECORD_OVERHEAD_BYTES * len(block)
+            nbytes += size
+            avg = max(1, size // len(block))
+            out += block
+        if len(block) < want:
+            return out, True
+    return out, False
 
 
 def _close(it: Iterator[Record] | None) -> None:
@@ -176,6 +202,7 @@ class Consumer:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
         chunk_rows: int = CHUNK_ROWS,
+        chunk_bytes: int | None = None,
         on_caught_up: Callable[[int, int, int], None] | None = None,
     ) -> None:
         self.core = core
@@ -187,6 +214,7 @@ class Consumer:
         self._sleep = sleep
         self._clock = clock
         self.chunk_rows = chunk_rows
+        self.chunk_bytes = chunk_bytes or max(1, min(CHUNK_MAX_BYTES, cfg.pending_max_bytes // 8))
         self._on_caught_up = on_caught_up
         self.mode: Mode | None = None
         self.last_lsn = start_lsn  # last LSN delivered to the sink
@@ -356,7 +384,6 @@ class Consumer:
     async def _replay_pass(self) -> int:
         """Deliver this core's records from the WAL until a read comes back short."""
         core, sink = self.core, self.sink
-        n = self.chunk_rows
         it: Iterator[Record] | None = None
         failures = 0
         total = 0
@@ -368,9 +395,11 @@ class Consumer:
                 from_lsn = self.last_lsn + 1
                 try:
                     if it is None:
-                        it, chunk = await asyncio.to_thread(self._open, from_lsn, n)
+                        it, chunk, dry = await asyncio.to_thread(self._open, from_lsn)
                     else:
-                        chunk = await asyncio.to_thread(_take, it, n)
+                        chunk, dry = await asyncio.to_thread(
+                            _take, it, self.chunk_rows, self.chunk_bytes
+                        )
                 except BelowRetainedFloorError as exc:
                     raise floor_error(core, exc) from exc
                 except Exception as exc:
@@ -396,14 +425,15 @@ class Consumer:
                 if chunk:
                     self._deliver_replayed(chunk)
                     total += len(chunk)
-                if len(chunk) < n:
+                if dry:
                     return total
         finally:
             _close(it)
 
-    def _open(self, from_lsn: int, n: int) -> tuple[Iterator[Record], list[Record]]:
+    def _open(self, from_lsn: int) -> tuple[Iterator[Record], list[Record], bool]:
         it = self.wal.read(from_lsn, core=self.core)
-        return it, _take(it, n)
+        chunk, dry = _take(it, self.chunk_rows, self.chunk_bytes)
+        return it, chunk, dry
 
     def _deliver_replayed(self, chunk: list[Record]) -> None:
         first, last = chunk[0], chunk[-1]
