@@ -1,0 +1,49 @@
+"""A stand-alone executor process for crash and cluster tests.
+
+``python -m tests.spark.crash_worker ROOT --batches N --per-batch M [--master URL |
+--remote sc://...]`` runs the deterministic batches 1..N of ``tests.spark.support``
+through a real ``SparkExecutor`` writing under ROOT, printing ``committed <id>``
+after each. With ``EVENTPLANE_CRASH_AT`` set it SIGKILLs itself at that point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from daemon.metrics import Metrics
+from daemon.spark_executor import SparkExecutor
+from tests.spark.support import make_batches, make_config
+
+
+async def run(args: argparse.Namespace) -> int:
+    cfg = make_config(Path(args.root), master=args.master, remote=args.remote)
+    ex = SparkExecutor(cfg, Metrics(), wal_id=args.wal_id)
+    await ex.start()
+    try:
+        await asyncio.wait_for(ex.wait_ready(), args.ready_timeout)
+        print("ready", flush=True)
+        for batch in make_batches(args.batches, args.per_batch):
+            await ex.execute(batch)
+            print(f"committed {batch.batch_id}", flush=True)
+    finally:
+        await ex.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("root")
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--per-batch", type=int, default=200)
+    p.add_argument("--master", default="local[1]")
+    p.add_argument("--remote", default="")
+    p.add_argument("--wal-id", default="wal-1")
+    p.add_argument("--ready-timeout", type=float, default=240.0)
+    return asyncio.run(run(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Beyond one machine, on loopback: a standalone master + worker, and Spark Connect.
+
+Both start from the installed pyspark distribution (its ``bin/spark-class`` and
+``sbin/start-connect-server.sh``); the executor runs in a subprocess (one
+SparkContext per process) and the shared test session reads the CDC table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import free_port
+from tests.spark.support import batch_lsns, make_batches
+from tests.spark.test_crash import PER_BATCH, run_worker
+
+pytestmark = pytest.mark.spark
+
+
+def spark_home() -> Path:
+    import pyspark
+
+    return Path(pyspark.__file__).parent
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "SPARK_HOME": str(spark_home()),
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_LOG_DIR": str(tmp / "logs"),
+        "SPARK_PID_DIR": str(tmp / "pids"),
+        "SPARK_NO_DAEMONIZE": "1",
+        "PYSPARK_PYTHON": sys.executable,
+    }
+
+
+def _start(cmd: list[str], tmp: Path, name: str) -> subprocess.Popen[bytes]:
+    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        cmd, env=_env(tmp), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group (bash wrappers exec or fork java), then SIGKILL."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _tail(tmp: Path) -> str:
+    out = []
+    for p in sorted(tmp.rglob("*.log")) + sorted((tmp / "logs").glob("*.out")):
+        out.append(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}")
+    return "\n".join(out)
+
+
+def _wait(check: Any, timeout: float, what: str, tmp: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"{what} not up after {timeout:.0f}s\n{_tail(tmp)}")
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture
+def standalone(tmp_path: Path) -> Iterator[str]:
+    """A Spark standalone master and one 1-core worker on 127.0.0.1."""
+    home = tmp_path / "cluster"
+    (home / "logs").mkdir(parents=True)
+    spark_class = str(spark_home() / "bin" / "spark-class")
+    port, ui, worker_ui = free_port(), free_port(), free_port()
+    master = _start(
+        [
+            spark_class,
+            "org.apache.spark.deploy.master.Master",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--webui-port",
+            str(ui),
+        ],
+        home,
+        "master",
+    )
+    worker = None
+    try:
+        _wait(lambda: _port_open(port), 120, "standalone master", home)
+        worker = _start(
+            [
+                spark_class,
+                "org.apache.spark.deploy.worker.Worker",
+                f"spark://127.0.0.1:{port}",
+                "--host",
+                "127.0.0.1",
+                "--cores",
+                "1",
+                "--memory",
+                "1g",
+                "--webui-port",
+                str(worker_ui),
+                "--work-dir",
+                str(home / "work"),
+            ],
+            home,
+            "worker",
+        )
+
+        def worker_alive() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as r:
+                    state = json.load(r)
+            except OSError:
+                return False
+            return any(w.get("state") == "ALIVE" for w in state.get("workers", []))
+
+        _wait(worker_alive, 120, "standalone worker", home)
+        yield f"spark://127.0.0.1:{port}"
+    finally:
+        if worker is not None:
+            _stop(worker)
+        _stop(master)
+
+
+def test_standalone_cluster_writes_the_cdc_table_exactly_once(
+    spark: Any, standalone: str, tmp_path: Path
+) -> None:
+    proc = run_worker(tmp_path, batches=3, master=standalone)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "committed 3" in proc.stdout
+    rows = spark.read.parquet(str(tmp_path / "cdc" / "all")).select("lsn").collect()
+    assert sorted(r.lsn for r in rows) == batch_lsns(make_batches(3, PER_BATCH))
+
+
+def _connect_client_missing() -> str:
+    try:
+        import google.rpc  # noqa: F401
+        import grpc  # noqa: F401
+        import grpc_status  # noqa: F401
+        import zstandard  # noqa: F401
+    except ImportError as exc:
+        return f"Spark Connect client packages missing (pip install 'pyspark[connect]'): {exc}"
+    return ""
+
+
+@pytest.fixture
+def connect_server(tmp_path: Path) -> Iterator[str]:
+    """The distribution's Spark Connect server (local[1]) on 127.0.0.1."""
+    home = tmp_path / "connect"
+    (home / "logs").mkdir(parents=True)
+    port = free_port()
+    server = _start(
+        [
+            str(spark_home() / "sbin" / "start-connect-server.sh"),
+            "--wait",
+            "--master",
+            "local[1]",
+            "--conf",
+            f"spark.connect.grpc.binding.port={port}",
+            "--conf",
+            "spark.connect.grpc.binding.address=127.0.0.1",
+            "--conf",
+            "spark.ui.enabled=false",
+            "--conf",
+            "spark.sql.session.timeZone=UTC",
+        ],
+        home,
+        "connect",
+    )
+    try:
+        _wait(lambda: _port_open(port), 180, "Spark Connect server", home)
+        yield f"sc://127.0.0.1:{port}"
+    finally:
+        _stop(server)
+
+
+@pytest.mark.skipif(bool(_connect_client_missing()), reason=_connect_client_missing())
+def test_spark_connect_server_writes_the_cdc_table_exactly_once(
+    spark: Any, connect_server: str, tmp_path: Path
+) -> None:
+    proc = run_worker(tmp_path, batches=3, remote=connect_server)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "committed 3" in proc.stdout
+    rows = spark.read.parquet(str(tmp_path / "cdc" / "all")).select("lsn").collect()
+    assert sorted(r.lsn for r in rows) == batch_lsns(make_batches(3, PER_BATCH))

@@ -1,0 +1,139 @@
+"""Real subprocesses SIGKILLed at each named step of the CDC commit, then recovered."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.cdc import CRASH_POINTS, ENV_CRASH_AT, META_DIR, read_ledger
+from tests.spark.support import batch_lsns, make_batches
+
+pytestmark = [pytest.mark.spark, pytest.mark.crash]
+
+REPO = Path(__file__).resolve().parents[2]
+PER_BATCH = 150
+
+# What a plain reader sees after the kill, before any recovery ran.
+BEFORE_RECOVERY = {
+    "cdc.before_stage": "batches 1-2",
+    "cdc.after_stage": "batches 1-2",
+    "cdc.after_intent": "batches 1-2",
+    "cdc.mid_publish": "batches 1-2 and part of 3",
+    "cdc.after_publish": "batches 1-3",
+    "cdc.after_ledger": "batches 1-3",
+    "executor.after_commit": "batches 1-3",
+}
+
+
+def run_worker(
+    root: Path,
+    *,
+    batches: int,
+    crash_at: str | None = None,
+    master: str = "local[1]",
+    remote: str = "",
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_PYTHON": sys.executable}
+    env.pop(ENV_CRASH_AT, None)
+    if crash_at:
+        env[ENV_CRASH_AT] = crash_at
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.spark.crash_worker",
+        str(root),
+        "--batches",
+        str(batches),
+        "--per-batch",
+        str(PER_BATCH),
+        "--master",
+        master,
+    ]
+    if remote:
+        cmd += ["--remote", remote]
+    return subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def visible(spark: Any, table: Path) -> list[int]:
+    if not list(table.glob("collection=*/part-*")):
+        return []
+    return sorted(r.lsn for r in spark.read.parquet(str(table)).select("lsn").collect())
+
+
+def test_every_crash_point_is_covered() -> None:
+    assert set(BEFORE_RECOVERY) == set(CRASH_POINTS)
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+async def test_sigkill_at_commit_step_recovers_to_exactly_once(
+    spark: Any, executor_factory: Any, tmp_path: Path, point: str
+) -> None:
+    """1. A real executor process commits batches 1-2, then SIGKILLs itself at ``point``
+    while committing batch 3.  2. Readers see only whole, committed batches (or, from
+    mid-publish on, files of a batch whose commit can only roll forward) and never a
+    duplicate.  3. A new executor opens the stream (recovery), the planner re-runs
+    batch 3 and runs batch 4.  4. The table holds batches 1-4, each event once, and
+    no staging, intent or temp file is left."""
+    batches = make_batches(4, PER_BATCH)
+    table = tmp_path / "cdc" / "all"
+
+    proc = run_worker(tmp_path, batches=4, crash_at=f"{point}@3")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert f"crash point {point} reached (hit 3)" in proc.stderr
+    assert "committed 2" in proc.stdout and "committed 3" not in proc.stdout
+
+    seen = visible(spark, table)
+    assert len(seen) == len(set(seen))
+    one_two, one_three = batch_lsns(batches[:2]), batch_lsns(batches[:3])
+    if BEFORE_RECOVERY[point] == "batches 1-2":
+        assert seen == one_two
+    elif BEFORE_RECOVERY[point] == "batches 1-3":
+        assert seen == one_three
+    else:
+        assert set(one_two) < set(seen) < set(one_three)
+
+    ex = await executor_factory()  # restart: recovery runs in start()
+    ledger = read_ledger(table)
+    assert ledger is not None
+    rolled_forward = point not in ("cdc.before_stage", "cdc.after_stage")
+    assert ledger.last_batch_id == (3 if rolled_forward else 2)
+    assert visible(spark, table) == (one_three if rolled_forward else one_two)
+
+    await ex.execute(batches[2])  # the planner re-runs the planned batch
+    await ex.execute(batches[3])
+    assert visible(spark, table) == batch_lsns(batches)
+    meta = table / META_DIR
+    assert sorted(p.name for p in meta.rglob("*") if p.is_file()) == ["ledger.json", "lock"]
+    assert not list((meta / "staging").iterdir())
+
+
+def test_crash_point_fires_at_the_nth_arrival_only(tmp_path: Path) -> None:
+    """Without a Spark JVM: the hook itself, in a child process."""
+    code = (
+        "from daemon.cdc import crash_point\n"
+        "for i in range(1, 4):\n"
+        "    crash_point('cdc.after_stage'); crash_point('cdc.after_ledger')\n"
+        "    print('passed', i, flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), ENV_CRASH_AT: "cdc.after_ledger@2"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == -signal.SIGKILL
+    assert proc.stdout.split("\n")[:-1] == ["passed 1"]
+    assert "crash point cdc.after_ledger reached (hit 2)" in proc.stderr
