@@ -336,7 +336,9 @@ class Watchdog:
         except Exception:
             # A health check that raises is itself a failure: withholding pings
             # lets systemd restart us, which is what an unhealthy daemon needs.
-            log.exception("watchdog.health_check_failed")
+            # Logged once per unhealthy streak, not on every tick.
+            if not self._withholding:
+                log.exception("watchdog.health_check_failed")
             ok = False
         if not ok and not self._withholding:
             log.error("watchdog.withheld", reason="unhealthy", interval_s=self.interval)

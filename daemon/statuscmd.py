@@ -82,6 +82,10 @@ def fetch(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
         ) from exc
     if not isinstance(doc, dict):
         raise StatusUnavailable(f"{url} answered HTTP {code} with a non-object", reachable=True)
+    if code >= 400 and "healthy" not in doc:
+        # An error document (e.g. 500 {"error", "message"}): show the daemon's words.
+        detail = doc.get("message") or doc.get("error") or "no status document"
+        raise StatusUnavailable(f"{url} answered HTTP {code}: {detail}", reachable=True)
     return doc
 
 
@@ -179,12 +183,14 @@ def summary_line(doc: Mapping[str, Any]) -> str:
 
 def _core_row(c: Mapping[str, Any]) -> tuple[str, ...]:
     mode = str(c.get("mode", "-"))
+    # Tolerant reader: ``ring_fill`` is the contract; a nested ``ring.fill`` is read too.
+    fill = c.get("ring_fill", _obj(c.get("ring")).get("fill"))
     return (
         _int(c.get("core")),
         mode,
         _int(c.get("watermark")),
         _count(c.get("lag")),
-        _percent(c.get("ring_fill")),
+        _percent(fill),
         str(c.get("backpressure", "-")),
         _catchup(c.get("catchup")),
     )
@@ -195,7 +201,7 @@ def _catchup(value: Any) -> str:
     if not cu:
         return "-"
     text = f"replayed {_count(cu.get('replayed'))}"
-    rate = cu.get("rate")
+    rate = cu.get("rate", cu.get("rate_eps"))
     if isinstance(rate, int | float):
         text += f" at {_count(round(rate))}/s"
     eta = cu.get("eta_s")
@@ -216,6 +222,13 @@ def _last_batch(value: Any, now: float) -> str:
     if at is not None:
         stamp = datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
         text += f"  committed {stamp} ({_duration(max(0.0, now - at))} ago)"
+    state = b.get("state")
+    if isinstance(state, str) and state != "committed":
+        text += f"  {state}"
+        if b.get("attempts"):
+            text += f" (attempt {b['attempts']})"
+    if b.get("error"):
+        text += f"  error: {b['error']}"
     return text
 
 

@@ -190,6 +190,29 @@ def test_an_answer_that_is_not_a_status_document_exits_one(
     assert "without a JSON status document" in capsys.readouterr().err
 
 
+def test_an_error_document_is_reported_with_the_daemons_message(
+    server: StatusServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.serve({"error": "status_failed", "message": "status failed: KeyError 'wal'"}, 500)
+    assert statuscmd.main(_args(), _cfg(server.port)) == 1
+    captured = capsys.readouterr()
+    assert "answered HTTP 500: status failed: KeyError 'wal'" in captured.err
+    assert captured.out == ""
+
+
+def test_a_retrying_batch_shows_its_state_attempt_and_error() -> None:
+    batch = {
+        "batch_id": 9,
+        "rows": 10,
+        "state": "retrying",
+        "attempts": 3,
+        "error": "Py4JError: connection refused",
+        "duration_s": None,
+    }
+    text = statuscmd.render(sample_status(last_batch=batch))
+    assert "#9  10 rows  retrying (attempt 3)  error: Py4JError: connection refused" in text
+
+
 def test_a_starting_daemon_with_nothing_yet_renders_dashes() -> None:
     doc = {"healthy": False, "ready": False, "draining": False, "wal": None, "cores": []}
     text = statuscmd.render(doc)
