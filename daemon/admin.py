@@ -23,13 +23,15 @@ from typing import Any
 import msgspec
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from daemon.config import Config
 from daemon.metrics import Metrics
 
 log = structlog.get_logger("eventplane.admin")
 
+# Metric names are classic ones (underscores), so the 0.0.4 text format every
+# Prometheus version parses is exact; prometheus_client's "latest" says 1.0.0.
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The loop-responsiveness ticker wakes this often; cheap (one timer per tick).
 TICK_S = 0.25
 # A loop whose last tick is this old is reported stuck. Probes time out after
@@ -141,7 +143,7 @@ class AdminServer:
 
     async def _get_metrics(self, request: web.Request) -> web.StreamResponse:
         body = self._metrics.render()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     async def _get_healthz(self, request: web.Request) -> web.StreamResponse:
         stall = self.loop_stall_s()

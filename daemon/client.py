@@ -11,11 +11,12 @@ per request).
   server's error word and message, and the full JSON body (a 422 has
   ``errors``: index, field, reason per problem).
 - 429 and 503 are retried after the server's ``Retry-After`` (bounded by
-  ``max_retries`` and ``max_wait_s``); so is a connection that could not be
-  opened, because then nothing was sent. A connection lost *after* the request
-  went out raises :class:`IngestConnectionError` with ``maybe_sent=True``: the
-  events may or may not be durable, and only the caller can decide whether a
-  duplicate is better than a loss. Nothing acknowledged is ever resent.
+  ``max_retries`` and ``max_wait_s``); a connection that could not be opened
+  is retried with backoff ``connect_retries`` times, since nothing was sent.
+  A connection lost *after* the request went out raises
+  :class:`IngestConnectionError` with ``maybe_sent=True``: the events may or
+  may not be durable, and only the caller can decide whether a duplicate is
+  better than a loss. Nothing acknowledged is ever resent.
 """
 
 from __future__ import annotations
@@ -175,15 +176,17 @@ def _events_url(url: str) -> str:
 
 
 class _RetryPolicy:
-    __slots__ = ("max_retries", "max_wait_s")
+    __slots__ = ("connect_retries", "max_retries", "max_wait_s")
 
-    def __init__(self, max_retries: int, max_wait_s: float) -> None:
+    def __init__(self, max_retries: int, max_wait_s: float, connect_retries: int) -> None:
         self.max_retries = max_retries
         self.max_wait_s = max_wait_s
+        self.connect_retries = connect_retries
 
     def wait_s(self, exc: IngestError, attempt: int) -> float | None:
         """Seconds to wait before retry ``attempt`` (1-based), or None to give up."""
-        if not exc.retriable or attempt > self.max_retries:
+        limit = self.connect_retries if isinstance(exc, IngestConnectionError) else self.max_retries
+        if not exc.retriable or attempt > limit:
             return None
         wait = exc.retry_after if exc.retry_after is not None else BACKOFF_S * 2 ** (attempt - 1)
         return min(wait, self.max_wait_s)
@@ -199,6 +202,7 @@ class IngestClient:
         timeout_s: float = 60.0,
         max_retries: int = 5,
         max_wait_s: float = 30.0,
+        connect_retries: int = 3,
         sleep: Callable[[float], Any] = asyncio.sleep,
     ) -> None:
         import aiohttp  # only the async client needs it
@@ -206,7 +210,7 @@ class IngestClient:
         self.url = _events_url(url)
         self._aiohttp = aiohttp
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._retry = _RetryPolicy(max_retries, max_wait_s)
+        self._retry = _RetryPolicy(max_retries, max_wait_s, connect_retries)
         self._sleep = sleep
         self._session: aiohttp.ClientSession | None = None
 
@@ -273,6 +277,7 @@ class SyncIngestClient:
         timeout_s: float = 60.0,
         max_retries: int = 5,
         max_wait_s: float = 30.0,
+        connect_retries: int = 3,
         sleep: Callable[[float], Any] = time.sleep,
     ) -> None:
         self.url = _events_url(url)
@@ -284,7 +289,7 @@ class SyncIngestClient:
         self._port = parts.port or (443 if self._https else 80)
         self._path = parts.path or EVENTS_PATH
         self._timeout_s = timeout_s
-        self._retry = _RetryPolicy(max_retries, max_wait_s)
+        self._retry = _RetryPolicy(max_retries, max_wait_s, connect_retries)
         self._sleep = sleep
         self._conn: http.client.HTTPConnection | None = None
         self._last_used = 0.0

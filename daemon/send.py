@@ -31,6 +31,8 @@ PROGRESS_EVERY_S = 0.25
 SHOWN_ERRORS = 10
 # 429/503 retries: the daemon says how long to wait; this many times at most.
 MAX_RETRIES = 20
+# A daemon that does not accept connections: retry briefly (0.5 s, then 1 s), then say so.
+CONNECT_RETRIES = 2
 
 
 def ingest_url(cfg: Config, url: str | None = None) -> str:
@@ -173,7 +175,7 @@ def main(
     url = ingest_url(cfg, getattr(args, "url", None))
     progress = Progress(stderr, enabled=stderr.isatty())
     number = 0
-    with SyncIngestClient(url, max_retries=MAX_RETRIES) as client:
+    with SyncIngestClient(url, max_retries=MAX_RETRIES, connect_retries=CONNECT_RETRIES) as client:
         for batch in batches(stdin, size, cfg.ingest.max_body_bytes):
             number += 1
             try:

@@ -1,0 +1,85 @@
+"""The admin listener: metrics, health, readiness and status."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.admin import STALL_S, AdminServer
+from daemon.metrics import Metrics
+
+
+async def get(url: str) -> tuple[int, str, Any]:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        ctype = resp.headers["Content-Type"]
+        body = await (resp.json() if ctype.startswith("application/json") else resp.text())
+        return resp.status, ctype, body
+
+
+async def test_metrics_are_served_in_prometheus_text_format(
+    start_admin: Callable[..., Any], metrics: Metrics
+) -> None:
+    metrics.ingest_requests.labels(code="200").inc(3)
+    admin: AdminServer = await start_admin()
+    status, ctype, text = await get(admin.url + "/metrics")
+    assert status == 200
+    assert ctype.startswith("text/plain; version=0.0.4")
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = families["eventplane_ingest_requests"].samples
+    assert any(s.labels == {"code": "200"} and s.value == 3 for s in samples)
+
+
+async def test_healthz_is_200_while_the_loop_runs(start_admin: Callable[..., Any]) -> None:
+    admin = await start_admin()
+    status, _, doc = await get(admin.url + "/healthz")
+    assert status == 200 and doc["status"] == "ok"
+
+
+async def test_healthz_is_503_after_the_loop_stalled(start_admin: Callable[..., Any]) -> None:
+    """The clock is injected: the loop "stalls" by moving it past STALL_S."""
+    now = {"t": 1000.0}
+    admin = await start_admin(clock=lambda: now["t"])
+    now["t"] += STALL_S + 1.0
+    status, _, doc = await get(admin.url + "/healthz")
+    assert status == 503
+    assert doc["status"] == "stalled"
+    assert "the event loop did not run for" in doc["message"]
+
+
+async def test_readyz_follows_ready_and_draining(start_admin: Callable[..., Any]) -> None:
+    state = {"ready": False}
+    admin = await start_admin(ready=lambda: state["ready"])
+    status, _, doc = await get(admin.url + "/readyz")
+    assert (status, doc["ready"]) == (503, False)
+    state["ready"] = True
+    status, _, doc = await get(admin.url + "/readyz")
+    assert (status, doc) == (200, {"ready": True})
+
+
+async def test_status_serves_the_injected_document(start_admin: Callable[..., Any]) -> None:
+    doc = {"healthy": True, "wal": {"head_lsn": 7, "dir": Path("/var/x")}, "cores": [{"core": 0}]}
+    admin = await start_admin(status=lambda: doc)
+    status, ctype, got = await get(admin.url + "/v1/status")
+    assert status == 200 and ctype.startswith("application/json")
+    assert got == {"healthy": True, "wal": {"head_lsn": 7, "dir": "/var/x"}, "cores": [{"core": 0}]}
+
+
+async def test_status_failure_is_a_500_with_the_reason(start_admin: Callable[..., Any]) -> None:
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("plane not started")
+
+    admin = await start_admin(status=broken)
+    status, _, doc = await get(admin.url + "/v1/status")
+    assert status == 500
+    assert "plane not started" in doc["message"]
+
+
+async def test_admin_binds_a_free_port_and_stops(start_admin: Callable[..., Any]) -> None:
+    admin = await start_admin()
+    assert admin.port > 0
+    await admin.stop(1.0)
+    await admin.stop(1.0)  # idempotent
