@@ -1,0 +1,52 @@
+"""``eventplane cdc show``: latest committed rows, newest first."""
+
+from __future__ import annotations
+
+import argparse
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon import cdccmd
+from daemon.cli import build_parser
+from tests.spark.support import make_batches, make_config
+
+pytestmark = pytest.mark.spark
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["cdc", "show", *argv])
+
+
+async def test_cdc_show_prints_the_latest_rows_newest_first(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory()
+    for b in make_batches(3, 40):
+        await ex.execute(b)
+    out = io.StringIO()
+
+    code = cdccmd.main(_args("all", "--limit", "5"), make_config(tmp_path), session=spark, out=out)
+
+    assert code == 0
+    lines = out.getvalue().splitlines()
+    assert "last committed batch 3, latest 5 rows" in lines[0]
+    assert lines[1].split() == list(cdccmd.COLUMNS)
+    assert [int(line.split()[0]) for line in lines[3:]] == [120, 119, 118, 117, 116]
+    assert all(line.split()[1] == "3" for line in lines[3:])
+    assert '"lsn":120' in lines[3]
+
+
+def test_cdc_show_unknown_stream_says_which_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cdccmd.main(_args("nope"), make_config(tmp_path)) == 1
+    assert "no stream named 'nope' (streams: all)" in capsys.readouterr().err
+
+
+def test_cdc_show_empty_stream_needs_no_spark(tmp_path: Path) -> None:
+    out = io.StringIO()
+    assert cdccmd.main(_args("all"), make_config(tmp_path), out=out) == 0
+    assert "no committed rows yet" in out.getvalue()
