@@ -5,8 +5,9 @@ Reading :meth:`Daemon.serve` tells the whole story:
 1. startup — open the WAL (recovery runs here), start the event plane (the
    consumers boot into catch-up from their watermarks), start Spark in the
    background, bind the admin and ingest listeners, tell systemd READY=1.
-2. main_loop — until asked to exit: publish status, ping the watchdog while
-   healthy, and fail-stop if a component failed (systemd restarts us).
+2. main_loop — until asked to exit: apply SIGHUP reloads, and fail-stop if
+   a component failed (systemd restarts us). A watchdog task on the same
+   loop pings systemd and refreshes STATUS= only while the daemon is healthy.
 3. shutdown — under one monotonic budget: ingest answers 503 and finishes
    in-flight requests (their group commit completes), the running micro-batch
    finishes, watermarks are flushed, Spark stops, the WAL closes.
@@ -53,7 +54,9 @@ EXIT_FAILED = 1
 class Daemon:
     def __init__(self, cfg: Config, notifier: Notifier | None = None) -> None:
         self.cfg = cfg
-        self.metrics = Metrics()
+        self.metrics = Metrics(cores=cfg.daemon.cores)
+        self.metrics.bind_health(self.healthy, self.ready)
+        self.metrics.init_triggers([t.name for t in cfg.triggers])
         self.notifier = notifier or Notifier.from_env()
         self.should_exit = False
         self.force_exit = False
@@ -68,6 +71,7 @@ class Daemon:
         self.admin: AdminServer | None = None
         self.triggers: Any = None
         self._watchdog: Watchdog | None = None
+        self._background: set[asyncio.Task[None]] = set()
 
     # -- signals: flip state only ------------------------------------------
 
@@ -80,6 +84,12 @@ class Daemon:
             self.should_exit = True
             log.info("shutdown.requested", reason=reason)
         self._wakeup.set()
+
+    def fail(self, message: str) -> None:
+        """A component failed outside the event plane: stop and exit non-zero."""
+        log.error("component.failed", error=message)
+        self.exit_code = EXIT_FAILED
+        self.request_exit("failure")
 
     def request_reload(self) -> None:
         self.reload_requested = True
@@ -131,6 +141,15 @@ class Daemon:
         # Step 2. What runs each micro-batch: Spark only when there is work for it.
         self.executor = self._build_executor()
         await self.executor.start()
+        if self.triggers is not None:
+            from daemon.triggers_wiring import validate_when_spark_ready
+
+            await self.triggers.start()
+            self._background.add(
+                asyncio.create_task(
+                    validate_when_spark_ready(self, self.triggers), name="trigger-validation"
+                )
+            )
 
         # Step 3. Rings, consumers, planner, watermarks. Rings are fed after fsync.
         self.plane = EventPlane(cfg, self.wal, self.executor, self.metrics)
@@ -145,7 +164,7 @@ class Daemon:
 
         self.started = True
         self.notifier.ready()
-        self._watchdog = Watchdog(self.notifier, healthy=self.healthy)
+        self._watchdog = Watchdog(self.notifier, healthy=self.healthy, status=self.status_line)
         self._watchdog.start()
         log.info(
             "eventplane.ready",
@@ -173,10 +192,10 @@ class Daemon:
                     self.exit_code = EXIT_FAILED
                     self.should_exit = True
                     break
+                self._publish_wal_gauges()
                 if self.reload_requested:
                     self.reload_requested = False
                     await self._reload()
-                self.notifier.status(self.status_line())
         finally:
             failed.cancel()
 
@@ -193,8 +212,10 @@ class Daemon:
         if self.plane is not None:
             budget = 0.0 if self.force_exit else deadline.remaining()
             await self._stop_step("plane", self.plane.stop(budget), deadline)
+        for task in self._background:
+            task.cancel()
         if self.triggers is not None:
-            await self._stop_step("triggers", self.triggers.stop(), deadline)
+            await self._stop_step("triggers", self.triggers.stop(deadline.remaining(0.1)), deadline)
         if self.executor is not None:
             await self._stop_step("executor", self.executor.stop(), deadline)
         if self.admin is not None:
@@ -235,6 +256,12 @@ class Daemon:
 
         return SparkExecutor(cfg, self.metrics, stages)
 
+    def _publish_wal_gauges(self) -> None:
+        if self.wal is not None:
+            self.metrics.wal_head_lsn.set(self.wal.head_lsn())
+            self.metrics.wal_floor_lsn.set(self.wal.retained_floor())
+            self.metrics.wal_segments.set(self.wal.segment_count())
+
     def _observe_group(self, events: int, nbytes: int, fsync_s: float) -> None:
         # Runs on the WAL writer thread: prometheus_client metrics are thread-safe.
         m = self.metrics
@@ -247,6 +274,13 @@ class Daemon:
         from daemon import config as configmod
 
         log.info("reload.begin", source=str(self.cfg.source))
+        self.notifier.reloading()
+        try:
+            await self._apply_reload(configmod)
+        finally:
+            self.notifier.ready()
+
+    async def _apply_reload(self, configmod: Any) -> None:
         try:
             new = await asyncio.to_thread(configmod.load, self.cfg.source)
         except DaemonError as exc:
@@ -258,6 +292,12 @@ class Daemon:
             if errors:
                 log.error("reload.triggers_rejected", errors=errors)
                 return
+            self.metrics.init_triggers([t.name for t in new.triggers])
+        elif new.triggers:
+            log.warning(
+                "reload.triggers_need_restart",
+                reason="no triggers were configured at start; restart to add some",
+            )
         log.info("reload.done", log_level=new.log.level, triggers=len(new.triggers))
 
     # -- health and status --------------------------------------------------
@@ -270,7 +310,7 @@ class Daemon:
             self.started
             and self.exit_code == EXIT_OK
             and self.plane is not None
-            and not self.plane.has_failed()
+            and self.plane.failure is None
         )
 
     def status(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from daemon.errors import ConfigError
 
@@ -629,4 +629,4 @@ def load(path: Path | str | None = None) -> Config:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{source}: not valid TOML ({exc})"], str(source)) from exc
-    return parse(cast(dict[str, Any], raw), source.resolve())
+    return parse(raw, source.resolve())

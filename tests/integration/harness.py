@@ -70,8 +70,13 @@ class DaemonProcess:
 
     @classmethod
     def recording(cls, config: Path, record: Path, **kw: Any) -> DaemonProcess:
-        argv = [sys.executable, "-m", "tests.integration.recording_daemon", str(config),
-                str(record)]
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.integration.recording_daemon",
+            str(config),
+            str(record),
+        ]
         return cls(config, argv, config.parent / "daemon.log", **kw)
 
     def start(self, timeout_s: float = 60.0) -> DaemonProcess:
@@ -83,8 +88,9 @@ class DaemonProcess:
         env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
         env.pop("NOTIFY_SOCKET", None) if "NOTIFY_SOCKET" not in self.env else None
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         log.close()
         self.wait_ready(timeout_s)
         return self
@@ -140,8 +146,12 @@ class DaemonProcess:
 
 def post_events(url: str, events: list[dict[str, Any]], timeout: float = 30.0) -> dict[str, Any]:
     body = b"\n".join(json.dumps(e).encode() for e in events) + b"\n"
-    req = urllib.request.Request(url + "/v1/events", data=body, method="POST",
-                                 headers={"Content-Type": "application/x-ndjson"})
+    req = urllib.request.Request(
+        url + "/v1/events",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/x-ndjson"},
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())  # type: ignore[no-any-return]
 
@@ -173,17 +183,17 @@ class Loader(threading.Thread):
         self.producers = producers
         self.acked: list[tuple[int, int]] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.errors = 0
 
     def _produce(self, pid: int) -> None:
         i = pid * 10_000_000
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 resp = post_events(self.url, make_events(i, self.batch), timeout=10)
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 self.errors += 1
-                if self._stop.wait(0.05):
+                if self._halt.wait(0.05):
                     return
                 continue
             with self._lock:
@@ -191,15 +201,17 @@ class Loader(threading.Thread):
             i += self.batch
 
     def run(self) -> None:
-        threads = [threading.Thread(target=self._produce, args=(p,), daemon=True)
-                   for p in range(self.producers)]
+        threads = [
+            threading.Thread(target=self._produce, args=(p,), daemon=True)
+            for p in range(self.producers)
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=30)
 
     def acked_lsns(self) -> set[int]:

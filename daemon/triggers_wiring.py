@@ -1,0 +1,81 @@
+"""Plugs the trigger engine into the daemon.
+
+``triggers/`` does not import the daemon, so the daemon hands it what it
+needs: the data dir, the metrics, and an ``emit`` that turns derived events
+into WAL appends (the same path as producer events: durable before they are
+dispatched, sharded by (collection, key)).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+
+from daemon import events as ev
+from daemon.shard import core_of
+from triggers.engine import TriggerEngine
+
+if TYPE_CHECKING:
+    from daemon.app import Daemon
+
+log = structlog.get_logger("eventplane.triggers")
+
+
+def _json_or_none(value: Any) -> bytes | None:
+    return None if value is None else msgspec.json.encode(value)
+
+
+def build_trigger_stage(daemon: Daemon) -> TriggerEngine:
+    cfg = daemon.cfg
+
+    async def emit(derived: list[dict[str, Any]]) -> None:
+        wal = daemon.wal
+        if wal is None:  # emit runs inside batches, which start after the WAL opened
+            raise RuntimeError("emit before the WAL opened")
+        now = time.time_ns()
+        items = []
+        for d in derived:
+            stored = ev.StoredEvent(
+                collection=d["collection"],
+                op=d["op"],
+                key=str(d["key"]),
+                new=_json_or_none(d.get("new")),
+                old=_json_or_none(d.get("old")),
+                ingest_ts_ns=now,
+                depth=int(d.get("depth", 1)),
+                source=str(d.get("source", "")),
+            )
+            items.append(
+                (core_of(stored.collection, stored.key, cfg.daemon.cores), ev.encode(stored))
+            )
+        if items:
+            await wal.append(items)
+
+    return TriggerEngine(
+        cfg.triggers,
+        data_dir=cfg.data_dir,
+        emit=emit,
+        metrics=daemon.metrics,
+        dlq_max_entries=cfg.dlq.max_entries,
+    )
+
+
+async def validate_when_spark_ready(daemon: Daemon, engine: TriggerEngine) -> None:
+    """Startup check: Spark analyses every ``when``; errors stop the daemon.
+
+    Spark starts in the background, so this runs as soon as it is ready; no
+    batch reaches the engine before the executor is ready either.
+    """
+    executor: Any = daemon.executor
+    await executor.wait_ready()
+    errors = await asyncio.to_thread(engine.validate, executor.session)
+    if errors:
+        for message in errors:
+            log.error("trigger_invalid", error=message)
+        daemon.fail(f"{len(errors)} invalid trigger(s): " + "; ".join(errors))
+    else:
+        log.info("triggers_validated", triggers=sorted(engine.triggers))
