@@ -117,6 +117,7 @@ class TriggerEngine:
         self._wake = asyncio.Event()
         self._depth = 0
         self._dlq_size = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------ properties
 
@@ -182,7 +183,7 @@ class TriggerEngine:
             changed=sorted(n for n in new.keys() & old.keys() if new[n] != old[n]),
             active=sorted(n for n, t in new.items() if t.enabled),
         )
-        self._wake.set()  # enabled/disabled changes what the retry loop may deliver
+        self._wake_from_any_thread()  # enabled/disabled changes what the loop may deliver
         return []
 
     async def reload_specs(self, specs: Sequence[TriggerSpecLike]) -> list[str]:
@@ -209,6 +210,7 @@ class TriggerEngine:
 
     async def start(self, *, retry_loop: bool = True) -> None:
         """Open the store (pending retries become due now) and start the retry loop."""
+        self._loop = asyncio.get_running_loop()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trigger-store")
         self._store = await self._db(TriggerStore, self.store_path, self._dlq_max)
         due = await self._db(self._store.make_all_due, self._clock())
@@ -592,6 +594,20 @@ class TriggerEngine:
         self._metrics.retry_depth.set(depth)
         self._metrics.dlq_entries.set(self._dlq_size)
         return depth
+
+    def _wake_from_any_thread(self) -> None:
+        """reload() runs in a worker thread; asyncio.Event is not thread-safe."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._wake.set()
+        else:
+            loop.call_soon_threadsafe(self._wake.set)
 
     def _evicted(self, count: int) -> None:
         if count:
