@@ -56,7 +56,12 @@ from wal.reader import ReadBuf, RecordBatch, frame_batches, frame_records, segme
 from wal.record import Record
 from wal.segments import Damage, Segment, scan, segment_files
 
-log = structlog.get_logger("wal")
+
+def _log() -> Any:
+    """The ``wal`` logger, looked up per call (rare events only), so a logger cached
+    before ``structlog.testing.capture_logs`` cannot hide events from tests."""
+    return structlog.get_logger("wal")
+
 
 MiB: Final = 1024 * 1024
 FsyncMode = Literal["always", "interval", "never"]
@@ -153,7 +158,7 @@ def cut_torn_tail(directory: Path, damage: Damage) -> Path:
         finally:
             os.close(fd)
     fsync_dir(directory)
-    log.warning(
+    _log().warning(
         "wal.torn_tail_cut",
         segment=damage.segment,
         offset=damage.offset,
@@ -359,7 +364,7 @@ class Wal:
             os.close(fd)
         os.replace(tmp, directory / IDENTITY)
         fsync_dir(directory)
-        log.info("wal.created", directory=str(directory), wal_id=wal_id.hex())
+        _log().info("wal.created", directory=str(directory), wal_id=wal_id.hex())
         return wal_id
 
     @staticmethod
@@ -397,7 +402,7 @@ class Wal:
         for seg in segments:
             seg.sealed = True
         segments[-1].sealed = False
-        log.info(
+        _log().info(
             "wal.opened",
             directory=str(directory),
             wal_id=wal_id.hex(),
@@ -602,7 +607,7 @@ class Wal:
             try:
                 observer(n, frame.size, synced)
             except Exception:
-                log.exception("wal.on_group_failed")
+                _log().exception("wal.on_group_failed")
         listener = self._listener
         records: list[Record] | None = None
         if listener is not None:
@@ -636,7 +641,9 @@ class Wal:
                 # The events are durable whatever the listener did: acknowledge
                 # them. A consumer that missed them finds a gap and catches up
                 # from the WAL (DESIGN.md, consumer modes).
-                log.exception("wal.listener_failed", first_lsn=records[0].lsn, events=len(records))
+                _log().exception(
+                    "wal.listener_failed", first_lsn=records[0].lsn, events=len(records)
+                )
         for w in group:
             w.settle(on_loop)
 
@@ -656,7 +663,9 @@ class Wal:
         with self._seg_lock:
             seg.sealed = True
             self._segments = [*self._segments, new]
-        log.info("wal.segment_rotated", sealed=seg.name, created=new.name, first_lsn=new.first_lsn)
+        _log().info(
+            "wal.segment_rotated", sealed=seg.name, created=new.name, first_lsn=new.first_lsn
+        )
         return new
 
     def _fail(self, exc: BaseException, group: list[_Waiter]) -> None:
@@ -665,7 +674,7 @@ class Wal:
         ``group`` is the group whose commit failed: its waiters were taken off
         ``_pending`` already and fail with everything still queued.
         """
-        log.error("wal.fatal", error=repr(exc), head_lsn=self._head, exc_info=exc)
+        _log().error("wal.fatal", error=repr(exc), head_lsn=self._head, exc_info=exc)
         error = WalFatalError(
             f"WAL write or fsync failed ({exc!r}); the WAL refuses all further appends. "
             "Restart the daemon: recovery keeps every acknowledged event"
@@ -771,7 +780,7 @@ class Wal:
         for seg in removed:
             seg.path.unlink(missing_ok=True)
         fsync_dir(self.directory)
-        log.info(
+        _log().info(
             "wal.segments_removed",
             count=drop,
             below_lsn=lsn,
@@ -799,7 +808,7 @@ class Wal:
             os.close(self._fd)
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
-        log.info("wal.closed", directory=str(self.directory), head_lsn=self._head)
+        _log().info("wal.closed", directory=str(self.directory), head_lsn=self._head)
 
     async def aclose(self) -> None:
         """Flush pending appends, stop the writer thread, close the files."""

@@ -112,7 +112,7 @@ def _read_prefix(path: Path, size: int) -> bytes:
         return f.read(size)
 
 
-def _last_lsn_beyond(buf: bytes | mmap.mmap, start: int, limit: int, number: int, lsn: int) -> int:
+def last_lsn_beyond(buf: bytes | mmap.mmap, start: int, limit: int, number: int, lsn: int) -> int:
     """Highest LSN of intact frames after ``start`` (for loss reports); ``lsn - 1`` if none."""
     best = lsn - 1
     pos = start
@@ -262,7 +262,7 @@ def _scan_frames(
                 if reason is not None or not isinstance(frame, Frame):
                     seg.end = off
                     seg.next_lsn = lsn
-                    last_seen = _last_lsn_beyond(mm, off + 1, size, seg.number, lsn)
+                    last_seen = last_lsn_beyond(mm, off + 1, size, seg.number, lsn)
                     # Intact frames after the damage hold data that was written
                     # (and maybe acknowledged) later: that is not a torn tail.
                     torn = is_last and isinstance(frame, str) and last_seen < lsn

@@ -1,11 +1,19 @@
-"""Appends come back from read() exactly, in LSN order, across reopen and rotation."""
+"""Appends come back from read() and read_batches() exactly, in LSN order, across reopen and
+rotation; the listener sees every durable group before its acks; bad input is refused."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from tests.wal.conftest import OpenWal, events
-from wal import Record
+from wal import Record, Wal, WalClosedError, WalLockedError
 
 
 async def test_concurrent_appends_get_consecutive_lsns_and_read_back_in_order(
@@ -13,7 +21,9 @@ async def test_concurrent_appends_get_consecutive_lsns_and_read_back_in_order(
 ) -> None:
     wal = open_wal(segment_bytes=16 * 1024)
     batches = [events(37, tag=f"b{k}") for k in range(40)]
-    ranges = await asyncio.gather(*(wal.append(b) for b in batches))
+    ranges: list[tuple[int, int]] = []
+    for wave in range(0, 40, 5):  # waves, so there are several groups (and segments)
+        ranges += await asyncio.gather(*(wal.append(b) for b in batches[wave : wave + 5]))
     assert sorted(ranges)[0][0] == 1
     for (first, last), batch in zip(ranges, batches, strict=True):
         assert last - first + 1 == len(batch)
@@ -21,16 +31,221 @@ async def test_concurrent_appends_get_consecutive_lsns_and_read_back_in_order(
         assert [(r.core, r.payload) for r in got] == batch
     assert [r.lsn for r in wal.read(1)] == list(range(1, 40 * 37 + 1))
     assert wal.head_lsn() == 40 * 37
+    assert wal.segment_count() > 1
 
 
-def test_reopen_keeps_every_record_and_restarts_sequences(open_wal: OpenWal, wal_dir) -> None:
+def test_reopen_keeps_every_record_and_restarts_sequences(open_wal: OpenWal, wal_dir: Path) -> None:
     wal = open_wal(segment_bytes=8 * 1024)
     for k in range(20):
         wal.append_blocking(events(50, tag=f"r{k}"))
     before = list(wal.read(1))
+    wal_id = wal.wal_id
     wal.close()
     again = open_wal(segment_bytes=8 * 1024)
+    assert again.wal_id == wal_id
+    assert (wal_dir / "IDENTITY").read_text().strip() == wal_id
     assert list(again.read(1)) == before
     first, last = again.append_blocking([(2, b"after")])
     assert (first, last) == (1001, 1001)
     assert list(again.read(first)) == [Record(1001, 2, 1, b"after")]
+
+
+def test_sequences_are_per_core_and_consecutive(open_wal: OpenWal) -> None:
+    wal = open_wal()
+    wal.append_blocking([(3, b"a"), (1, b"b"), (3, b"c")])
+    wal.append_blocking([(1, b"d"), (3, b"e")])
+    assert [(r.core, r.seq) for r in wal.read(1)] == [(3, 1), (1, 1), (3, 2), (1, 2), (3, 3)]
+
+
+batch_strategy = st.lists(
+    st.lists(
+        st.tuples(st.integers(0, 7), st.binary(min_size=0, max_size=300)), min_size=1, max_size=60
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(batches=batch_strategy, data=st.data())
+def test_random_batches_read_back_whole_per_core_and_by_range(
+    tmp_path_factory: pytest.TempPathFactory,
+    batches: list[list[tuple[int, bytes]]],
+    data: st.DataObject,
+) -> None:
+    directory = tmp_path_factory.mktemp("hyp")
+    model: list[tuple[int, bytes]] = [item for batch in batches for item in batch]
+    with Wal.open(directory, segment_bytes=4096) as wal:
+        for batch in batches:
+            wal.append_blocking(batch)
+        expected = []
+        seqs: dict[int, int] = {}
+        for lsn, (core, payload) in enumerate(model, 1):
+            seqs[core] = seqs.get(core, 0) + 1
+            expected.append(Record(lsn, core, seqs[core], payload))
+        assert list(wal.read(1)) == expected
+        for core in range(8):
+            mine = [r for r in expected if r.core == core]
+            assert list(wal.read(1, core=core)) == mine
+            batched = [r for b in wal.read_batches(1, core=core) for r in b.records()]
+            assert batched == mine
+        lo = data.draw(st.integers(1, len(model)))
+        hi = data.draw(st.integers(lo, len(model)))
+        core = data.draw(st.one_of(st.none(), st.integers(0, 7)))
+        want = [r for r in expected[lo - 1 : hi] if core is None or r.core == core]
+        assert list(wal.read(lo, core=core, to_lsn=hi)) == want
+        got = sorted(
+            (r for b in wal.read_batches(lo, core=core, to_lsn=hi) for r in b.records()),
+            key=lambda r: r.lsn,
+        )
+        assert got == want
+    with Wal.open(directory, segment_bytes=4096) as again:
+        assert list(again.read(1)) == expected
+
+
+def test_record_batches_expose_arrow_style_columns(open_wal: OpenWal) -> None:
+    wal = open_wal()
+    wal.append_blocking([(0, b"aa"), (1, b"b"), (0, b""), (0, b"cccc")])
+    (batch,) = list(wal.read_batches(1, core=0))
+    assert list(batch.lsns) == [1, 3, 4]
+    assert list(batch.seqs) == [1, 2, 3]
+    assert list(batch.offsets) == [0, 2, 2, 6]
+    assert batch.data == b"aacccc"
+    assert batch.payloads() == [b"aa", b"", b"cccc"]
+    assert batch.payload(2) == b"cccc"
+
+
+async def test_listener_sees_each_durable_group_on_the_loop_before_the_acks(
+    open_wal: OpenWal,
+) -> None:
+    wal = open_wal()
+    loop_thread = threading.get_ident()
+    seen: list[Record] = []
+    acks: list[tuple[int, int]] = []
+    early_acks: list[tuple[int, int]] = []
+
+    def listener(records: list[Record]) -> None:
+        assert threading.get_ident() == loop_thread
+        lo, hi = records[0].lsn, records[-1].lsn
+        early_acks.extend(a for a in acks if lo <= a[0] <= hi)
+        seen.extend(records)
+
+    wal.set_listener(listener)
+
+    async def one(k: int) -> None:
+        acks.append(await wal.append(events(10, tag=f"l{k}")))
+
+    for wave in range(0, 30, 6):
+        await asyncio.gather(*(one(k) for k in range(wave, wave + 6)))
+    assert early_acks == []  # no append returned before its group reached the listener
+    assert seen == list(wal.read(1))
+    assert [r.lsn for r in seen] == list(range(1, 301))
+
+
+async def test_listener_failure_is_logged_and_the_append_still_acknowledged(
+    open_wal: OpenWal,
+) -> None:
+    wal = open_wal()
+
+    def broken(records: list[Record]) -> None:
+        raise RuntimeError("ring full of bugs")
+
+    wal.set_listener(broken)
+    with capture_logs() as logs:
+        assert await wal.append([(0, b"x")]) == (1, 1)
+    assert any(e["event"] == "wal.listener_failed" for e in logs)
+    assert [r.lsn for r in wal.read(1)] == [1]
+
+
+def test_on_group_observer_gets_events_bytes_and_fsync_time(open_wal: OpenWal) -> None:
+    wal = open_wal()
+    seen: list[tuple[int, int, float]] = []
+    wal.on_group = lambda n, size, seconds: seen.append((n, size, seconds))
+    wal.append_blocking(events(5))
+    assert len(seen) == 1 and seen[0][0] == 5 and seen[0][1] > 5 and seen[0][2] >= 0
+
+
+@pytest.mark.parametrize("mode", ["interval", "never"])
+async def test_relaxed_fsync_modes_round_trip(open_wal: OpenWal, wal_dir: Path, mode: str) -> None:
+    wal = open_wal(fsync=mode, fsync_interval_ms=5, segment_bytes=4096)
+    for k in range(20):
+        await wal.append(events(20, tag=f"{mode}{k}"))
+    before = list(wal.read(1))
+    await wal.aclose()
+    assert list(open_wal(fsync=mode).read(1)) == before
+
+
+@pytest.mark.parametrize(
+    ("items", "error"),
+    [
+        ([], ValueError),
+        ([(-1, b"x")], ValueError),
+        ([(2**32, b"x")], ValueError),
+        ([("0", b"x")], ValueError),
+        ([(0, "text")], TypeError),
+        ([(0, bytearray(b"x"))], TypeError),
+    ],
+)
+def test_malformed_appends_are_refused_without_harming_the_log(
+    open_wal: OpenWal, items: list[tuple[object, object]], error: type[Exception]
+) -> None:
+    wal = open_wal()
+    with pytest.raises(error):
+        wal.append_blocking(items)  # type: ignore[arg-type]
+    assert wal.append_blocking([(0, b"fine")]) == (1, 1)
+
+
+async def test_aclose_flushes_pending_appends_then_refuses_new_ones(open_wal: OpenWal) -> None:
+    wal = open_wal()
+    pending = [asyncio.ensure_future(wal.append(events(3, tag=str(k)))) for k in range(20)]
+    await asyncio.sleep(0)
+    await wal.aclose()
+    assert sorted(await asyncio.gather(*pending))[-1][1] == 60
+    with pytest.raises(WalClosedError):
+        await wal.append([(0, b"late")])
+    with pytest.raises(WalClosedError):
+        wal.append_blocking([(0, b"late")])
+
+
+def test_second_open_of_the_same_directory_is_refused(open_wal: OpenWal) -> None:
+    open_wal()
+    with pytest.raises(WalLockedError, match="in use"):
+        open_wal()
+
+
+def test_readers_on_other_threads_see_a_gapless_prefix_while_appends_run(
+    open_wal: OpenWal,
+) -> None:
+    wal = open_wal(segment_bytes=8 * 1024)
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            head = wal.head_lsn()
+            lsns = [r.lsn for r in wal.read(1)]
+            if lsns != list(range(1, len(lsns) + 1)) or len(lsns) < head:
+                problems.append(f"read {len(lsns)} records, head was {head}")
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for k in range(150):
+        wal.append_blocking(events(7, tag=str(k)))
+    stop.set()
+    for t in threads:
+        t.join()
+    assert problems == []
+    assert wal.head_lsn() == 1050
+
+
+def test_read_above_the_head_is_empty_and_head_of_new_log_is_zero(open_wal: OpenWal) -> None:
+    wal = open_wal()
+    assert wal.head_lsn() == 0
+    assert wal.retained_floor() == 1
+    assert list(wal.read(1)) == []
+    wal.append_blocking([(0, b"x")])
+    assert list(wal.read(2)) == []
+    assert list(wal.read(1, to_lsn=0)) == []
