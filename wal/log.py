@@ -25,7 +25,7 @@ import time
 import uuid
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from itertools import chain, count, repeat
 from operator import itemgetter
 from pathlib import Path
@@ -39,6 +39,7 @@ from wal.errors import (
     WalCorruptionError,
     WalFatalError,
     WalLockedError,
+    WalReadError,
 )
 from wal.format import (
     FRAME_CRC_OFFSET,
@@ -692,7 +693,7 @@ class Wal:
 
     def read(
         self, from_lsn: int, *, core: int | None = None, to_lsn: int | None = None
-    ) -> Iterator[Record]:
+    ) -> ReadIterator[Record]:
         """Durable records with ``from_lsn <= lsn <= to_lsn``, one core or all, in LSN order.
 
         Stops at the durable head as seen when it gets there. Raises
@@ -700,11 +701,11 @@ class Wal:
         retained floor and not above the head. Safe from any thread.
         """
         start = self._check_floor(from_lsn)
-        return chain.from_iterable(self._scan(start, core, to_lsn, frame_records))
+        return ReadIterator.over(self._scan(start, core, to_lsn, frame_records))
 
     def read_batches(
         self, from_lsn: int, *, core: int | None = None, to_lsn: int | None = None
-    ) -> Iterator[RecordBatch]:
+    ) -> ReadIterator[RecordBatch]:
         """Like :meth:`read`, columnar: one :class:`RecordBatch` per frame and core.
 
         With ``core`` given, batches come in LSN order. For all cores, the
@@ -713,7 +714,7 @@ class Wal:
         use :meth:`read` when one global order is needed.
         """
         start = self._check_floor(from_lsn)
-        return chain.from_iterable(self._scan(start, core, to_lsn, frame_batches))
+        return ReadIterator.over(self._scan(start, core, to_lsn, frame_batches))
 
     def _check_floor(self, from_lsn: int) -> int:
         start = max(from_lsn, 1)
@@ -728,7 +729,7 @@ class Wal:
         core: int | None,
         to_lsn: int | None,
         decode: Callable[[ReadBuf, Any, int | None, int, int], Iterable[T]],
-    ) -> Iterator[Iterable[T]]:
+    ) -> Generator[Iterable[T], None, None]:
         hi = to_lsn if to_lsn is not None else 1 << 63
         stalled = 0
         while lsn <= hi:
@@ -743,7 +744,17 @@ class Wal:
             sealed = seg.sealed  # read before end: a sealed segment's end is final
             end = seg.end
             progressed = False
-            for buf, frame in segment_frames(seg, lsn, end, sealed):
+            try:
+                frames = segment_frames(seg, lsn, end, sealed)
+                first_frame = next(frames, None)
+            except FileNotFoundError as exc:
+                floor = self.retained_floor()
+                if lsn < floor:
+                    raise BelowRetainedFloorError(lsn, floor) from exc
+                raise WalReadError(f"{seg.name} vanished while LSN {lsn} was read") from exc
+            if first_frame is not None:
+                frames = chain((first_frame,), frames)
+            for buf, frame in frames:
                 last = frame.first_lsn + frame.events - 1
                 if last < lsn:
                     continue
@@ -835,6 +846,31 @@ class Wal:
             f"Wal({str(self.directory)!r}, wal_id={self.wal_id}, head={self._head}, "
             f"segments={len(self._segments)}, fsync={self._fsync})"
         )
+
+
+class ReadIterator(chain[T]):
+    """What :meth:`Wal.read` and :meth:`Wal.read_batches` return: a ``chain`` (so
+    ``next`` runs in C) whose :meth:`close` releases the segment file at once."""
+
+    __slots__ = ("_frames",)
+    _frames: Generator[Iterable[T], None, None]
+
+    @classmethod
+    def over(cls, frames: Generator[Iterable[T], None, None]) -> ReadIterator[T]:
+        it = cls.from_iterable(frames)
+        assert isinstance(it, ReadIterator)
+        it._frames = frames
+        return it
+
+    def close(self) -> None:
+        """Release the open segment (fd / mmap). Do not iterate further afterwards."""
+        self._frames.close()
+
+    def __enter__(self) -> ReadIterator[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _pwrite_all(fd: int, parts: list[Any], offset: int, size: int) -> None:

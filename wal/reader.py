@@ -195,22 +195,23 @@ def segment_frames(
     off = offsets[max(k, 0)] if max(k, 0) < len(offsets) else end
     if off >= end:
         return
+    fd = os.open(seg.path, os.O_RDONLY)  # FileNotFoundError: retention removed it meanwhile
+    if sealed:
+        try:
+            mm = mmap.mmap(fd, end, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)  # the mapping keeps its own reference to the file
+        with mm:
+            mm.madvise(mmap.MADV_SEQUENTIAL)
+            while off < end:
+                frame = check_frame(mm, off, end, seg.number)
+                if isinstance(frame, str):
+                    raise WalCorruptionError(frame, segment=seg.name, offset=off)
+                yield mm, frame
+                off += frame.size
+        return
     try:
-        fd = os.open(seg.path, os.O_RDONLY)
-    except FileNotFoundError as exc:
-        raise WalReadError(f"{seg.name} disappeared while reading (retention?)") from exc
-    try:
-        if sealed:
-            with mmap.mmap(fd, end, access=mmap.ACCESS_READ) as mm:
-                mm.madvise(mmap.MADV_SEQUENTIAL)
-                while off < end:
-                    frame = check_frame(mm, off, end, seg.number)
-                    if isinstance(frame, str):
-                        raise WalCorruptionError(frame, segment=seg.name, offset=off)
-                    yield mm, frame
-                    off += frame.size
-        else:
-            yield from _pread_frames(fd, seg, off, end)
+        yield from _pread_frames(fd, seg, off, end)
     finally:
         os.close(fd)
 

@@ -4,6 +4,7 @@ rotation; the listener sees every durable group before its acks; bad input is re
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 
@@ -249,3 +250,18 @@ def test_read_above_the_head_is_empty_and_head_of_new_log_is_zero(open_wal: Open
     wal.append_blocking([(0, b"x")])
     assert list(wal.read(2)) == []
     assert list(wal.read(1, to_lsn=0)) == []
+
+
+def test_closing_a_read_releases_its_segment_file(open_wal: OpenWal) -> None:
+    wal = open_wal(segment_bytes=4096)
+    for k in range(40):
+        wal.append_blocking(events(10, tag=str(k)))
+    fds_before = len(os.listdir("/proc/self/fd"))
+    with wal.read(1) as it:
+        assert next(it).lsn == 1
+        assert len(os.listdir("/proc/self/fd")) > fds_before  # its segment is open
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    batches = wal.read_batches(1, core=2)
+    assert next(batches).core == 2
+    batches.close()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
