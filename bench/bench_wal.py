@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import shutil
@@ -33,6 +34,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+import structlog
 
 from wal import RecordBatch, Wal
 
@@ -193,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="replay runs (median is reported)")
     parser.add_argument("--dir", type=Path, help="scratch directory (default: a temporary one)")
     args = parser.parse_args(argv)
+    # The WAL's info lines (opened, rotated, closed) would interleave with the table.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
     requests = make_requests(args.events, args.request, args.cores)
     n = sum(map(len, requests))
