@@ -29,18 +29,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from daemon.errors import ConsumerFailedError, LsnRegressionError
-from daemon.planner import RECORD_OVERHEAD_BYTES
+from daemon.planner import COLUMNAR_OVERHEAD_BYTES, Part
 from daemon.ring import Backpressure, Ring
 from wal.errors import BelowRetainedFloorError
+from wal.reader import RecordBatch
 from wal.record import Record
 
 if TYPE_CHECKING:
@@ -48,16 +47,13 @@ if TYPE_CHECKING:
     from daemon.metrics import Metrics
 
 log = structlog.get_logger(__name__)
-_payload = itemgetter(3)
 
 # Records per worker-thread hop during replay: large enough that the hop
 # (~50 µs) is noise next to decoding, small enough to keep memory per core low.
 CHUNK_ROWS = 16_384
-# Bytes per hop are bounded too (payload + RECORD_OVERHEAD_BYTES each), so one
-# chunk of large events cannot blow the pending budget (invariant 11).
+# Bytes per hop are bounded too, so one chunk of large events cannot blow the
+# pending budget (invariant 11).
 CHUNK_MAX_BYTES = 8 * 1024 * 1024
-# Records pulled from the WAL iterator between two byte checks (C-level islice).
-_BLOCK = 512
 
 
 class Mode(enum.Enum):
@@ -78,9 +74,9 @@ class Reason(enum.Enum):
 class WalReader(Protocol):
     """The part of :class:`wal.Wal` a consumer needs."""
 
-    def read(
+    def read_batches(
         self, from_lsn: int, *, core: int | None = None, to_lsn: int | None = None
-    ) -> Iterator[Record]: ...
+    ) -> Iterator[RecordBatch]: ...
 
     def head_lsn(self) -> int: ...
 
@@ -88,7 +84,7 @@ class WalReader(Protocol):
 class SliceSink(Protocol):
     """Where delivered events go: the planner's pending slices."""
 
-    def add(self, core: int, records: list[Record]) -> None: ...
+    def add(self, core: int, part: Part, nbytes: int | None = None) -> None: ...
 
     def has_room(self, core: int) -> bool: ...
 
@@ -97,29 +93,27 @@ class SliceSink(Protocol):
     def set_catching_up(self, core: int, flag: bool) -> None: ...
 
 
-def _take(it: Iterator[Record], rows: int, max_bytes: int) -> tuple[list[Record], bool]:
-    """Up to ``rows`` records or about ``max_bytes``; True if the iterator ran dry.
+def _take(it: Iterator[RecordBatch], rows: int, max_bytes: int) -> tuple[list[RecordBatch], bool]:
+    """Columnar batches up to about ``rows`` events or ``max_bytes``.
 
-    Pulls blocks sized from the average record seen so far (the first block is
-    one record), so the byte bound overshoots by about one record at most.
+    Returns the batches and True if the iterator ran dry. Overshoots by at most
+    one batch (one core's part of one WAL frame, bounded by the group size).
     """
-    out: list[Record] = []
+    out: list[RecordBatch] = []
+    n = 0
     nbytes = 0
-    avg = max_bytes  # unknown yet: the first block is a single record
-    while len(out) < rows and nbytes < max_bytes:
-        want = max(1, min(_BLOCK, rows - len(out), (max_bytes - nbytes) // avg))
-        block = list(itertools.islice(it, want))
-        if block:
-            size = sum(map(len, map(_payload, block))) + RECORD_OVERHEAD_BYTES * len(block)
-            nbytes += size
-            avg = max(1, size // len(block))
-            out += block
-        if len(block) < want:
+    while n < rows and nbytes < max_bytes:
+        batch = next(it, None)
+        if batch is None:
             return out, True
+        if len(batch):
+            out.append(batch)
+            n += len(batch)
+            nbytes += len(batch.data) + COLUMNAR_OVERHEAD_BYTES * len(batch)
     return out, False
 
 
-def _close(it: Iterator[Record] | None) -> None:
+def _close(it: Iterator[RecordBatch] | None) -> None:
     close = getattr(it, "close", None)
     if close is not None:
         # ValueError: still running in a worker thread after a cancel; the
@@ -147,7 +141,7 @@ async def read_range(
     retries: int,
     retry_ms: int,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-) -> list[Record]:
+) -> list[RecordBatch]:
     """Every record of ``core`` in ``first..last`` (inclusive), with bounded retries.
 
     Used to rebuild a planned batch after a restart. Fails at once below the
@@ -156,7 +150,9 @@ async def read_range(
     attempt = 0
     while True:
         try:
-            return await asyncio.to_thread(lambda: list(wal.read(first, core=core, to_lsn=last)))
+            return await asyncio.to_thread(
+                lambda: list(wal.read_batches(first, core=core, to_lsn=last))
+            )
         except BelowRetainedFloorError as exc:
             raise floor_error(core, exc) from exc
         except Exception as exc:
@@ -384,7 +380,7 @@ class Consumer:
     async def _replay_pass(self) -> int:
         """Deliver this core's records from the WAL until a read comes back short."""
         core, sink = self.core, self.sink
-        it: Iterator[Record] | None = None
+        it: Iterator[RecordBatch] | None = None
         failures = 0
         total = 0
         try:
@@ -422,34 +418,37 @@ class Consumer:
                     await self._sleep(self.cfg.replay_retry_ms / 1000)
                     continue
                 failures = 0
-                if chunk:
-                    self._deliver_replayed(chunk)
-                    total += len(chunk)
+                for batch in chunk:
+                    self._deliver_replayed(batch)
+                    total += len(batch)
                 if dry:
                     return total
         finally:
             _close(it)
 
-    def _open(self, from_lsn: int) -> tuple[Iterator[Record], list[Record], bool]:
-        it = self.wal.read(from_lsn, core=self.core)
+    def _open(self, from_lsn: int) -> tuple[Iterator[RecordBatch], list[RecordBatch], bool]:
+        it = self.wal.read_batches(from_lsn, core=self.core)
         chunk, dry = _take(it, self.chunk_rows, self.chunk_bytes)
         return it, chunk, dry
 
-    def _deliver_replayed(self, chunk: list[Record]) -> None:
-        first, last = chunk[0], chunk[-1]
-        if first.lsn <= self.last_lsn or last.lsn < first.lsn:
+    def _deliver_replayed(self, batch: RecordBatch) -> None:
+        lsns = batch.lsns
+        first, last = lsns[0], lsns[-1]
+        if first <= self.last_lsn or last < first:
             raise LsnRegressionError(
-                f"core {self.core}: WAL replay returned LSN {first.lsn}..{last.lsn} after "
+                f"core {self.core}: WAL replay returned LSN {first}..{last} after "
                 f"delivering LSN {self.last_lsn}"
             )
-        if first.core != self.core or last.core != self.core:
+        if batch.core != self.core:
             raise ConsumerFailedError(
-                f"core {self.core}: WAL replay returned a record of core "
-                f"{first.core if first.core != self.core else last.core}"
+                f"core {self.core}: WAL replay returned events of core {batch.core}"
             )
-        self._deliver(chunk)
-        self._replayed.inc(len(chunk))
+        n = len(batch)
+        self.sink.add(self.core, batch)
+        self.last_lsn = last
+        self._delivered.inc(n)
+        self._replayed.inc(n)
         if self.progress is not None:
-            self.progress.replayed += len(chunk)
+            self.progress.replayed += n
         # Keep the ring from filling with entries we already have.
-        self.ring.discard_through(self.last_lsn)
+        self.ring.discard_through(last)

@@ -37,6 +37,7 @@ from daemon.planner import PlanLog, Planner, uncancellable, wait_event
 from daemon.ring import RingSet
 from daemon.watermarks import FILENAME as WATERMARKS_FILENAME
 from daemon.watermarks import Watermarks, WatermarkSnapshot, WatermarkStore
+from wal.reader import RecordBatch
 from wal.record import Record
 
 if TYPE_CHECKING:
@@ -154,7 +155,7 @@ class EventPlane:
         # Step 4. Planner and consumers.
         c = cfg.consumer
 
-        async def load_slice(core: int, first: int, last: int) -> list[Record]:
+        async def load_slice(core: int, first: int, last: int) -> list[RecordBatch]:
             return await read_range(
                 self.wal,
                 core,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections.abc import Callable
 from dataclasses import replace
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from daemon.config import (
 )
 from daemon.errors import ExecutorError
 from daemon.metrics import Metrics
+from wal.reader import RecordBatch
 from wal.record import Record
 
 
@@ -117,3 +120,9 @@ def make_config(tmp_path: Path) -> MakeConfig:
 
 def rec(lsn: int, core: int = 0, seq: int | None = None, payload: bytes = b"x") -> Record:
     return Record(lsn, core, lsn if seq is None else seq, payload)
+
+
+def columnar(lsns: list[int], core: int = 0, payload: bytes = b"x") -> RecordBatch:
+    """A WAL-style columnar batch of ``lsns`` (sequence = LSN), same payload each."""
+    offsets = array("Q", accumulate([len(payload)] * len(lsns), initial=0))
+    return RecordBatch(core, array("Q", lsns), lsns[0] if lsns else 1, offsets, payload * len(lsns))

@@ -402,7 +402,7 @@ async def test_replay_errors_are_retried_then_stop_the_daemon_with_a_clear_error
 ) -> None:
     h = make_harness(cores=1, replay_retries=3)
     await h.feed([(0, b"x")])
-    failing = mock.patch.object(h.wal, "read", side_effect=WalReadError("EIO on segment 1"))
+    failing = mock.patch.object(h.wal, "read_batches", side_effect=WalReadError("EIO on segment 1"))
     with failing, merged_logs() as logs:
         await h.plane.start()
         error = await asyncio.wait_for(h.plane.wait_failed(), 5)
@@ -420,7 +420,7 @@ async def test_replay_error_that_clears_within_the_retries_loses_nothing(
 ) -> None:
     h = make_harness(cores=1, replay_retries=3)
     await h.feed([(0, b"x"), (0, b"y")])
-    real = h.wal.read
+    real = h.wal.read_batches
     effects = [WalReadError("transient"), WalReadError("transient")]
 
     def flaky(*args: Any, **kwargs: Any) -> Any:
@@ -428,7 +428,7 @@ async def test_replay_error_that_clears_within_the_retries_loses_nothing(
             raise effects.pop(0)
         return real(*args, **kwargs)
 
-    with mock.patch.object(h.wal, "read", side_effect=flaky):
+    with mock.patch.object(h.wal, "read_batches", side_effect=flaky):
         await h.plane.start()
         await h.executor.wait_rows(2)
     assert h.plane.failure is None
@@ -513,7 +513,8 @@ async def test_status_shows_catchup_progress_while_replaying(
 ) -> None:
     h = make_harness(cores=1, pending_max_bytes=2048)
     h.executor.is_ready = False  # catch-up stalls on the pending budget
-    await h.feed([(0, b"z" * 100)] * 50)
+    for _ in range(50):  # one WAL frame each: replay reads them one by one
+        await h.feed([(0, b"z" * 100)])
     await h.plane.start()
 
     def catchup() -> Any:

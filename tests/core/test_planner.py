@@ -13,7 +13,7 @@ from daemon.config import MicrobatchConfig
 from daemon.metrics import Metrics
 from daemon.planner import RECORD_OVERHEAD_BYTES, PlanLog, PlanMismatchError, Planner, Ranges
 from daemon.watermarks import Watermarks, WatermarkSnapshot
-from tests.core.conftest import RecordingExecutor, rec
+from tests.core.conftest import RecordingExecutor, columnar, rec
 from wal.record import Record
 
 
@@ -33,8 +33,8 @@ def make_planner(
     wm = Watermarks(persisted or WatermarkSnapshot("wal-t", cores, 0, (0,) * cores), metrics)
     stored = wal or []
 
-    async def load_slice(core: int, first: int, last: int) -> list[Record]:
-        return [r for r in stored if r.core == core and first <= r.lsn <= last]
+    async def load_slice(core: int, first: int, last: int) -> list[list[Record]]:
+        return [[r for r in stored if r.core == core and first <= r.lsn <= last]]
 
     planner = Planner(
         cores=cores,
@@ -223,3 +223,25 @@ async def test_rerun_refuses_a_wal_that_does_not_match_the_plan(
     ):
         await second.run()
     log2.close()
+
+
+async def test_slices_split_wal_batches_exactly_at_the_row_limit(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, catchup_max_rows=4)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg)
+    planner.set_catching_up(0, True)
+    planner.add(0, columnar([1, 2, 3]))
+    planner.add(0, columnar([4, 5, 6]))
+    planner.add(0, [rec(7, seq=7)])
+
+    first = await planner.run_once()
+    second = await planner.run_once()
+
+    assert first is not None and second is not None
+    assert first.ranges() == {0: (1, 4)} and first.rows == 4
+    assert second.ranges() == {0: (5, 7)} and second.rows == 3
+    assert [r.lsn for r in [*first.slices[0].records, *second.slices[0].records]] == list(
+        range(1, 8)
+    )
+    assert planner.pending_rows(0) == 0 and planner.pending_bytes(0) == 0
