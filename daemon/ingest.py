@@ -33,13 +33,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, Protocol
+from zlib import crc32
 
 import msgspec
 import structlog
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
-from crc32c import crc32c
 
 from daemon.config import OPS, Config
 from daemon.errors import DaemonError
@@ -810,7 +810,9 @@ class IngestServer:
                 seed = seeds[collection] = collection_seed(collection)
                 if len(seeds) > 4096:  # a producer inventing collections: bound the cache
                     seeds.clear()
-            core = (crc32c(key.encode("utf-8", "surrogatepass"), seed) * cores) >> 32
+            # daemon.shard.core_of, inlined; JSON strings never hold lone surrogates,
+            # so plain encode() gives the same bytes as core_of's surrogatepass.
+            core = (crc32(key.encode(), seed) * cores) >> 32
             append((core, payload))
         return items
 

@@ -1,0 +1,437 @@
+"""HTTP ingest benchmark: eventplane's ingest against peers behind the same HTTP, same run.
+
+Every server runs in its own subprocess (so the client's CPU is not counted)
+on loopback, with fsync on, and gets the same NDJSON bodies: 1000 events of
+about 150 bytes each, ``--clients`` concurrent producers.
+
+Servers:
+
+- ``eventplane``: :class:`daemon.ingest.IngestServer` + :class:`wal.Wal`
+  (fsync "always"): validate whole, shard, encode, one append per request,
+  group commit, ack after fdatasync.
+- ``fsync``: the floor. A bare aiohttp handler that appends the body to a file
+  and fdatasyncs it per request: no parsing, no validation, no group commit.
+- ``sqlite``: the usual alternative. aiohttp, ``json.loads`` per line, one
+  SQLite transaction per request (WAL journal, ``synchronous=FULL``).
+
+Measured per server:
+
+1. throughput: closed loop, each client posts its next request as soon as the
+   previous one is acknowledged; events/s over ``--duration`` after warm-up;
+2. ack latency p50/p99 in an open loop at half that server's throughput
+   (requests are scheduled at fixed times and latency counts from the
+   scheduled time, so a stall cannot hide queued requests);
+3. server CPU-µs per event (user + system, all threads, from /proc/<pid>/stat)
+   over the throughput run.
+
+Run: ``python -m bench.bench_ingest`` (``--duration 3`` for a quick look).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+PEERS = ("eventplane", "fsync", "sqlite")
+TARGET_EVENTS_PER_S = 250_000  # issue 3, section 7
+TARGET_P99_MS = 25.0
+
+
+# -- the servers (subprocess side) --------------------------------------------------
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _serve_eventplane(directory: Path, port_file: Path, cores: int) -> None:
+    from daemon.config import Config, DaemonConfig, IngestConfig, Listen
+    from daemon.ingest import IngestServer
+    from daemon.metrics import Metrics
+    from wal import Wal
+
+    wal = await asyncio.to_thread(
+        Wal.open,
+        directory / "wal",
+        segment_bytes=64 * MiB,
+        fsync="always",
+        fsync_interval_ms=100,
+        max_group_bytes=8 * MiB,
+    )
+    cfg = Config(
+        daemon=DaemonConfig(data_dir=directory, cores=cores),
+        ingest=IngestConfig(listen=Listen("127.0.0.1", 0), max_lag_events=1 << 62),
+    )
+    server = IngestServer(cfg, wal, Metrics(), lag=lambda: 0)
+    await server.start()
+    await asyncio.to_thread(port_file.write_text, str(server.port))
+    await _wait_for_signal()
+    await server.stop(5.0)
+    await wal.aclose()
+
+
+def _fsync_write(fd: int, body: bytes) -> None:
+    os.write(fd, body)
+    os.fdatasync(fd)
+
+
+async def _serve_fsync(directory: Path, port_file: Path) -> None:
+    from aiohttp import web
+
+    fd = os.open(directory / "events.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        await asyncio.to_thread(_fsync_write, fd, body)
+        return web.json_response({"accepted": body.count(b"\n")})
+
+    await _run_app(web, handle, port_file)
+    os.close(fd)
+
+
+async def _serve_sqlite(directory: Path, port_file: Path) -> None:
+    from aiohttp import web
+
+    db = sqlite3.connect(directory / "events.db", check_same_thread=False, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute(
+        "CREATE TABLE events (lsn INTEGER PRIMARY KEY, collection TEXT, op TEXT, key TEXT, "
+        "new TEXT, old TEXT, ingest_ts_ns INTEGER)"
+    )
+    lock = threading.Lock()
+
+    def store(rows: list[tuple[Any, ...]]) -> tuple[int, int]:
+        with lock:
+            db.execute("BEGIN")
+            cur = db.executemany(
+                "INSERT INTO events (collection, op, key, new, old, ingest_ts_ns) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            last = db.execute("SELECT last_insert_rowid()").fetchone()[0]
+            db.execute("COMMIT")
+            return last - cur.rowcount + 1, last
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        ts = time.time_ns()
+        rows = []
+        for line in body.splitlines():
+            if line.strip():
+                e = json.loads(line)
+                new, old = e.get("new"), e.get("old")
+                rows.append(
+                    (
+                        e["collection"],
+                        e["op"],
+                        e["key"],
+                        None if new is None else json.dumps(new),
+                        None if old is None else json.dumps(old),
+                        ts,
+                    )
+                )
+        first, last = await asyncio.to_thread(store, rows)
+        return web.json_response({"accepted": len(rows), "first_lsn": first, "last_lsn": last})
+
+    await _run_app(web, handle, port_file)
+    db.close()
+
+
+async def _run_app(web: Any, handle: Any, port_file: Path) -> None:
+    app = web.Application(client_max_size=64 * MiB)
+    app.router.add_post("/v1/events", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    await asyncio.to_thread(port_file.write_text, str(site.port))
+    await _wait_for_signal()
+    await runner.cleanup()
+
+
+def serve(kind: str, directory: Path, port_file: Path, cores: int) -> int:
+    import uvloop
+
+    from daemon import logs
+
+    logs.configure("warning", "console")
+    if kind == "eventplane":
+        coro = _serve_eventplane(directory, port_file, cores)
+    elif kind == "fsync":
+        coro = _serve_fsync(directory, port_file)
+    else:
+        coro = _serve_sqlite(directory, port_file)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(coro)
+    return 0
+
+
+# -- the client (benchmark side) -----------------------------------------------------
+
+
+def make_bodies(count: int, per_request: int, seed: int = 7) -> list[bytes]:
+    """Deterministic CDC-like events of about 150 bytes as NDJSON request bodies."""
+    rng = random.Random(seed)
+    collections = ["orders", "customers", "payments", "shipments"]
+    bodies = []
+    n = 0
+    for _ in range(count):
+        lines = []
+        for _ in range(per_request):
+            e = {
+                "collection": collections[n % 4],
+                "op": "update",
+                "key": f"k{rng.randrange(1_000_000):07d}",
+                "new": {"amount": round(rng.random() * 1000, 2), "status": "paid", "n": n},
+                "old": {"status": "open"},
+            }
+            lines.append(json.dumps(e, separators=(",", ":")))
+            n += 1
+        bodies.append(("\n".join(lines) + "\n").encode())
+    return bodies
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Result:
+    peer: str
+    events_per_s: float = 0.0
+    cpu_us_per_event: float = 0.0
+    latency_rate: float = 0.0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    achieved_rate: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+class Server:
+    def __init__(self, kind: str, workdir: Path, cores: int) -> None:
+        self.kind = kind
+        self.dir = workdir / kind
+        self.dir.mkdir(parents=True)
+        port_file = self.dir / "port"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.bench_ingest", "--serve", kind, "--dir", str(self.dir),
+             "--port-file", str(port_file), "--cores", str(cores)],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{kind} server did not start (exit {self.proc.poll()})")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{int(port_file.read_text())}/v1/events"
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def _post(session: Any, url: str, body: bytes) -> int:
+    async with session.post(
+        url, data=body, headers={"Content-Type": "application/x-ndjson"}
+    ) as resp:
+        payload = await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {payload[:300]!r}")
+        return int(json.loads(payload)["accepted"])
+
+
+async def closed_loop(
+    server: Server, bodies: list[bytes], clients: int, warmup_s: float, duration_s: float
+) -> tuple[float, float]:
+    """(events/s, server CPU-µs per event) with ``clients`` back-to-back producers."""
+    import aiohttp
+
+    counted = {"events": 0}
+    measuring = asyncio.Event()
+    stop_at = time.monotonic() + warmup_s + duration_s
+
+    async def producer(i: int) -> None:
+        async with aiohttp.ClientSession() as session:
+            k = i
+            while time.monotonic() < stop_at:
+                n = await _post(session, server.url, bodies[k % len(bodies)])
+                k += clients
+                if measuring.is_set():
+                    counted["events"] += n
+
+    tasks = [asyncio.create_task(producer(i)) for i in range(clients)]
+    await asyncio.sleep(warmup_s)
+    cpu0, t0 = cpu_seconds(server.proc.pid), time.monotonic()
+    measuring.set()
+    await asyncio.gather(*tasks)
+    cpu1, t1 = cpu_seconds(server.proc.pid), time.monotonic()
+    events = counted["events"]
+    return events / (t1 - t0), (cpu1 - cpu0) * 1e6 / max(events, 1)
+
+
+async def open_loop(
+    server: Server, bodies: list[bytes], clients: int, rate: float, duration_s: float
+) -> tuple[float, float, float]:
+    """(p50 ms, p99 ms, achieved events/s) at ``rate`` events/s, latency from schedule."""
+    import aiohttp
+
+    per_request = bodies[0].count(b"\n")
+    interval = clients * per_request / rate  # each client's gap between requests
+    latencies: list[float] = []
+    done = {"events": 0}
+    start = time.monotonic() + 0.2
+
+    async def producer(i: int) -> None:
+        async with aiohttp.ClientSession() as session:
+            k = 0
+            while True:
+                due = start + (i / clients) * interval + k * interval
+                if due - start > duration_s:
+                    return
+                delay = due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                done["events"] += await _post(session, server.url, bodies[(i + k) % len(bodies)])
+                latencies.append(time.monotonic() - due)
+                k += 1
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(producer(i) for i in range(clients)))
+    elapsed = time.monotonic() - t0
+    latencies.sort()
+    if not latencies:
+        raise RuntimeError("no request completed in the latency run")
+    p50 = latencies[len(latencies) // 2] * 1e3
+    p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3
+    return p50, p99, done["events"] / elapsed
+
+
+async def run_peer(kind: str, args: argparse.Namespace, workdir: Path) -> Result:
+    result = Result(kind)
+    bodies = make_bodies(64, args.batch)
+    server = Server(kind, workdir, args.cores)
+    try:
+        eps, cpu = await closed_loop(server, bodies, args.clients, args.warmup, args.duration)
+        result.events_per_s, result.cpu_us_per_event = eps, cpu
+        result.latency_rate = eps / 2
+        p50, p99, achieved = await open_loop(
+            server, bodies, args.clients, result.latency_rate, args.duration
+        )
+        result.p50_ms, result.p99_ms, result.achieved_rate = p50, p99, achieved
+    except Exception as exc:  # a peer that fails is reported, not fatal to the others
+        result.errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        server.stop()
+    return result
+
+
+LABELS = {
+    "eventplane": "eventplane ingest + WAL",
+    "fsync": "aiohttp + fdatasync/request",
+    "sqlite": "aiohttp + SQLite (FULL)",
+}
+
+
+def render(results: list[Result], args: argparse.Namespace) -> str:
+    lines = [
+        f"HTTP ingest, fsync on, {args.batch} events/request, {args.clients} clients, "
+        f"{args.duration:g} s per run, {os.cpu_count()} CPUs (client and server share them)",
+        f"load average before the run: {args.load_before}",
+        "latency: open loop at half each server's events/s; p50/p99 from the scheduled send",
+        "",
+        f"{'server':<30} {'events/s':>10} {'CPU µs/ev':>10} "
+        f"{'offered/s':>10} {'achieved/s':>10} {'p50 ms':>8} {'p99 ms':>8}",
+        f"{'-' * 30} {'-' * 10} {'-' * 10} {'-' * 10} {'-' * 10} {'-' * 8} {'-' * 8}",
+    ]
+    for r in results:
+        if r.errors:
+            lines.append(f"{LABELS[r.peer]:<30} failed: {'; '.join(r.errors)}")
+            continue
+        lines.append(
+            f"{LABELS[r.peer]:<30} {r.events_per_s:>10,.0f} {r.cpu_us_per_event:>10.2f} "
+            f"{r.latency_rate:>10,.0f} {r.achieved_rate:>10,.0f} {r.p50_ms:>8.2f} {r.p99_ms:>8.2f}"
+        )
+    ours = next((r for r in results if r.peer == "eventplane" and not r.errors), None)
+    if ours is not None:
+        lines.append("")
+        for r in results:
+            if r.peer != "eventplane" and not r.errors and r.events_per_s:
+                lines.append(
+                    f"eventplane vs {LABELS[r.peer]}: {ours.events_per_s / r.events_per_s:.2f}x "
+                    f"events/s, {ours.cpu_us_per_event / max(r.cpu_us_per_event, 1e-9):.2f}x "
+                    "CPU per event"
+                )
+        ok_rate = "met" if ours.events_per_s >= TARGET_EVENTS_PER_S else "MISSED"
+        ok_p99 = "met" if ours.p99_ms <= TARGET_P99_MS else "MISSED"
+        lines.append(
+            f"targets: >= {TARGET_EVENTS_PER_S:,} events/s ({ok_rate}); "
+            f"p99 <= {TARGET_P99_MS:g} ms at half rate ({ok_p99})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=1000, help="events per request")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--cores", type=int, default=4, help="daemon.cores for eventplane")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--serve", choices=PEERS, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        return serve(args.serve, args.dir, args.port_file, args.cores)
+
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        parser.error(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
+    args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-ingest-", dir=os.environ.get("BENCH_DIR")) as d:
+        for peer in peers:
+            print(f"running {peer} ...", file=sys.stderr, flush=True)
+            results.append(asyncio.run(run_peer(peer, args, Path(d))))
+    print(render(results, args))
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    return 1 if any(r.errors for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
