@@ -461,6 +461,10 @@ class Wal:
 
     def append_blocking(self, items: Sequence[tuple[int, bytes]]) -> tuple[int, int]:
         """:meth:`append` for threads without an event loop (tools, subprocess tests)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                "append_blocking() from the listener on the writer thread would deadlock"
+            )
         with contextlib.suppress(RuntimeError):
             if asyncio.get_running_loop() is self._loop and self._listener is not None:
                 raise RuntimeError("append_blocking() on the listener's loop would deadlock")

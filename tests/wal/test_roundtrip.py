@@ -7,6 +7,7 @@ import asyncio
 import os
 import threading
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -265,3 +266,34 @@ def test_closing_a_read_releases_its_segment_file(open_wal: OpenWal) -> None:
     assert next(batches).core == 2
     batches.close()
     assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+async def test_interval_mode_acks_before_fsync_and_syncs_within_the_interval(
+    open_wal: OpenWal,
+) -> None:
+    wal = open_wal(fsync="interval", fsync_interval_ms=50)
+    with mock.patch.object(os, "fdatasync", wraps=os.fdatasync) as synced:
+        for k in range(20):
+            await wal.append(events(2, tag=str(k)))
+        assert synced.call_count < 20  # not one per group
+        for _ in range(100):
+            if synced.call_count:
+                break
+            await asyncio.sleep(0.01)
+        assert synced.call_count >= 1  # the writer synced on its own within the interval
+
+
+async def test_max_group_bytes_bounds_a_group_but_never_splits_an_append(
+    open_wal: OpenWal,
+) -> None:
+    wal = open_wal(max_group_bytes=2000)
+    groups: list[int] = []
+    wal.on_group = lambda n, size, seconds: groups.append(n)
+    big = [(0, b"x" * 100)] * 50  # 5400 bytes: more than a group, still one frame
+    results = await asyncio.gather(
+        wal.append(big), *(wal.append([(1, b"y" * 100)] * 5) for _ in range(20))
+    )
+    assert results[0] == (1, 50) or results[0][1] - results[0][0] == 49
+    assert 50 in groups
+    assert max(g for g in groups if g != 50) * 108 <= 2000 + 5 * 108
+    assert [r.lsn for r in wal.read(1)] == list(range(1, 151))
