@@ -9,6 +9,9 @@ Servers:
 - ``eventplane``: :class:`daemon.ingest.IngestServer` + :class:`wal.Wal`
   (fsync "always"): validate whole, shard, encode, one append per request,
   group commit, ack after fdatasync.
+- ``daemon``: the whole daemon, ``eventplane run``: the same ingest and WAL,
+  plus rings, per-core consumers, micro-batch planning and watermarks (no
+  CDC stream or trigger configured, so batches commit at once, without Spark).
 - ``fsync``: the floor. A bare aiohttp handler that appends the body to a file
   and fdatasyncs it per request: no parsing, no validation, no group commit.
 - ``sqlite``: the usual alternative. aiohttp, ``json.loads`` per line, one
@@ -47,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 MiB = 1 << 20
-PEERS = ("eventplane", "fsync", "sqlite")
+PEERS = ("eventplane", "daemon", "fsync", "sqlite")
 TARGET_EVENTS_PER_S = 250_000  # issue 3, section 7
 TARGET_P99_MS = 25.0
 
@@ -232,11 +235,22 @@ class Result:
     errors: list[str] = field(default_factory=list)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class Server:
     def __init__(self, kind: str, workdir: Path, cores: int) -> None:
         self.kind = kind
         self.dir = workdir / kind
         self.dir.mkdir(parents=True)
+        if kind == "daemon":
+            self._start_daemon(cores)
+            return
         port_file = self.dir / "port"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.bench_ingest", "--serve", kind, "--dir", str(self.dir),
@@ -249,6 +263,33 @@ class Server:
                 raise RuntimeError(f"{kind} server did not start (exit {self.proc.poll()})")
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{int(port_file.read_text())}/v1/events"
+
+    def _start_daemon(self, cores: int) -> None:
+        import urllib.error
+        import urllib.request
+
+        ingest, admin = _free_port(), _free_port()
+        config = self.dir / "config.toml"
+        config.write_text(
+            f'[daemon]\ndata_dir = "data"\ncores = {cores}\n'
+            f'[ingest]\nlisten = "127.0.0.1:{ingest}"\n'
+            f'[admin]\nlisten = "127.0.0.1:{admin}"\n'
+            '[log]\nlevel = "warning"\nformat = "json"\n'
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "run", "--config", str(config)],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"eventplane run did not get ready (exit {self.proc.poll()})")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=1):
+                    break
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.1)
+        self.url = f"http://127.0.0.1:{ingest}/v1/events"
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -356,6 +397,7 @@ async def run_peer(kind: str, args: argparse.Namespace, workdir: Path) -> Result
 
 LABELS = {
     "eventplane": "eventplane ingest + WAL",
+    "daemon": "eventplane run (whole daemon)",
     "fsync": "aiohttp + fdatasync/request",
     "sqlite": "aiohttp + SQLite (FULL)",
 }
@@ -384,7 +426,7 @@ def render(results: list[Result], args: argparse.Namespace) -> str:
     if ours is not None:
         lines.append("")
         for r in results:
-            if r.peer != "eventplane" and not r.errors and r.events_per_s:
+            if r.peer not in ("eventplane", "daemon") and not r.errors and r.events_per_s:
                 lines.append(
                     f"eventplane vs {LABELS[r.peer]}: {ours.events_per_s / r.events_per_s:.2f}x "
                     f"events/s, {ours.cpu_us_per_event / max(r.cpu_us_per_event, 1e-9):.2f}x "
@@ -422,9 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-ingest-", dir=os.environ.get("BENCH_DIR")) as d:
+        import uvloop
+
         for peer in peers:
             print(f"running {peer} ...", file=sys.stderr, flush=True)
-            results.append(asyncio.run(run_peer(peer, args, Path(d))))
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                results.append(runner.run(run_peer(peer, args, Path(d))))
     print(render(results, args))
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
