@@ -28,16 +28,17 @@ get a canned 503 and are closed. ``docs/ingest.md`` is the user-facing page.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, cast
 from zlib import crc32
 
 import msgspec
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -368,7 +369,8 @@ class _Refuse(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's TCPTransport is not an asyncio.Transport subclass: cast, do not check.
+        transport = cast(asyncio.Transport, transport)
         self._transport = transport
         if self._response is None:  # even the refusals are over the cap
             transport.abort()
@@ -457,11 +459,13 @@ class IngestServer:
         )
         await runner.setup()
         server = runner.server
-        assert server is not None
+        if server is None:  # aiohttp sets it in setup(); a None here is an aiohttp change
+            raise DaemonError("ingest: aiohttp's AppRunner.setup() left no server")
         self._runner = runner
         listen = self._cfg.listen
         backlog = min(max(128, self._cfg.max_connections), 4096)
-        self._site = _CappedSite(runner, listen.host, listen.port, self._make_protocol, backlog)
+        factory = functools.partial(self._make_protocol, server)
+        self._site = _CappedSite(runner, listen.host, listen.port, factory, backlog)
         await self._site.start()
         self._metrics.ingest_connections.set_function(lambda: float(len(server.connections)))
         log.info("ingest.listening", url=self.url, cores=self._cores)
@@ -508,9 +512,8 @@ class IngestServer:
         self._metrics.ingest_connections.set_function(lambda: 0.0)
         log.info("ingest.stopped")
 
-    def _make_protocol(self) -> asyncio.BaseProtocol:
-        assert self._runner is not None and self._runner.server is not None
-        server = self._runner.server
+    def _make_protocol(self, server: web.Server) -> asyncio.BaseProtocol:
+        """Called by the listening socket per accepted connection."""
         cap = self._cfg.max_connections
         if len(server.connections) < cap:
             return server()
@@ -618,8 +621,10 @@ class IngestServer:
             # Step 1. Admission.
             ndjson = self._admit(request)
             # Step 2. Read the body within the deadline and the memory budget.
+            # A compressed body's Content-Length says nothing of its decoded size.
             need = request.content_length
-            need = self._max_body if need is None else need
+            if need is None or hdrs.CONTENT_ENCODING in request.headers:
+                need = self._max_body
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self._cfg.body_timeout_s
             try:
@@ -693,14 +698,16 @@ class IngestServer:
         )
 
     async def _read_body(self, request: web.BaseRequest) -> bytes:
-        """Step 2. Chunks until EOF; never holds more than ``max_body_bytes`` + one chunk."""
+        """Step 2. Chunks until EOF; never takes more than ``max_body_bytes`` + 1 bytes."""
         content = request.content
         limit = self._max_body
         chunks: list[bytes] = []
         total = 0
         try:
             while True:
-                chunk = await content.readany()
+                # Whatever is buffered, but never past limit + 1: the extra byte
+                # tells "exactly at the limit" from "over it".
+                chunk = await content.read(limit - total + 1)
                 if not chunk:
                     break
                 total += len(chunk)

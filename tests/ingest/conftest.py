@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import msgspec
 import pytest
+import uvloop
 
 from daemon.admin import AdminServer
 from daemon.config import AdminConfig, Config, DaemonConfig, IngestConfig, Listen
@@ -20,6 +21,13 @@ from daemon.metrics import Metrics
 from wal import Wal
 
 MiB = 1 << 20
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Ingest runs on uvloop in the daemon, so its tests do too (its transports differ)."""
+    return {"uvloop": uvloop.new_event_loop}
+
+
 NDJSON = {"Content-Type": "application/x-ndjson"}
 JSON = {"Content-Type": "application/json"}
 
