@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import os
 import threading
 import time
@@ -38,8 +37,16 @@ from wal.errors import (
     WalClosedError,
     WalCorruptionError,
     WalFatalError,
-    WalLockedError,
     WalReadError,
+)
+from wal.files import (
+    IDENTITY,
+    create_segment,
+    cut_torn_tail,
+    fsync_dir,
+    lock_directory,
+    read_identity,
+    write_identity,
 )
 from wal.format import (
     FRAME_CRC_OFFSET,
@@ -50,12 +57,10 @@ from wal.format import (
     SEGMENT_HEADER_SIZE,
     crc32c,
     encode_frame,
-    encode_segment_header,
-    segment_name,
 )
 from wal.reader import ReadBuf, RecordBatch, frame_batches, frame_records, segment_frames
 from wal.record import Record
-from wal.segments import Damage, Segment, scan, segment_files
+from wal.segments import Segment, scan, segment_files
 
 
 def _log() -> Any:
@@ -68,122 +73,11 @@ MiB: Final = 1024 * 1024
 FsyncMode = Literal["always", "interval", "never"]
 Listener = Callable[[list[Record]], None]
 GroupObserver = Callable[[int, int, float], None]
-IDENTITY: Final = "IDENTITY"
-LOCK: Final = "LOCK"
 MIN_SEGMENT_BYTES: Final = 4096  # tests rotate tiny segments; the config asks for >= 1 MiB
 _PER_EVENT_BYTES: Final = 8  # one u32 LSN delta + one u32 length per event
 _core_of = itemgetter(0)
 _payload_of = itemgetter(1)
 T = TypeVar("T")
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a create, rename or unlink in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def lock_directory(directory: Path) -> int:
-    """Exclusive advisory lock on ``directory/LOCK``; released with the fd or the process."""
-    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise WalLockedError(
-                f"{directory} is in use by another process or Wal (lock on {directory / LOCK}); "
-                "stop the daemon before opening or repairing this WAL"
-            ) from exc
-        raise
-    return fd
-
-
-def read_identity(directory: Path) -> bytes | None:
-    """The wal_id in ``IDENTITY`` (16 bytes) or None when there is no IDENTITY file."""
-    path = directory / IDENTITY
-    try:
-        text = path.read_text(encoding="ascii").strip()
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WalCorruptionError(
-            f"cannot read IDENTITY: {exc}", segment=IDENTITY, offset=0
-        ) from exc
-    try:
-        return uuid.UUID(hex=text).bytes
-    except ValueError as exc:
-        raise WalCorruptionError(
-            f"IDENTITY does not hold a WAL id (32 hex digits): {text[:40]!r}",
-            segment=IDENTITY,
-            offset=0,
-        ) from exc
-
-
-def save_aside(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``<path>.broken`` (``.broken.2``, ... if taken), fsynced."""
-    target = path.with_name(path.name + ".broken")
-    n = 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}.broken.{n}")
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return target
-
-
-def cut_torn_tail(directory: Path, damage: Damage) -> Path:
-    """Recovery: move the torn bytes aside, truncate the segment, sync; returns the .broken file."""
-    path = damage.path
-    if damage.whole_file:  # torn creation: the file holds a partial header and nothing else
-        target = save_aside(path, path.read_bytes())
-        path.unlink()
-    else:
-        with path.open("rb") as f:
-            f.seek(damage.offset)
-            cut = f.read()
-        target = save_aside(path, cut)
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.ftruncate(fd, damage.offset)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fsync_dir(directory)
-    _log().warning(
-        "wal.torn_tail_cut",
-        segment=damage.segment,
-        offset=damage.offset,
-        bytes=damage.file_size - damage.offset,
-        next_lsn=damage.next_lsn,
-        reason=damage.reason,
-        saved_as=target.name,
-    )
-    return target
-
-
-def create_segment(directory: Path, wal_id: bytes, number: int, first_lsn: int) -> Segment:
-    """Create a segment holding only its header; file and directory fsynced before return."""
-    path = directory / segment_name(first_lsn)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        header = encode_segment_header(wal_id, number, first_lsn)
-        if os.write(fd, header) != len(header):
-            raise OSError(errno.EIO, f"short write of the segment header of {path.name}")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(directory)
-    return Segment(path=path, number=number, first_lsn=first_lsn, sealed=False)
 
 
 class _Waiter:
@@ -356,15 +250,7 @@ class Wal:
             path.unlink()
         wal_id = uuid.uuid4().bytes
         create_segment(directory, wal_id, 1, 1)
-        tmp = directory / (IDENTITY + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, (wal_id.hex() + "\n").encode("ascii"))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, directory / IDENTITY)
-        fsync_dir(directory)
+        write_identity(directory, wal_id)
         _log().info("wal.created", directory=str(directory), wal_id=wal_id.hex())
         return wal_id
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TextIO
 
 from wal.errors import WalError, WalLockedError
+from wal.files import fsync_dir, lock_directory, read_identity, save_aside
 from wal.format import SEGMENT_HEADER_SIZE, parse_segment_header
-from wal.log import fsync_dir, lock_directory, read_identity, save_aside
 from wal.segments import Damage, Scan, last_lsn_beyond, scan
 
 EXIT_OK = 0
