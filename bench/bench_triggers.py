@@ -1,0 +1,398 @@
+"""Trigger benchmark: the engine's stage against a hand-written peer, same run.
+
+Both sides get the same batch DataFrames, built the way the Spark executor
+builds them (Arrow table -> ``createDataFrame`` -> ``parse_json`` for VARIANT),
+and deliver to the same loopback aiohttp receiver (its own thread and event
+loop, answering 200 at once), in chunks of ``--batch-size`` rows:
+
+- engine: ``TriggerEngine.run_in_spark`` (worker thread) then ``finish`` on the
+  loop, exactly the BatchStage protocol the executor drives; one Spark job for
+  all triggers, rows rendered to JSON by Spark and collected through Arrow;
+- peer: what one writes by hand: per trigger, ``df.filter(expr)`` selecting
+  ``to_json(new/old)``, ``collect()`` to Row objects, rows to dicts with
+  ``json.loads``, ``json.dumps`` of each chunk, ``aiohttp`` POST per chunk.
+
+Measured per side:
+
+- matched rows/s and batch events/s through the stage (first batch is warm-up);
+- webhook call latency p50/p99 (one POST round trip, as the receiver sees it);
+- batch start -> row received p50/p99: from the moment the stage gets the
+  DataFrame to the receiver holding the row (the trigger part of the
+  ingest -> webhook latency; the daemon adds WAL + planning + interval).
+
+Run: ``python -m bench.bench_triggers`` (``--events 20000 --batches 2`` for a
+quick run; ``--triggers 4`` splits the matches over four triggers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+THRESHOLD = 1000.0  # amounts are uniform in [0, top); those above THRESHOLD match
+
+
+@dataclass
+class Received:
+    """What the receiver saw: per request, its receive time, rows and POST duration."""
+
+    times: list[float] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+
+
+class Receiver:
+    """aiohttp on loopback in its own thread and loop, so it does not share the
+    sender's event loop (it still shares the GIL, as a local receiver would)."""
+
+    def __init__(self) -> None:
+        self.got = Received()
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-receiver", daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._serve())
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _serve(self) -> None:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/hook", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}/hook"
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        now = time.perf_counter()
+        rows = len(msgspec.json.decode(body)["rows"])
+        self.got.times.append(now)
+        self.got.rows.append(rows)
+        return web.Response(text="ok")
+
+    def reset(self) -> Received:
+        got, self.got = self.got, Received()
+        return got
+
+    def stop(self) -> None:
+        async def cleanup() -> None:
+            if self._runner is not None:
+                await self._runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+# --------------------------------------------------------------------------
+# Data
+
+
+def make_table(events: int, match: float, first_lsn: int, seed: int) -> Any:
+    """An Arrow table shaped like the executor's ``batch_table`` output."""
+    import pyarrow as pa
+
+    rng = random.Random(seed)
+    top = THRESHOLD / (1.0 - match)  # P(amount > THRESHOLD) = match
+    lsns = list(range(first_lsn, first_lsn + events))
+    news = [
+        json.dumps({"amount": round(rng.random() * top, 2), "customer": f"c{rng.randrange(10_000)}",
+                    "items": rng.randrange(1, 9), "note": "x" * 40})
+        for _ in lsns
+    ]  # fmt: skip
+    ts = time.time_ns() // 1000
+    return pa.table(
+        {
+            "lsn": pa.array(lsns, pa.int64()),
+            "core": pa.array([n % 4 for n in lsns], pa.int32()),
+            "seq": pa.array(lsns, pa.int64()),
+            "collection": pa.array(["orders"] * events, pa.string()),
+            "op": pa.array(["insert" if n % 3 else "update" for n in lsns], pa.string()),
+            "key": pa.array([f"o{n % 50_000}" for n in lsns], pa.string()),
+            "new_json": pa.array(news, pa.string()),
+            "old_json": pa.array([None] * events, pa.string()),
+            "ingest_ts": pa.array([ts] * events, pa.timestamp("us", tz="UTC")),
+            "depth": pa.array([0] * events, pa.int32()),
+            "source": pa.array([""] * events, pa.string()),
+        }
+    )
+
+
+def when_for(i: int, triggers: int) -> str:
+    """Trigger i of n matches amounts in its slice of (THRESHOLD, top)."""
+    if triggers == 1:
+        return f"new:amount::double > {THRESHOLD:g}"
+    # Split by LSN so each trigger gets an equal share of the matches.
+    return f"new:amount::double > {THRESHOLD:g} AND lsn % {triggers} = {i}"
+
+
+# --------------------------------------------------------------------------
+# The two sides
+
+
+@dataclass
+class Run:
+    seconds: float = 0.0
+    events: int = 0
+    matched: int = 0
+    starts: list[float] = field(default_factory=list)
+    calls: list[float] = field(default_factory=list)  # webhook call durations, s
+
+
+class _Recorder:
+    """TriggerMetrics that keeps exact action latencies (the histogram's buckets are coarse)."""
+
+    def __init__(self, sink: list[float]) -> None:
+        self._sink = sink
+
+    def labels(self, *values: str) -> _Recorder:
+        return self
+
+    def observe(self, amount: float) -> None:
+        self._sink.append(amount)
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+
+class RecordingMetrics:
+    def __init__(self, calls: list[float]) -> None:
+        nothing = _Recorder([])
+        self.trigger_fires = self.trigger_successes = self.trigger_failures = nothing
+        self.retry_depth = self.dlq_entries = self.dlq_evicted = nothing
+        self.trigger_action_latency = _Recorder(calls)
+
+
+async def run_engine(
+    spark: Any,
+    frames: Sequence[Any],
+    url: str,
+    triggers: int,
+    batch_size: int,
+    warmup: int,
+    data_dir: Path,
+) -> Run:
+    from daemon.batch import MicroBatch
+    from triggers import Spec, TriggerEngine
+
+    specs = [
+        Spec(name=f"t{i}", collection="orders", on=("insert", "update"),
+             when=when_for(i, triggers), batch_size=batch_size,
+             action={"type": "webhook", "url": url})
+        for i in range(triggers)
+    ]  # fmt: skip
+    run = Run()
+    warm_calls: list[float] = []
+    async with aiohttp.ClientSession() as http:
+        engine = TriggerEngine(
+            specs, data_dir=data_dir, http=http, metrics=RecordingMetrics(warm_calls)
+        )
+        errors = await asyncio.to_thread(engine.validate, spark)
+        if errors:
+            raise SystemExit("\n".join(errors))
+        await engine.start(retry_loop=False)
+        try:
+            for n, (df, events) in enumerate(frames):
+                batch = MicroBatch(n + 1, {})
+                started = time.perf_counter()
+                result = await asyncio.to_thread(engine.run_in_spark, spark, df, batch)
+                await engine.finish(batch, result)
+                if n < warmup:
+                    warm_calls.clear()  # warm-up: JIT, codegen, connection pool
+                    continue
+                run.seconds += time.perf_counter() - started
+                run.events += events
+                run.matched += sum(len(v) for v in result.matched.values())
+                run.starts.append(started)
+        finally:
+            await engine.stop()
+    run.calls = warm_calls
+    return run
+
+
+async def run_peer(
+    spark: Any, frames: Sequence[Any], url: str, triggers: int, batch_size: int, warmup: int
+) -> Run:
+    from pyspark.sql import functions as F
+
+    run = Run()
+    async with aiohttp.ClientSession() as http:
+        for n, (df, events) in enumerate(frames):
+            started = time.perf_counter()
+            matched = 0
+            for i in range(triggers):
+                cond = F.expr(f"collection = 'orders' AND op IN ('insert', 'update') "
+                              f"AND ({when_for(i, triggers)})")  # fmt: skip
+                picked = df.filter(cond).select(
+                    "lsn", "core", "seq", "collection", "op", "key",
+                    F.to_json("new").alias("new"), F.to_json("old").alias("old"),
+                    F.col("ingest_ts").cast("string").alias("ingest_ts"), "batch_id",
+                )  # fmt: skip
+                rows = await asyncio.to_thread(picked.collect)
+                rows.sort(key=lambda r: r["lsn"])
+                name = f"t{i}"
+                for c in range(0, len(rows), batch_size):
+                    part = rows[c : c + batch_size]
+                    docs = []
+                    for r in part:
+                        d = r.asDict()
+                        d["new"] = json.loads(d["new"]) if d["new"] is not None else None
+                        d["old"] = json.loads(d["old"]) if d["old"] is not None else None
+                        d["idempotency_key"] = f"{name}:{d['lsn']}"
+                        docs.append(d)
+                    body = json.dumps({"trigger": name, "rows": docs})
+                    key = f"{name}:{part[0]['lsn']}-{part[-1]['lsn']}"
+                    headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+                    call_started = time.perf_counter()
+                    async with http.post(url, data=body, headers=headers) as resp:
+                        await resp.read()
+                        if resp.status != 200:
+                            raise RuntimeError(f"peer got HTTP {resp.status}")
+                    if n >= warmup:
+                        run.calls.append(time.perf_counter() - call_started)
+                matched += len(rows)
+            if n < warmup:
+                continue
+            run.seconds += time.perf_counter() - started
+            run.events += events
+            run.matched += matched
+            run.starts.append(started)
+    return run
+
+
+# --------------------------------------------------------------------------
+# Report
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def row_latencies(run: Run, got: Received) -> list[float]:
+    """Per matched row: batch start -> the receiver holding it, in ms (warm-up excluded)."""
+    per_row: list[float] = []
+    for t, n in zip(got.times, got.rows, strict=True):
+        start = max((s for s in run.starts if s <= t), default=None)
+        if start is not None:
+            per_row.extend([(t - start) * 1000] * n)
+    return per_row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_triggers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--events", type=int, default=100_000, help="events per batch")
+    ap.add_argument("--batches", type=int, default=4, help="measured batches")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured batches first (JIT, codegen)")
+    ap.add_argument("--match", type=float, default=0.10, help="fraction of events matched")
+    ap.add_argument("--triggers", type=int, default=1, help="triggers sharing the matches")
+    ap.add_argument("--batch-size", type=int, default=1024, help="rows per webhook call")
+    ap.add_argument("--master", default="local[2]")
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+    from daemon.spark import build_session
+    from daemon.spark_executor import batch_dataframe
+
+    print(f"Spark {args.master}: starting...", flush=True)
+    spark = build_session(master=args.master, app_name="bench-triggers", log_level="ERROR",
+                          conf={"spark.sql.shuffle.partitions": "2"})  # fmt: skip
+    receiver = Receiver()
+    receiver.start()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-triggers-"))
+    try:
+        frames = []
+        for b in range(args.warmup + args.batches):
+            table = make_table(args.events, args.match, 1 + b * args.events, seed=b)
+            frames.append((batch_dataframe(spark, table, b + 1), args.events))
+        print(
+            f"{args.batches} measured batches (after {args.warmup} warm-up) of {args.events:,} "
+            "events, "
+            f"{args.match:.0%} matched by {args.triggers} trigger(s), "
+            f"{args.batch_size} rows per webhook call",
+            flush=True,
+        )
+        sides: dict[str, tuple[Run, Received]] = {}
+        engine_run = asyncio.run(
+            run_engine(
+                spark, frames, receiver.url, args.triggers, args.batch_size, args.warmup, tmp
+            )
+        )
+        sides["engine"] = (engine_run, receiver.reset())
+        peer_run = asyncio.run(
+            run_peer(spark, frames, receiver.url, args.triggers, args.batch_size, args.warmup)
+        )
+        sides["peer"] = (peer_run, receiver.reset())
+    finally:
+        receiver.stop()
+        spark.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    stats: dict[str, dict[str, float]] = {}
+    for name, (run, got) in sides.items():
+        per_row = row_latencies(run, got)
+        calls_ms = [c * 1000 for c in run.calls]
+        stats[name] = {
+            "matched rows/s": run.matched / run.seconds,
+            "batch events/s": run.events / run.seconds,
+            "stage time per batch (ms)": run.seconds / max(len(run.starts), 1) * 1000,
+            "webhook call p50 (ms)": pct(calls_ms, 0.50),
+            "webhook call p99 (ms)": pct(calls_ms, 0.99),
+            "batch start -> row received p50 (ms)": pct(per_row, 0.50),
+            "batch start -> row received p99 (ms)": pct(per_row, 0.99),
+            "matched rows": float(run.matched),
+        }
+    if stats["engine"]["matched rows"] != stats["peer"]["matched rows"]:
+        print("MISMATCH: engine and peer matched different row counts", file=sys.stderr)
+        return 1
+    higher_better = {"matched rows/s", "batch events/s"}
+    width = max(len(k) for k in stats["engine"])
+    print(f"\n{'metric':<{width}}  {'engine':>12}  {'peer':>12}  {'engine vs peer':>14}")
+    for key in stats["engine"]:
+        e, p = stats["engine"][key], stats["peer"][key]
+        if key == "matched rows":
+            print(f"{key:<{width}}  {e:>12,.0f}  {p:>12,.0f}  {'same':>14}")
+            continue
+        ratio = (e / p if key in higher_better else p / e) if e and p else float("nan")
+        print(f"{key:<{width}}  {e:>12,.1f}  {p:>12,.1f}  {ratio:>13.2f}x")
+    print("\n(engine vs peer: > 1 means the engine is better, on every line)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
