@@ -27,6 +27,7 @@ between, so no WAL listener push can interleave:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import enum
 import time
@@ -200,6 +201,7 @@ class Consumer:
         chunk_rows: int = CHUNK_ROWS,
         chunk_bytes: int | None = None,
         on_caught_up: Callable[[int, int, int], None] | None = None,
+        reader: concurrent.futures.Executor | None = None,
     ) -> None:
         self.core = core
         self.cfg = cfg
@@ -212,6 +214,9 @@ class Consumer:
         self.chunk_rows = chunk_rows
         self.chunk_bytes = chunk_bytes or max(1, min(CHUNK_MAX_BYTES, cfg.pending_max_bytes // 8))
         self._on_caught_up = on_caught_up
+        # Where WAL reads run. The plane shares one small pool among all cores:
+        # replay is GIL-bound, and more threads only fight over the GIL.
+        self._reader = reader
         self.mode: Mode | None = None
         self.last_lsn = start_lsn  # last LSN delivered to the sink
         self.last_seq = 0  # sequence of the last ring entry taken (Normal only)
@@ -390,11 +395,14 @@ class Consumer:
                     await sink.wait_room(core)
                 from_lsn = self.last_lsn + 1
                 try:
+                    loop = asyncio.get_running_loop()
                     if it is None:
-                        it, chunk, dry = await asyncio.to_thread(self._open, from_lsn)
+                        it, chunk, dry = await loop.run_in_executor(
+                            self._reader, self._open, from_lsn
+                        )
                     else:
-                        chunk, dry = await asyncio.to_thread(
-                            _take, it, self.chunk_rows, self.chunk_bytes
+                        chunk, dry = await loop.run_in_executor(
+                            self._reader, _take, it, self.chunk_rows, self.chunk_bytes
                         )
                 except BelowRetainedFloorError as exc:
                     raise floor_error(core, exc) from exc

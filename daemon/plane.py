@@ -24,6 +24,7 @@ needs a segment that is gone: segments below
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -46,6 +47,12 @@ if TYPE_CHECKING:
     from daemon.metrics import Metrics
 
 log = structlog.get_logger(__name__)
+
+# WAL replay threads shared by every core. Replay is GIL-bound, so a thread per
+# core buys nothing (bench/bench_consumer.py: 1, 2 and 6 threads within noise
+# with 4 cores catching up); two let one chunk's disk wait overlap another's
+# decoding, and the thread count stays fixed however many cores there are.
+REPLAY_THREADS = 2
 
 
 class PlaneWal(WalReader, Protocol):
@@ -98,6 +105,7 @@ class EventPlane:
         # (the end of a catch-up), so a crash does not repeat a long replay.
         self._flush_targets: dict[int, int] = {}
         self._state = "new"
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------
     # WAL listener
@@ -180,6 +188,9 @@ class EventPlane:
             sleep=self._sleep,
             clock=self._clock,
         )
+        self._reader = concurrent.futures.ThreadPoolExecutor(
+            max_workers=REPLAY_THREADS, thread_name_prefix="eventplane-replay"
+        )
         self.consumers = [
             Consumer(
                 core,
@@ -192,6 +203,7 @@ class EventPlane:
                 sleep=self._sleep,
                 clock=self._clock,
                 on_caught_up=self._on_caught_up,
+                reader=self._reader,
             )
             for core in range(self.cores)
         ]
@@ -260,6 +272,9 @@ class EventPlane:
                 self._plan_log.close()
         except Exception as exc:
             log.error("plan_log_close_failed", error=f"{type(exc).__name__}: {exc}")
+        if self._reader is not None:
+            # A chunk read still running finishes on its own; nothing waits for it.
+            self._reader.shutdown(wait=False, cancel_futures=True)
         for task in self._tasks.values():
             if task.done() and not task.cancelled() and task.exception() is not None:
                 log.debug("task_ended_with_error", task=task.get_name())
