@@ -153,7 +153,7 @@ def sqlite_append(path: Path, requests: list[Request], producers: int) -> float:
 # ---------------------------------------------------------------------------- measuring
 
 
-def best_of(runs: int, fn: Callable[[], int], expected: int) -> float:
+def median_of(runs: int, fn: Callable[[], int], expected: int) -> float:
     """Median seconds of ``runs`` calls; each must return ``expected`` (events seen)."""
     times = []
     for _ in range(runs):
@@ -196,9 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="replay runs (median is reported)")
     parser.add_argument("--dir", type=Path, help="scratch directory (default: a temporary one)")
     args = parser.parse_args(argv)
-    # The WAL's info lines (opened, rotated, closed) would interleave with the table.
+    # The WAL's info lines (opened, rotated, closed) would interleave with the table;
+    # the previous structlog set-up is restored so a caller (a test) keeps its own.
+    saved = structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    try:
+        print(run(args))
+    finally:
+        structlog.configure(**saved)
+    return 0
 
+
+def run(args: argparse.Namespace) -> str:
+    """Both sides, same events; returns the report."""
     requests = make_requests(args.events, args.request, args.cores)
     n = sum(map(len, requests))
     avg = sum(len(p) for r in requests for _, p in r) / n
@@ -217,13 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             conn = sqlite_connect(sq_path)
             core_n = conn.execute("SELECT count(*) FROM events WHERE core = 0").fetchone()[0]
-            t["sq_full"] = best_of(args.runs, lambda: count_iter(conn.execute(FULL_SCAN)), n)
-            t["sq_core"] = best_of(args.runs, lambda: count_iter(conn.execute(CORE_SCAN)), core_n)
+            t["sq_full"] = median_of(args.runs, lambda: count_iter(conn.execute(FULL_SCAN)), n)
+            t["sq_core"] = median_of(args.runs, lambda: count_iter(conn.execute(CORE_SCAN)), core_n)
             conn.close()
-            t["ep_full"] = best_of(args.runs, lambda: count_iter(wal.read(1)), n)
-            t["ep_batch"] = best_of(args.runs, lambda: touch_batches(wal.read_batches(1)), n)
-            t["ep_core"] = best_of(args.runs, lambda: count_iter(wal.read(1, core=0)), core_n)
-            t["ep_core_batch"] = best_of(
+            t["ep_full"] = median_of(args.runs, lambda: count_iter(wal.read(1)), n)
+            t["ep_batch"] = median_of(args.runs, lambda: touch_batches(wal.read_batches(1)), n)
+            t["ep_core"] = median_of(args.runs, lambda: count_iter(wal.read(1, core=0)), core_n)
+            t["ep_core_batch"] = median_of(
                 args.runs, lambda: touch_batches(wal.read_batches(1, core=0)), core_n
             )
             segments = wal.segment_count()
@@ -231,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             wal.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(report(t, n, core_n, args.cores, segments))
-    return 0
+    return report(t, n, core_n, args.cores, segments)
 
 
 def report(t: dict[str, float], n: int, core_n: int, cores: int, segments: int) -> str:
