@@ -9,13 +9,14 @@ from wal.errors import (
     WalLockedError,
     WalReadError,
 )
-from wal.log import FsyncMode, Wal
+from wal.log import FsyncMode, ReadIterator, Wal
 from wal.reader import RecordBatch
 from wal.record import Record
 
 __all__ = [
     "BelowRetainedFloorError",
     "FsyncMode",
+    "ReadIterator",
     "Record",
     "RecordBatch",
     "Wal",
