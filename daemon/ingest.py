@@ -416,6 +416,7 @@ class IngestServer:
         self._max_events = c.max_events_per_request
         self._budget = ByteBudget(BUFFERED_BODIES * c.max_body_bytes)
         self._draining = False
+        self._wal_errors_logged: set[type[Exception]] = set()
         self._refusing = 0
         self._runner: web.AppRunner | None = None
         self._site: _CappedSite | None = None
@@ -645,7 +646,9 @@ class IngestServer:
                 try:
                     first, last = await self._wal.append(items)
                 except (WalFatalError, WalClosedError) as exc:
-                    log.error("ingest.wal_unavailable", error=str(exc), kind=type(exc).__name__)
+                    if type(exc) not in self._wal_errors_logged:  # once per kind, not per request
+                        self._wal_errors_logged.add(type(exc))
+                        log.error("ingest.wal_unavailable", error=str(exc), kind=type(exc).__name__)
                     raise Rejection(
                         503,
                         "wal_unavailable",

@@ -15,6 +15,7 @@ from unittest import mock
 import aiohttp
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 from daemon.ingest import IngestServer
 from daemon.metrics import Metrics
@@ -362,10 +363,15 @@ async def test_a_failed_wal_answers_503_and_acks_nothing(
     wal: Any,
     error: Exception,
 ) -> None:
-    with mock.patch.object(wal, "append", side_effect=error):
+    with mock.patch.object(wal, "append", side_effect=error), capture_logs() as logs:
         code, headers, doc = await post(http, server, ndjson([event(3)]))
+        again = await post(http, server, ndjson([event(4)]))
     check((code, headers, doc), 503, "wal_unavailable", str(error), "nothing from this request")
     assert "Retry-After" in headers
+    assert again[0] == 503
+    logged = [e for e in logs if e["event"] == "ingest.wal_unavailable"]
+    assert len(logged) == 1  # once per kind of failure, not once per request
+    assert logged[0]["kind"] == type(error).__name__
 
 
 # -- other routes ----------------------------------------------------------------------
