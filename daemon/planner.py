@@ -475,9 +475,10 @@ class Planner:
         # Re-run planned batches that did not commit before the restart, in order.
         while self._recovered and not self._stopping:
             bid = self._recovered[0]
+            started = self._clock()
             batch = await self._reload(bid, self._logged[bid])
-            await self._execute(batch, self._clock())
-            self._commit(batch, self._clock())
+            await self._execute(batch)
+            self._commit(batch, started)
             self._recovered.pop(0)
         held = False
         while not self._stopping:
@@ -504,7 +505,7 @@ class Planner:
         # Step 2. Record the plan durably before the batch runs.
         await uncancellable(self._append_plan(batch))
         # Step 3. Execute, retrying with backoff; same id, same rows.
-        await self._execute(batch, started)
+        await self._execute(batch)
         # Step 4. Commit: watermarks move only now (invariant 6).
         self._commit(batch, started)
         return batch
@@ -596,7 +597,12 @@ class Planner:
         log.info("microbatch_rerun", batch_id=batch_id, rows=batch.rows, cores=sorted(ranges))
         return batch
 
-    async def _execute(self, batch: MicroBatch, started: float) -> None:
+    async def _execute(self, batch: MicroBatch) -> None:
+        # The executor's and the stages' log lines carry the batch id too.
+        with structlog.contextvars.bound_contextvars(batch_id=batch.batch_id):
+            await self._execute_with_retries(batch)
+
+    async def _execute_with_retries(self, batch: MicroBatch) -> None:
         delay = self.cfg.retry_initial_ms / 1000
         attempt = 0
         info: dict[str, Any] = {
