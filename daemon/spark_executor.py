@@ -13,7 +13,9 @@
 
   1. slices -> one Arrow table (``batch_table``; payloads decoded in one pass);
   2. Arrow -> DataFrame with ``new``/``old`` parsed to VARIANT
-     (``batch_dataframe``); persisted when more than one consumer reads it;
+     (``batch_dataframe``; on local masters through a Parquet file in
+     ``<data_dir>/spark-inbox``, 3x faster than ``createDataFrame``);
+     persisted when more than one consumer reads it;
   3. each CDC stream commits its rows exactly once (``daemon.cdc``);
   4. each ``BatchStage.run_in_spark`` (triggers) computes its result;
   5. each ``[[cdc.handlers]]`` function gets ``(df, batch_id)``.
@@ -33,6 +35,8 @@ import contextlib
 import contextvars
 import enum
 import importlib
+import itertools
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +67,12 @@ Handler = Callable[[Any, int], Any]
 # payloads turns a slice into one msgpack document: one C-level decode per
 # slice instead of one Python call per event.
 _events_decoder = msgspec.msgpack.Decoder(list[StoredEvent])
+# Inbox file names never repeat within a process: a retried batch gets a new
+# file, so no reader-side cache can serve the previous attempt's bytes.
+_inbox_seq = itertools.count(1)
+# Below this many rows a batch stays one task: a Spark task costs ~10 ms to
+# schedule, about what parsing 5k rows to VARIANT takes.
+_MIN_ROW_GROUP = 5_000
 
 
 class State(enum.Enum):
@@ -121,11 +131,33 @@ def collection_counts(table: Any) -> dict[str, int]:
     return {str(v): int(n) for v, n in zip(*counts.flatten(), strict=True)} if len(counts) else {}
 
 
-def batch_dataframe(spark: Any, table: Any, batch_id: int) -> Any:
-    """Arrow table -> the batch DataFrame (``BATCH_COLUMNS``, new/old as VARIANT)."""
+def batch_dataframe(
+    spark: Any, table: Any, batch_id: int, inbox: Path | None = None, parallelism: int = 1
+) -> Any:
+    """Arrow table -> the batch DataFrame (``BATCH_COLUMNS``, new/old as VARIANT).
+
+    With ``inbox`` (a folder the Spark executors can read: local masters), the
+    table goes to Spark as an uncompressed Parquet file written by pyarrow's C++
+    writer; Spark's vectorized reader takes it from there. Measured here at
+    100k rows, that is ~3x faster than ``createDataFrame(table)``, which ships
+    the Arrow bytes inside task closures and converts them row by row. Without
+    an inbox (Spark Connect, remote clusters) the table travels in the call.
+    The file gets ``parallelism`` row groups: Spark splits Parquet input by row
+    group, so every core reads, parses and writes its share. The caller removes
+    the file once every consumer is done.
+    """
     from pyspark.sql import functions as F
 
-    raw = spark.createDataFrame(table)
+    if inbox is not None:
+        import pyarrow.parquet as pq
+
+        file = inbox / f"b{batch_id:012d}-{next(_inbox_seq)}.parquet"
+        groups = max(1, parallelism)
+        rows_per_group = max(_MIN_ROW_GROUP, -(-table.num_rows // groups))
+        pq.write_table(table, file, compression="none", row_group_size=rows_per_group)
+        raw = spark.read.parquet(str(file))
+    else:
+        raw = spark.createDataFrame(table)
     return raw.select(
         "lsn",
         "core",
@@ -140,6 +172,11 @@ def batch_dataframe(spark: Any, table: Any, batch_id: int) -> Any:
         "depth",
         "source",
     )
+
+
+def uses_inbox(cfg: Config) -> bool:
+    """Local masters read the driver's files; remote ones may not share its disk."""
+    return not cfg.spark.remote and cfg.spark.master.startswith("local")
 
 
 def load_handler(ref: str) -> Handler:
@@ -216,6 +253,8 @@ class SparkExecutor:
         self._factory = session_factory or self._default_factory
         self._sleep = sleep
         self._sinks: list[CdcSink] = []
+        self._inbox: Path | None = cfg.data_dir / "spark-inbox" if uses_inbox(cfg) else None
+        self._cores: int | None = None  # Spark's default parallelism, asked once
         self._handlers: list[tuple[str, Handler]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eventplane-spark")
         self._ready = asyncio.Event()
@@ -247,6 +286,15 @@ class SparkExecutor:
         """Check configuration now (raises ConfigError); build Spark in the background."""
         self._handlers = self._load_handlers()
         self._check_stream_paths()
+        if self._inbox is not None:
+            # Batch files of a previous process: their batches re-run from the plan.
+            shutil.rmtree(self._inbox, ignore_errors=True)
+            try:
+                self._inbox.mkdir(parents=True)
+            except OSError as exc:
+                raise ConfigError(
+                    [f"daemon.data_dir: cannot create {self._inbox} ({exc.strerror})"]
+                ) from exc
         loop = asyncio.get_running_loop()
         self._sinks = await loop.run_in_executor(self._pool, self._open_sinks)
         for sink in self._sinks:
@@ -457,14 +505,16 @@ class SparkExecutor:
             raise ExecutorError("no SparkSession (the executor was stopped)")
         table = batch_table(batch)
         counts = collection_counts(table)
-        df = batch_dataframe(spark, table, batch.batch_id)
         todo = [(sink, self._rows_for(sink, counts)) for sink in self._sinks]
         pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
         readers = len(pending) + len(self._stages) + len(self._handlers)
-        cached = readers > 1
-        if cached:
-            df = df.persist()
+        cached = False
         try:
+            df = batch_dataframe(
+                spark, table, batch.batch_id, self._inbox, self._parallelism(spark)
+            )
+            if readers > 1:
+                df, cached = df.persist(), True
             commits = [sink.commit(df, batch, rows) for sink, rows in todo]
             results = [(st, st.run_in_spark(spark, df, batch)) for st in self._stages]
             if self._handlers:
@@ -474,7 +524,15 @@ class SparkExecutor:
         finally:
             if cached:
                 df.unpersist(blocking=False)
+            if self._inbox is not None:
+                for f in self._inbox.glob(f"b{batch.batch_id:012d}-*.parquet"):
+                    f.unlink(missing_ok=True)
         return _Outcome(table.num_rows, commits, results, time.monotonic() - started)
+
+    def _parallelism(self, spark: Any) -> int:
+        if self._cores is None:
+            self._cores = int(spark.sparkContext.defaultParallelism) if self._inbox else 1
+        return self._cores
 
     @staticmethod
     def _rows_for(sink: CdcSink, counts: dict[str, int]) -> int:

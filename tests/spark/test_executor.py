@@ -64,6 +64,20 @@ def test_batch_dataframe_has_contract_columns_with_variant_new_and_old(spark: An
     assert rows[0].ingest_ts.year == 2023 and rows[0].depth == 0 and rows[0].source == ""
 
 
+def test_inbox_file_and_arrow_transfer_give_the_same_rows(spark: Any, tmp_path: Path) -> None:
+    (batch,) = make_batches(1, 300, first_batch_id=3)
+    table = batch_table(batch)
+    via_arrow = batch_dataframe(spark, table, 3)
+    via_file = batch_dataframe(spark, table, 3, inbox=tmp_path)
+
+    assert via_file.dtypes == via_arrow.dtypes
+    as_text = ["*", "to_json(new) AS new_j", "to_json(old) AS old_j"]
+    a = via_arrow.selectExpr(*as_text).drop("new", "old").orderBy("lsn").collect()
+    b = via_file.selectExpr(*as_text).drop("new", "old").orderBy("lsn").collect()
+    assert a[0].new_j.startswith('{"amount":')
+    assert a == b and len(a) == 300
+
+
 async def test_cdc_table_holds_each_event_exactly_once_after_normal_runs(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
