@@ -120,8 +120,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "wal":
         from wal import tool
 
-        cfg = _load(args) if args.dir is None else None
-        directory = args.dir if args.dir is not None else cfg.wal_dir  # type: ignore[union-attr]
+        directory: Path = args.dir if args.dir is not None else _load(args).wal_dir
         if args.wal_command == "inspect":
             return tool.inspect(directory, sys.stdout)
         if args.wal_command == "verify":

@@ -33,9 +33,14 @@ def free_port() -> int:
 def spark() -> Iterator[Any]:
     """One real local SparkSession for the whole test session (slow to start)."""
     os.environ.setdefault("PYSPARK_PYTHON", os.sys.executable)  # type: ignore[attr-defined]
-    from daemon.spark import build_session  # noqa: PLC0415 - only Spark tests pay for it
+    from daemon.spark import build_session  # only Spark tests pay for it
 
-    session = build_session(master="local[2]", app_name="eventplane-tests", ui=False,
-                            log_level="ERROR", conf={"spark.sql.shuffle.partitions": "2"})
+    session = build_session(
+        master="local[2]",
+        app_name="eventplane-tests",
+        ui=False,
+        log_level="ERROR",
+        conf={"spark.sql.shuffle.partitions": "2"},
+    )
     yield session
     session.stop()
