@@ -298,3 +298,19 @@ async def test_max_group_bytes_bounds_a_group_but_never_splits_an_append(
     # 5-event appends weigh 5 * (100 + 8) bytes: at most 3 fit in 2000 bytes.
     assert max(g for g in groups if g != 50) <= 15
     assert [r.lsn for r in wal.read(1)] == list(range(1, 151))
+
+
+def test_frames_bigger_than_a_read_chunk_read_back_from_the_active_and_sealed_segments(
+    open_wal: OpenWal,
+) -> None:
+    wal = open_wal(segment_bytes=1 << 20)
+    small = events(30)
+    big = [(i % 3, bytes([i]) * 100_000) for i in range(50)]  # one 5 MB frame > 4 MiB chunk
+    wal.append_blocking(small)
+    wal.append_blocking(big)
+    wal.append_blocking(small)
+    expected = [*small, *big, *small]
+    assert [(r.core, r.payload) for r in wal.read(1)] == expected  # active segment: pread
+    wal.append_blocking(events(1))  # rotates: the big frame's segment is sealed (mmap)
+    assert wal.segment_count() >= 2
+    assert [(r.core, r.payload) for r in wal.read(1, to_lsn=len(expected))] == expected
