@@ -414,7 +414,7 @@ class Planner:
             return
         p = self._pending[core]
         first = first_lsn(part)
-        if first <= p.last_lsn and p.rows:
+        if first <= p.last_lsn:
             raise LsnRegressionError(f"core {core}: LSN {first} delivered after LSN {p.last_lsn}")
         size = part_bytes(part) if nbytes is None else nbytes
         p.parts.append((part, size))
