@@ -258,7 +258,7 @@ class Consumer:
         return {
             "reason": p.reason.value,
             "replayed": p.replayed,
-            "rate_eps": round(p.replayed / elapsed, 1),
+            "rate": round(p.replayed / elapsed, 1),
             "remaining_lsns": remaining,
             "eta_s": round(remaining / lsn_rate, 3) if lsn_rate > 0 else None,
             "elapsed_s": round(elapsed, 3),

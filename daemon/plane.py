@@ -451,6 +451,7 @@ class EventPlane:
                     "mode": consumer.mode.value if consumer and consumer.mode else None,
                     "watermark": mark,
                     "lag": max(head - mark, 0),
+                    "ring_fill": round(ring.fill(), 4),
                     "ring": {
                         "events": len(ring),
                         "bytes": ring.nbytes,

@@ -201,7 +201,7 @@ def _catchup(value: Any) -> str:
     if not cu:
         return "-"
     text = f"replayed {_count(cu.get('replayed'))}"
-    rate = cu.get("rate", cu.get("rate_eps"))
+    rate = cu.get("rate")
     if isinstance(rate, int | float):
         text += f" at {_count(round(rate))}/s"
     eta = cu.get("eta_s")

@@ -526,7 +526,7 @@ async def test_status_shows_catchup_progress_while_replaying(
     assert progress["reason"] == "boot"
     assert 0 < progress["replayed"] < 50
     assert progress["remaining_lsns"] == 50 - progress["replayed"]
-    assert progress["rate_eps"] > 0 and progress["eta_s"] is not None
+    assert progress["rate"] > 0 and progress["eta_s"] is not None
     h.executor.is_ready = True
     await h.executor.wait_rows(50)
 
