@@ -337,7 +337,7 @@ class PlanLog:
 
 
 class _Pending:
-    __slots__ = ("catching_up", "last_lsn", "nbytes", "parts", "room", "rows")
+    __slots__ = ("backlog", "catching_up", "last_lsn", "nbytes", "parts", "room", "rows")
 
     def __init__(self) -> None:
         self.parts: list[tuple[Part, int]] = []  # (part, part_bytes)
@@ -345,6 +345,9 @@ class _Pending:
         self.nbytes = 0
         self.last_lsn = 0
         self.catching_up = False
+        # Rows replayed by a catch-up that just ended are still pending: the
+        # next slice may take them all (catchup_max_rows), not max_rows.
+        self.backlog = False
         self.room = asyncio.Event()
         self.room.set()
 
@@ -436,7 +439,10 @@ class Planner:
         await self._pending[core].room.wait()
 
     def set_catching_up(self, core: int, flag: bool) -> None:
-        self._pending[core].catching_up = flag
+        p = self._pending[core]
+        if p.catching_up and not flag and p.rows:
+            p.backlog = True
+        p.catching_up = flag
 
     def pending_rows(self, core: int) -> int:
         return self._pending[core].rows
@@ -461,7 +467,7 @@ class Planner:
         return min(firsts) - 1 if firsts else None
 
     def _limit(self, p: _Pending) -> int:
-        return self.cfg.catchup_max_rows if p.catching_up else self.cfg.max_rows
+        return self.cfg.catchup_max_rows if p.catching_up or p.backlog else self.cfg.max_rows
 
     # ------------------------------------------------------------------
     # Run loop
@@ -539,6 +545,7 @@ class Planner:
             if not p.rows:
                 continue
             taken = self._take(p, self._limit(p))
+            p.backlog = False
             if p.nbytes < self.pending_max_bytes:
                 p.room.set()
             slices[core] = Slice(core, first_lsn(taken[0]), last_lsn(taken[-1]), Rows(taken))

@@ -18,6 +18,7 @@ from daemon.consumer import Mode
 from daemon.errors import ConsumerFailedError, IdentityMismatchError
 from daemon.metrics import Metrics
 from daemon.plane import EventPlane
+from daemon.watermarks import WatermarkStore
 from tests.core.conftest import MakeConfig, RecordingExecutor
 from wal import Wal, WalReadError
 from wal.record import Record
@@ -573,3 +574,17 @@ async def test_adaptive_poll_backs_off_after_the_configured_empty_polls(
         await plane.stop(5)
     finally:
         await wal.aclose()
+
+
+async def test_watermarks_are_flushed_as_soon_as_a_catchup_is_committed(
+    make_harness: MakeHarness,
+) -> None:
+    """1. 30 events wait in the WAL before start; the periodic flush is an hour away.
+    2. The boot catch-up replays them; once the batch holding its end commits,
+       watermarks.json already says so (a crash would not repeat the replay)."""
+    h = make_harness(cores=1, watermark_flush_ms=3_600_000)
+    await h.feed([(0, b"e%d" % i) for i in range(30)])
+    await h.plane.start()
+    await h.executor.wait_rows(30)
+    store = WatermarkStore(h.cfg.data_dir / "watermarks.json")
+    await h.until(lambda: store.load(h.wal.wal_id, 1).lsns == (30,))

@@ -245,3 +245,20 @@ async def test_slices_split_wal_batches_exactly_at_the_row_limit(
         range(1, 8)
     )
     assert planner.pending_rows(0) == 0 and planner.pending_bytes(0) == 0
+
+
+async def test_rows_replayed_by_a_finished_catchup_still_go_out_in_one_catchup_sized_slice(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, catchup_max_rows=5)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg)
+    planner.set_catching_up(0, True)
+    planner.add(0, columnar([1, 2, 3, 4]))
+    planner.set_catching_up(0, False)  # caught up before the slice closed
+
+    first = await planner.run_once()
+    planner.add(0, [rec(5), rec(6), rec(7)])
+    second = await planner.run_once()
+
+    assert first is not None and first.ranges() == {0: (1, 4)}
+    assert second is not None and second.ranges() == {0: (5, 6)}  # back to max_rows
