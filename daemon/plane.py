@@ -324,6 +324,10 @@ class EventPlane:
         try:
             await routine()
         except asyncio.CancelledError:
+            if self._state == "running":
+                # Only stop() cancels these; anything else would silently stop
+                # the plane (say, an executor leaking a CancelledError).
+                self._fail(ConsumerFailedError(f"{name}: cancelled while the plane was running"))
             raise
         except DaemonError as exc:
             log.error("task_failed", task=name, error=str(exc), error_type=type(exc).__name__)

@@ -59,11 +59,11 @@ class Harness:
     async def crash(self) -> None:
         """Stop everything without the orderly drain and flush (like SIGKILL)."""
         tasks = list(self.plane._tasks.values())
+        self.plane._state = "stopped"
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks)
         self.plane._plan_log.close()
-        self.plane._state = "stopped"
         await self.wal.aclose()
 
 
@@ -489,6 +489,21 @@ async def test_stop_cuts_a_stalled_batch_at_the_budget_and_it_reruns_after_resta
     await again.plane.start()
     await again.executor.wait_rows(1)
     assert [b.batch_id for b in again.executor.committed] == [h.executor.attempts[0].batch_id]
+
+
+async def test_an_executor_leaking_cancellation_stops_the_daemon_instead_of_batching_silently(
+    make_harness: MakeHarness,
+) -> None:
+    h = make_harness(cores=1)
+
+    async def cancelled(batch: Any) -> None:
+        raise asyncio.CancelledError
+
+    h.executor.execute = cancelled  # type: ignore[method-assign]
+    await h.plane.start()
+    await h.feed([(0, b"x")])
+    error = await asyncio.wait_for(h.plane.wait_failed(), 5)
+    assert "planner: cancelled while the plane was running" in str(error)
 
 
 async def test_status_reports_mode_watermark_lag_ring_and_last_batch(
