@@ -5,6 +5,9 @@ builds them (Arrow table -> ``createDataFrame`` -> ``parse_json`` for VARIANT),
 and deliver to the same loopback aiohttp receiver (its own thread and event
 loop, answering 200 at once), in chunks of ``--batch-size`` rows:
 
+Both sides run on every batch, alternating which goes first, so JVM warm-up
+and background load fall on both alike.
+
 - engine: ``TriggerEngine.run_in_spark`` (worker thread) then ``finish`` on the
   loop, exactly the BatchStage protocol the executor drives; one Spark job for
   all triggers, rows rendered to JSON by Spark and collected through Arrow;
@@ -14,8 +17,8 @@ loop, answering 200 at once), in chunks of ``--batch-size`` rows:
 
 Measured per side:
 
-- matched rows/s and batch events/s through the stage (first batch is warm-up);
-- webhook call latency p50/p99 (one POST round trip, as the receiver sees it);
+- matched rows/s and batch events/s through the stage (``--warmup`` batches first, unmeasured);
+- webhook call latency p50/p99 (one POST round trip, measured by the sender);
 - batch start -> row received p50/p99: from the moment the stage gets the
   DataFrame to the receiver holding the row (the trigger part of the
   ingest -> webhook latency; the daemon adds WAL + planning + interval).
@@ -192,101 +195,142 @@ class RecordingMetrics:
         self.trigger_action_latency = _Recorder(calls)
 
 
-async def run_engine(
-    spark: Any,
-    frames: Sequence[Any],
-    url: str,
-    triggers: int,
-    batch_size: int,
-    warmup: int,
-    data_dir: Path,
-) -> Run:
-    from daemon.batch import MicroBatch
-    from triggers import Spec, TriggerEngine
+class EngineSide:
+    """The engine as the executor drives it: run_in_spark in a thread, then finish."""
 
-    specs = [
-        Spec(name=f"t{i}", collection="orders", on=("insert", "update"),
-             when=when_for(i, triggers), batch_size=batch_size,
-             action={"type": "webhook", "url": url})
-        for i in range(triggers)
-    ]  # fmt: skip
-    run = Run()
-    warm_calls: list[float] = []
-    async with aiohttp.ClientSession() as http:
-        engine = TriggerEngine(
-            specs, data_dir=data_dir, http=http, metrics=RecordingMetrics(warm_calls)
+    name = "engine"
+    prefix = "t"
+
+    def __init__(self, spark: Any, url: str, triggers: int, batch_size: int, data_dir: Path):
+        from triggers import Spec, TriggerEngine
+
+        self.spark = spark
+        self.calls: list[float] = []
+        specs = [
+            Spec(name=f"{self.prefix}{i}", collection="orders", on=("insert", "update"),
+                 when=when_for(i, triggers), batch_size=batch_size,
+                 action={"type": "webhook", "url": url})
+            for i in range(triggers)
+        ]  # fmt: skip
+        self.http = aiohttp.ClientSession()
+        self.engine = TriggerEngine(
+            specs, data_dir=data_dir, http=self.http, metrics=RecordingMetrics(self.calls)
         )
-        errors = await asyncio.to_thread(engine.validate, spark)
+
+    async def start(self) -> None:
+        errors = await asyncio.to_thread(self.engine.validate, self.spark)
         if errors:
             raise SystemExit("\n".join(errors))
-        await engine.start(retry_loop=False)
-        try:
-            for n, (df, events) in enumerate(frames):
-                batch = MicroBatch(n + 1, {})
-                started = time.perf_counter()
-                result = await asyncio.to_thread(engine.run_in_spark, spark, df, batch)
-                await engine.finish(batch, result)
-                if n < warmup:
-                    warm_calls.clear()  # warm-up: JIT, codegen, connection pool
-                    continue
-                run.seconds += time.perf_counter() - started
-                run.events += events
-                run.matched += sum(len(v) for v in result.matched.values())
-                run.starts.append(started)
-        finally:
-            await engine.stop()
-    run.calls = warm_calls
-    return run
+        await self.engine.start(retry_loop=False)
+
+    async def batch(self, batch_id: int, df: Any) -> int:
+        from daemon.batch import MicroBatch
+
+        batch = MicroBatch(batch_id, {})
+        result = await asyncio.to_thread(self.engine.run_in_spark, self.spark, df, batch)
+        await self.engine.finish(batch, result)
+        return sum(len(v) for v in result.matched.values())
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+        await self.http.close()
 
 
-async def run_peer(
-    spark: Any, frames: Sequence[Any], url: str, triggers: int, batch_size: int, warmup: int
-) -> Run:
-    from pyspark.sql import functions as F
+class PeerSide:
+    """What one writes by hand: per trigger filter + collect, json, aiohttp POST per chunk."""
 
-    run = Run()
-    async with aiohttp.ClientSession() as http:
+    name = "peer"
+    prefix = "p"
+
+    def __init__(self, spark: Any, url: str, triggers: int, batch_size: int) -> None:
+        self.spark, self.url, self.triggers, self.batch_size = spark, url, triggers, batch_size
+        self.calls: list[float] = []
+        self.http: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self.http = aiohttp.ClientSession()
+
+    async def batch(self, batch_id: int, df: Any) -> int:
+        from pyspark.sql import functions as F
+
+        assert self.http is not None
+        matched = 0
+        for i in range(self.triggers):
+            cond = F.expr(f"collection = 'orders' AND op IN ('insert', 'update') "
+                          f"AND ({when_for(i, self.triggers)})")  # fmt: skip
+            picked = df.filter(cond).select(
+                "lsn", "core", "seq", "collection", "op", "key",
+                F.to_json("new").alias("new"), F.to_json("old").alias("old"),
+                F.col("ingest_ts").cast("string").alias("ingest_ts"), "batch_id",
+            )  # fmt: skip
+            rows = await asyncio.to_thread(picked.collect)
+            rows.sort(key=lambda r: r["lsn"])
+            name = f"{self.prefix}{i}"
+            for c in range(0, len(rows), self.batch_size):
+                part = rows[c : c + self.batch_size]
+                docs = []
+                for r in part:
+                    d = r.asDict()
+                    d["new"] = json.loads(d["new"]) if d["new"] is not None else None
+                    d["old"] = json.loads(d["old"]) if d["old"] is not None else None
+                    d["idempotency_key"] = f"{name}:{d['lsn']}"
+                    docs.append(d)
+                body = json.dumps({"trigger": name, "rows": docs})
+                key = f"{name}:{part[0]['lsn']}-{part[-1]['lsn']}"
+                headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+                call_started = time.perf_counter()
+                async with self.http.post(self.url, data=body, headers=headers) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        raise RuntimeError(f"peer got HTTP {resp.status}")
+                self.calls.append(time.perf_counter() - call_started)
+            matched += len(rows)
+        return matched
+
+    async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+
+
+async def run_both(
+    spark: Any, frames: Sequence[tuple[Any, int]], receiver: Receiver, args: Any, data_dir: Path
+) -> dict[str, tuple[Run, list[float]]]:
+    """Both sides on every batch, alternating which goes first, so JVM warm-up
+    and background load fall on both alike. Returns per side its run and the
+    per-row batch-start -> received latencies (ms)."""
+    sides: list[Any] = [
+        EngineSide(spark, receiver.url, args.triggers, args.batch_size, data_dir),
+        PeerSide(spark, receiver.url, args.triggers, args.batch_size),
+    ]
+    runs = {s.name: Run() for s in sides}
+    latencies: dict[str, list[float]] = {s.name: [] for s in sides}
+    for side in sides:
+        await side.start()
+    try:
         for n, (df, events) in enumerate(frames):
-            started = time.perf_counter()
-            matched = 0
-            for i in range(triggers):
-                cond = F.expr(f"collection = 'orders' AND op IN ('insert', 'update') "
-                              f"AND ({when_for(i, triggers)})")  # fmt: skip
-                picked = df.filter(cond).select(
-                    "lsn", "core", "seq", "collection", "op", "key",
-                    F.to_json("new").alias("new"), F.to_json("old").alias("old"),
-                    F.col("ingest_ts").cast("string").alias("ingest_ts"), "batch_id",
-                )  # fmt: skip
-                rows = await asyncio.to_thread(picked.collect)
-                rows.sort(key=lambda r: r["lsn"])
-                name = f"t{i}"
-                for c in range(0, len(rows), batch_size):
-                    part = rows[c : c + batch_size]
-                    docs = []
-                    for r in part:
-                        d = r.asDict()
-                        d["new"] = json.loads(d["new"]) if d["new"] is not None else None
-                        d["old"] = json.loads(d["old"]) if d["old"] is not None else None
-                        d["idempotency_key"] = f"{name}:{d['lsn']}"
-                        docs.append(d)
-                    body = json.dumps({"trigger": name, "rows": docs})
-                    key = f"{name}:{part[0]['lsn']}-{part[-1]['lsn']}"
-                    headers = {"Content-Type": "application/json", "Idempotency-Key": key}
-                    call_started = time.perf_counter()
-                    async with http.post(url, data=body, headers=headers) as resp:
-                        await resp.read()
-                        if resp.status != 200:
-                            raise RuntimeError(f"peer got HTTP {resp.status}")
-                    if n >= warmup:
-                        run.calls.append(time.perf_counter() - call_started)
-                matched += len(rows)
-            if n < warmup:
-                continue
-            run.seconds += time.perf_counter() - started
-            run.events += events
-            run.matched += matched
-            run.starts.append(started)
-    return run
+            order = sides if n % 2 == 0 else sides[::-1]
+            for side in order:
+                receiver.reset()
+                started = time.perf_counter()
+                matched = await side.batch(n + 1, df)
+                seconds = time.perf_counter() - started
+                got = receiver.reset()
+                if n < args.warmup:
+                    side.calls.clear()
+                    continue
+                run = runs[side.name]
+                run.seconds += seconds
+                run.events += events
+                run.matched += matched
+                run.starts.append(started)
+                for t, rows in zip(got.times, got.rows, strict=True):
+                    latencies[side.name].extend([(t - started) * 1000] * rows)
+    finally:
+        for side in sides:
+            await side.stop()
+    for side in sides:
+        runs[side.name].calls = list(side.calls)
+    return {name: (runs[name], latencies[name]) for name in runs}
 
 
 # --------------------------------------------------------------------------
@@ -298,16 +342,6 @@ def pct(values: Sequence[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def row_latencies(run: Run, got: Received) -> list[float]:
-    """Per matched row: batch start -> the receiver holding it, in ms (warm-up excluded)."""
-    per_row: list[float] = []
-    for t, n in zip(got.times, got.rows, strict=True):
-        start = max((s for s in run.starts if s <= t), default=None)
-        if start is not None:
-            per_row.extend([(t - start) * 1000] * n)
-    return per_row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,25 +381,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.batch_size} rows per webhook call",
             flush=True,
         )
-        sides: dict[str, tuple[Run, Received]] = {}
-        engine_run = asyncio.run(
-            run_engine(
-                spark, frames, receiver.url, args.triggers, args.batch_size, args.warmup, tmp
-            )
-        )
-        sides["engine"] = (engine_run, receiver.reset())
-        peer_run = asyncio.run(
-            run_peer(spark, frames, receiver.url, args.triggers, args.batch_size, args.warmup)
-        )
-        sides["peer"] = (peer_run, receiver.reset())
+        results = asyncio.run(run_both(spark, frames, receiver, args, tmp))
     finally:
         receiver.stop()
         spark.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
     stats: dict[str, dict[str, float]] = {}
-    for name, (run, got) in sides.items():
-        per_row = row_latencies(run, got)
+    for name, (run, per_row) in results.items():
         calls_ms = [c * 1000 for c in run.calls]
         stats[name] = {
             "matched rows/s": run.matched / run.seconds,

@@ -252,18 +252,23 @@ def evaluate(
         selected.extend(_emit_columns(t, cond, i))
     frame = df.filter(functools.reduce(operator.or_, conds)).select(*selected)
     try:
-        table = frame.toArrow()
+        # collect(), not toArrow(): matched sets are small next to the batch, and
+        # toArrow's fixed cost per job doubled the stage time on 10k-row batches
+        # (bench/bench_triggers.py); the heavy column (doc) is one string either way.
+        rows = frame.collect()
     except Exception as exc:
         raise _blame(df, active, batch_id, exc) from exc
 
-    lsns: list[int] = table.column("lsn").to_pylist()
-    docs: list[str] = table.column("doc").to_pylist()
+    names = frame.columns
+    columns = list(zip(*rows, strict=True)) if rows else [() for _ in names]
+    by_name = dict(zip(names, columns, strict=True))
+    lsns: Sequence[int] = by_name["lsn"]
+    docs: Sequence[str] = by_name["doc"]
     order = sorted(range(len(lsns)), key=lsns.__getitem__)  # LSN order = per-key order
-    names = set(table.column_names)
     for i, t in enumerate(active):
-        mask: list[bool] = table.column(f"m{i}").to_pylist()
-        keys = table.column(f"k{i}").to_pylist() if f"k{i}" in names else None
-        news = table.column(f"n{i}").to_pylist() if f"n{i}" in names else None
+        mask: Sequence[bool] = by_name[f"m{i}"]
+        keys = by_name.get(f"k{i}")
+        news = by_name.get(f"n{i}")
         matched: list[rowsmod.Row] = []
         for j in order:
             if not mask[j]:
