@@ -1,0 +1,69 @@
+"""The engine as a stage of the real SparkExecutor: the executor's own batch
+DataFrame (Arrow -> parse_json), run_in_spark in its worker thread, finish
+on the loop before the batch commits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.metrics import Metrics
+from daemon.spark_executor import SparkExecutor
+from tests.spark.support import event_for, make_batches, make_config
+from tests.triggers.support import Receiver, Reply, webhook
+from triggers import Spec
+
+pytestmark = pytest.mark.spark
+
+
+def expected_lsns(first: int, last: int) -> list[int]:
+    out = []
+    for lsn in range(first, last + 1):
+        e = event_for(lsn)
+        if e.collection == "orders" and json.loads(e.new or b"{}")["amount"] > 1500:
+            out.append(lsn)
+    return out
+
+
+async def test_executor_commits_batches_after_the_engine_delivered_or_queued(
+    spark: Any, make_engine: Any, receiver: Receiver, tmp_path: Path, metrics: Metrics
+) -> None:
+    """1. Two batches of 200 events through SparkExecutor with the engine as a stage.
+    2. The receiver answers 503 to the first call: that chunk is queued, the
+       batch still commits (its call sits durably in the retry queue).
+    3. Every matched row reached the receiver or the retry queue, none twice
+       among the accepted calls, in LSN order."""
+    receiver.script = [Reply(503)]
+    s = Spec(name="big", collection="orders", when="new:amount::double > 1500",
+             action=webhook(receiver.url), batch_size=16)  # fmt: skip
+    engine = await make_engine([s])  # no validate: the first batch validates with Spark
+    cfg = make_config(tmp_path, streams=())
+    ex = SparkExecutor(cfg, metrics, [engine], wal_id="wal-1", session=spark)
+    await ex.start()
+    try:
+        batches = make_batches(2, 200)
+        for b in batches:
+            await ex.execute(b)
+    finally:
+        await ex.stop()
+
+    want = expected_lsns(1, 400)
+    assert want  # the data has matches
+    accepted = [lsn for r in receiver.accepted() for lsn in r.lsns]
+    [pending] = engine._store.pending()
+    queued = [json.loads(d)["lsn"] for d in pending.chunk().docs]
+    assert sorted(accepted + queued) == want
+    assert len(set(accepted)) == len(accepted)
+    assert queued == want[:16]  # the first call of the first batch got the 503
+    for r in receiver.accepted():
+        assert r.lsns == sorted(r.lsns)
+        assert all(row["batch_id"] in (1, 2) for row in r.body["rows"])
+    assert (
+        metrics.registry.get_sample_value(
+            "eventplane_microbatch_outcomes_total", {"outcome": "committed"}
+        )
+        == 2
+    )
