@@ -27,7 +27,8 @@ Measured per server:
 3. server CPU-µs per event (user + system, all threads, from /proc/<pid>/stat)
    over the throughput run.
 
-Run: ``python -m bench.bench_ingest`` (``--duration 3`` for a quick look).
+Run: ``python -m bench.bench_ingest`` (``--duration 3`` for a quick look;
+``--repeat 3`` reports the best of three runs on a busy machine).
 """
 
 from __future__ import annotations
@@ -381,13 +382,19 @@ async def run_peer(kind: str, args: argparse.Namespace, workdir: Path) -> Result
     bodies = make_bodies(64, args.batch)
     server = Server(kind, workdir, args.cores)
     try:
-        eps, cpu = await closed_loop(server, bodies, args.clients, args.warmup, args.duration)
-        result.events_per_s, result.cpu_us_per_event = eps, cpu
-        result.latency_rate = eps / 2
-        p50, p99, achieved = await open_loop(
-            server, bodies, args.clients, result.latency_rate, args.duration
-        )
-        result.p50_ms, result.p99_ms, result.achieved_rate = p50, p99, achieved
+        # Best of --repeat runs: on a shared machine the best run is the one
+        # least disturbed by other processes, for every server alike.
+        for _ in range(args.repeat):
+            eps, cpu = await closed_loop(server, bodies, args.clients, args.warmup, args.duration)
+            if eps > result.events_per_s:
+                result.events_per_s, result.cpu_us_per_event = eps, cpu
+        result.latency_rate = result.events_per_s / 2
+        for _ in range(args.repeat):
+            p50, p99, achieved = await open_loop(
+                server, bodies, args.clients, result.latency_rate, args.duration
+            )
+            if not result.achieved_rate or p99 < result.p99_ms:
+                result.p50_ms, result.p99_ms, result.achieved_rate = p50, p99, achieved
     except Exception as exc:  # a peer that fails is reported, not fatal to the others
         result.errors.append(f"{type(exc).__name__}: {exc}")
     finally:
@@ -406,7 +413,8 @@ LABELS = {
 def render(results: list[Result], args: argparse.Namespace) -> str:
     lines = [
         f"HTTP ingest, fsync on, {args.batch} events/request, {args.clients} clients, "
-        f"{args.duration:g} s per run, {os.cpu_count()} CPUs (client and server share them)",
+        f"{args.duration:g} s per run (best of {args.repeat}), {os.cpu_count()} CPUs "
+        "(client and server share them)",
         f"load average before the run: {args.load_before}",
         "latency: open loop at half each server's events/s; p50/p99 from the scheduled send",
         "",
@@ -449,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--cores", type=int, default=4, help="daemon.cores for eventplane")
+    parser.add_argument("--repeat", type=int, default=1, help="report the best of N runs")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--serve", choices=PEERS, help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
