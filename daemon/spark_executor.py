@@ -255,6 +255,7 @@ class SparkExecutor:
         self._sinks: list[CdcSink] = []
         self._inbox: Path | None = cfg.data_dir / "spark-inbox" if uses_inbox(cfg) else None
         self._cores: int | None = None  # Spark's default parallelism, asked once
+        self._built: Any | None = None  # what the factory returned, even if unused
         self._handlers: list[tuple[str, Handler]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eventplane-spark")
         self._ready = asyncio.Event()
@@ -422,7 +423,7 @@ class SparkExecutor:
             self._status.session_attempts += 1
             started = time.monotonic()
             try:
-                session = await loop.run_in_executor(self._pool, self._factory)
+                session = await loop.run_in_executor(self._pool, self._build)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -448,6 +449,12 @@ class SparkExecutor:
             )
             return
 
+    def _build(self) -> Any:
+        """Worker thread: build, and remember the session even if boot is cancelled."""
+        session = self._factory()
+        self._built = session
+        return session
+
     def _mark_ready(self) -> None:
         self._status.state = State.READY
         self._ready.set()
@@ -455,12 +462,14 @@ class SparkExecutor:
     def _close_in_thread(self) -> None:
         for sink in self._sinks:
             sink.close()
-        if self._owns_session and self._session is not None:
+        # _built covers a session whose build finished after stop() cancelled the boot.
+        session = self._session or self._built
+        if self._owns_session and session is not None:
             try:
-                self._session.stop()
+                session.stop()
             except Exception:
                 log.exception("spark_session_stop_failed")
-            self._session = None
+        self._session = self._built = None
 
     # -- one batch -----------------------------------------------------------
 
