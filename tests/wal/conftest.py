@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.wal.helpers import OpenWal
 from wal import Wal
-
-OpenWal = Callable[..., Wal]
 
 
 @pytest.fixture
@@ -31,8 +30,3 @@ def open_wal(wal_dir: Path) -> Iterator[OpenWal]:
     yield factory
     for wal in opened:
         wal.close()
-
-
-def events(n: int, cores: int = 4, tag: str = "e") -> list[tuple[int, bytes]]:
-    """n (core, payload) items spread over ``cores`` cores, payloads unique per tag."""
-    return [(i % cores, f'{{"{tag}":{i}}}'.encode()) for i in range(n)]

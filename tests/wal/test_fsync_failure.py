@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 from structlog.testing import capture_logs
 
-from tests.wal.conftest import OpenWal, events
+from tests.wal.helpers import OpenWal, events
 from wal import Wal, WalFatalError
 
 REAL_FDATASYNC = os.fdatasync

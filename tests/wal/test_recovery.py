@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from tests.wal.conftest import OpenWal, events
+from tests.wal.helpers import OpenWal, events
 from wal import Record, Wal, WalCorruptionError
 from wal.format import SEGMENT_HEADER_SIZE, encode_segment_header, segment_name
 from wal.segments import scan, segment_files

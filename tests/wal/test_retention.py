@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.wal.conftest import OpenWal, events
+from tests.wal.helpers import OpenWal, events
 from wal import BelowRetainedFloorError
 from wal.segments import segment_files
 

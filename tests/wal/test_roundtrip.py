@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from tests.wal.conftest import OpenWal, events
+from tests.wal.helpers import OpenWal, events
 from wal import Record, Wal, WalClosedError, WalLockedError
 
 

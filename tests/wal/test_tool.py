@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.wal.conftest import OpenWal, events
+from tests.wal.helpers import OpenWal, events
 from tests.wal.test_recovery import fill, flip_bit, last_frames
 from wal import Wal, tool
 from wal.segments import scan, segment_files
