@@ -142,9 +142,6 @@ class EventPlane:
         loaded = await asyncio.to_thread(
             self._store.load, self.wal.wal_id, self.cores, plans_path=plans_path
         )
-        if not self._store.path.exists():
-            # Fix the identity from the first start on, even before any commit.
-            await asyncio.to_thread(self._store.save, loaded)
         # Step 2. Plan log.
         plans = await asyncio.to_thread(self._plan_log.open)
         # Step 3. Nothing may claim LSNs the WAL does not have.
@@ -159,6 +156,9 @@ class EventPlane:
                 "New events would reuse those LSNs. Restore the WAL that matches, or move "
                 f"{self._store.path.name} and {plans_path.name} aside to reprocess this WAL"
             )
+        if not self._store.path.exists():
+            # Fix the identity from the first start on, even before any commit.
+            await asyncio.to_thread(self._store.save, loaded)
         wm = self.watermarks = Watermarks(loaded, self.metrics)
         # Step 4. Planner and consumers.
         c = cfg.consumer
