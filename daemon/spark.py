@@ -13,6 +13,8 @@ always win):
 - ``spark.sql.variant.allowDuplicateKeys = true``: ingest accepts any JSON
   object; a duplicate key (last one wins, as in most JSON parsers) must not
   turn into a batch that fails forever.
+- ``spark.sql.maxConcurrentOutputFileWriters = 16``: partitioned writes keep
+  one writer per collection instead of sorting each batch by collection.
 - UI off and the console progress bar off: a daemon has no terminal and the
   UI port is an attack surface nobody asked for.
 - Spark's JVM log at ``log_level`` (WARN by default) from the first line on,
@@ -38,6 +40,11 @@ _DAEMON_DEFAULTS: dict[str, str] = {
     "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
     "spark.sql.variant.allowDuplicateKeys": "true",
     "spark.ui.showConsoleProgress": "false",
+    # A batch touches a handful of collections: one open Parquet writer per
+    # collection per task beats sorting every row by collection first (Spark
+    # falls back to the sort past 16 partitions in one task). Measured ~20 %
+    # off a 100k-row CDC write here.
+    "spark.sql.maxConcurrentOutputFileWriters": "16",
     # Batches arrive as one Arrow table; the default 10k rows per Arrow batch
     # (= per partition) would split a 100k-row batch into 10 tiny tasks.
     "spark.sql.execution.arrow.maxRecordsPerBatch": "50000",
