@@ -17,8 +17,14 @@
 
 Both sides get one untimed warm-up run first (JIT, class loading), then the
 timed run; each output is counted afterwards to prove every event landed once.
-End-to-end numbers (HTTP ingest -> WAL -> consumers -> Spark) are added once
-the daemon is wired (daemon/app.py).
+With ``--e2e`` it also runs the whole daemon (``eventplane run`` in a
+subprocess: HTTP ingest with fsync "always" -> WAL -> rings/consumers ->
+planner -> this executor -> CDC table) on the same events, posted by
+``--clients`` closed-loop producers in requests of 1000 events, timed from the
+first request to the moment the stream's ledger holds every event; then the
+ingest-to-visible latency at ``--rate`` events/s (open loop, requests of 200
+events on a fixed schedule; visible = the ledger has committed every LSN of
+the request on its core, polled every 20 ms).
 """
 
 from __future__ import annotations
@@ -39,11 +45,15 @@ from typing import Any
 
 from daemon.batch import MicroBatch, Slice
 from daemon.config import CdcConfig, CdcStream, Config, DaemonConfig, SparkConfig
-from daemon.events import StoredEvent, encode
+from daemon.events import Op, StoredEvent, encode
 from daemon.metrics import Metrics
 from daemon.spark import build_session
 from daemon.spark_executor import SparkExecutor
 from wal.record import Record
+
+E2E_REQUEST_EVENTS = 1000
+LATENCY_REQUEST_EVENTS = 200
+POLL_S = 0.02
 
 CORES = 4
 COLLECTIONS = ("orders", "users", "payments", "shipments")
@@ -61,10 +71,10 @@ class Result:
         return self.events / self.seconds if self.seconds else 0.0
 
 
-def _event(i: int) -> tuple[str, str, str, bytes, bytes | None]:
+def _event(i: int) -> tuple[str, Op, str, bytes, bytes | None]:
     collection = COLLECTIONS[i % len(COLLECTIONS)]
     key = f"k{(i * 7919) % 100_000}"
-    op = "insert" if i % 3 == 0 else "update"
+    op: Op = "insert" if i % 3 == 0 else "update"
     new = b'{"amount":%d,"qty":%d,"status":"paid","sku":"sku-%06d"}' % (i % 5000, i % 7, i % 1000)
     old = None if op == "insert" else b'{"amount":%d}' % (i % 4000)
     return collection, op, key, new, old
@@ -198,6 +208,240 @@ def run_peer(spark: Any, src: Path, out: Path, files_per_trigger: int) -> float:
     return seconds
 
 
+# --------------------------------------------------------------------------
+# End to end: the daemon in a subprocess, HTTP producers here
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ndjson(first: int, count: int) -> tuple[bytes, list[tuple[str, str]]]:
+    lines, keys = [], []
+    for i in range(first, first + count):
+        collection, op, key, new, old = _event(i)
+        old_text = (old or b"null").decode()
+        lines.append(
+            f'{{"collection":"{collection}","op":"{op}","key":"{key}",'
+            f'"new":{new.decode()},"old":{old_text}}}'
+        )
+        keys.append((collection, key))
+    return ("\n".join(lines) + "\n").encode(), keys
+
+
+@dataclass
+class Daemon:
+    proc: Any
+    ingest: str
+    admin: str
+    table: Path
+    log: Path
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+def start_daemon(root: Path, master: str, interval_ms: int, max_rows: int) -> Daemon:
+    import subprocess
+    import urllib.request
+
+    root.mkdir(parents=True)
+    ingest, admin = _free_port(), _free_port()
+    config = root / "config.toml"
+    config.write_text(f"""
+[daemon]
+data_dir = "data"
+cores = {CORES}
+[ingest]
+listen = "127.0.0.1:{ingest}"
+[admin]
+listen = "127.0.0.1:{admin}"
+[wal]
+fsync = "always"
+[spark]
+master = "{master}"
+log_level = "ERROR"
+[spark.conf]
+"spark.sql.shuffle.partitions" = "4"
+"spark.driver.memory" = "4g"
+[microbatch]
+interval_ms = {interval_ms}
+max_rows = {max_rows}
+[log]
+level = "warning"
+format = "json"
+[[cdc.streams]]
+name = "all"
+collections = "*"
+path = "cdc"
+""")
+    log = root / "daemon.log"
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "run", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    d = Daemon(proc, f"http://127.0.0.1:{ingest}", f"http://127.0.0.1:{admin}", root / "cdc", log)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"daemon exited with {proc.returncode}:\n{d.tail()}")
+        try:
+            with urllib.request.urlopen(f"{d.admin}/v1/status", timeout=2) as r:
+                if json.load(r).get("spark", {}).get("ready"):
+                    return d
+        except OSError:
+            pass
+        time.sleep(0.5)
+    stop_daemon(d)
+    raise SystemExit(f"daemon's Spark not ready after 300 s:\n{d.tail()}")
+
+
+def stop_daemon(d: Daemon) -> None:
+    import signal
+    import subprocess
+
+    if d.proc.poll() is None:
+        d.proc.send_signal(signal.SIGTERM)
+        try:
+            d.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            d.proc.wait(10)
+
+
+def _ledger_state(table: Path) -> tuple[int, dict[int, int]]:
+    from daemon.cdc import read_ledger
+
+    try:
+        ledger = read_ledger(table)
+    except Exception:  # mid-replace on a slow disk: read again next poll
+        return -1, {}
+    return (ledger.rows_total, dict(ledger.high_lsn)) if ledger else (0, {})
+
+
+async def _post(session: Any, url: str, body: bytes) -> dict[str, int]:
+    headers = {"Content-Type": "application/x-ndjson"}
+    while True:
+        async with session.post(f"{url}/v1/events", data=body, headers=headers) as r:
+            if r.status == 429:
+                await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
+                continue
+            if r.status != 200:
+                raise SystemExit(f"ingest answered {r.status}: {await r.text()}")
+            return dict(await r.json())
+
+
+async def e2e_throughput(
+    d: Daemon, events: int, clients: int, first: int = 1, already: int = 0
+) -> tuple[float, float]:
+    """(seconds until all visible, seconds until all acknowledged), from the first post.
+
+    Posts events ``first .. first + events - 1``; ``already`` events were committed
+    before (the warm-up), so "all visible" means the ledger holds both.
+    """
+    import aiohttp
+
+    last = first + events - 1
+    bodies = [
+        _ndjson(i, min(E2E_REQUEST_EVENTS, last - i + 1))[0]
+        for i in range(first, last + 1, E2E_REQUEST_EVENTS)
+    ]
+    todo = iter(bodies)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as session:
+
+        async def producer() -> None:
+            for body in todo:
+                await _post(session, d.ingest, body)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(producer() for _ in range(clients)))
+        acked = time.perf_counter() - started
+    while _ledger_state(d.table)[0] < already + events:
+        if d.proc.poll() is not None:
+            raise SystemExit(f"daemon died:\n{d.tail()}")
+        await asyncio.sleep(POLL_S)
+    return time.perf_counter() - started, acked
+
+
+async def e2e_latency(d: Daemon, first_event: int, rate: int, seconds: float) -> list[float]:
+    """Ingest-to-visible latency of each request, in seconds (open loop at ``rate``)."""
+    import aiohttp
+
+    n_req = max(1, int(rate * seconds / LATENCY_REQUEST_EVENTS))
+    requests = [
+        _ndjson(first_event + i * LATENCY_REQUEST_EVENTS, LATENCY_REQUEST_EVENTS)
+        for i in range(n_req)
+    ]
+    period = LATENCY_REQUEST_EVENTS / rate
+    snapshots: list[tuple[float, dict[int, int]]] = []
+    done = asyncio.Event()
+
+    async def poll() -> None:
+        while not done.is_set():
+            snapshots.append((time.perf_counter(), _ledger_state(d.table)[1]))
+            await asyncio.sleep(POLL_S)
+
+    sent: list[tuple[float, dict[int, int]]] = []  # (scheduled time, per-core LSN needed)
+    poller = asyncio.create_task(poll())
+    async with aiohttp.ClientSession() as session:
+        t0 = time.perf_counter() + 0.1
+
+        async def one(i: int) -> None:
+            due = t0 + i * period
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            ack = await _post(session, d.ingest, requests[i][0])
+            sent.append((due, _needs(ack["first_lsn"], requests[i][1])))
+
+        await asyncio.gather(*(one(i) for i in range(n_req)))
+    deadline = time.perf_counter() + 300
+    while time.perf_counter() < deadline:
+        if snapshots and all(_visible_at(snapshots[-1:], need) for _, need in sent):
+            break
+        await asyncio.sleep(POLL_S)
+    done.set()
+    await poller
+    latencies = []
+    for due, need in sent:
+        at = _visible_at(snapshots, need)
+        if at is None:
+            raise SystemExit(f"request due at {due:.3f} never became visible:\n{d.tail()}")
+        latencies.append(at - due)
+    return latencies
+
+
+def _needs(first_lsn: int, keys: list[tuple[str, str]]) -> dict[int, int]:
+    """Per core, the highest LSN of the request on that core."""
+    from daemon.shard import core_of
+
+    need: dict[int, int] = {}
+    for i, (collection, key) in enumerate(keys):
+        c = core_of(collection, key, CORES)
+        need[c] = max(need.get(c, 0), first_lsn + i)
+    return need
+
+
+def _visible_at(
+    snapshots: Sequence[tuple[float, dict[int, int]]], need: dict[int, int]
+) -> float | None:
+    for t, high in snapshots:  # high LSNs only grow: the first match is the time
+        if all(high.get(c, 0) >= lsn for c, lsn in need.items()):
+            return t
+    return None
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def count_once(spark: Any, path: Path, expected: int) -> None:
     rows = spark.read.parquet(str(path)).selectExpr("count(*) AS n", "count(DISTINCT lsn) AS d")
     n, d = rows.first()
@@ -253,6 +497,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup-events", type=int, default=20_000)
     p.add_argument("--dir", type=Path, help="work folder (default: a temp folder, removed)")
     p.add_argument("--json", action="store_true", help="print results as JSON too")
+    p.add_argument(
+        "--e2e",
+        action="store_true",
+        help="also run the whole daemon over HTTP (see the module docstring)",
+    )
+    p.add_argument("--clients", type=int, default=8, help="e2e producers (default 8)")
+    p.add_argument(
+        "--rate", type=int, default=20_000, help="e2e latency run: events/s (default 20000)"
+    )
+    p.add_argument("--latency-seconds", type=float, default=10.0)
+    p.add_argument(
+        "--interval-ms",
+        type=int,
+        default=1000,
+        help="e2e daemon's microbatch.interval_ms (default 1000, the shipped value)",
+    )
     args = p.parse_args(argv)
 
     root = Path(tempfile.mkdtemp(prefix="bench-cdc-", dir=args.dir))
@@ -288,7 +548,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(root / f"ep{n}", ignore_errors=True)
             shutil.rmtree(out, ignore_errors=True)
 
+        extra: list[Result] = []
+        latency: list[float] = []
+        if args.e2e:
+            print("end to end: eventplane run + HTTP producers ...", file=sys.stderr)
+            d = start_daemon(root / "e2e", args.master, args.interval_ms, args.batch_rows)
+            try:
+                # Warm-up (JIT, first-job set-up), not timed, like the other sides'.
+                warm_n = args.warmup_events
+                asyncio.run(e2e_throughput(d, warm_n, args.clients, first=args.events + 1))
+                visible, acked = asyncio.run(
+                    e2e_throughput(d, args.events, args.clients, already=warm_n)
+                )
+                print(
+                    f"  all acknowledged after {acked:.2f}s, all visible after {visible:.2f}s",
+                    file=sys.stderr,
+                )
+                print(f"end to end: latency at {args.rate:,} events/s ...", file=sys.stderr)
+                latency = asyncio.run(
+                    e2e_latency(d, args.events + warm_n + 1, args.rate, args.latency_seconds)
+                )
+            finally:
+                stop_daemon(d)
+            total = warm_n + args.events + len(latency) * LATENCY_REQUEST_EVENTS
+            count_once(spark, d.table, total)
+            extra.append(
+                Result(
+                    "eventplane end to end: HTTP (fsync) -> WAL -> consumers -> Spark -> CDC",
+                    args.events,
+                    visible,
+                )
+            )
+
         results = [
+            *extra,
             Result(
                 "eventplane executor: batches -> Arrow -> VARIANT -> exactly-once CDC",
                 args.events,
@@ -309,6 +602,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rounds=args.rounds,
             )
         )
+        if latency:
+            print(
+                f"\ningest-to-visible latency at {args.rate:,} events/s "
+                f"(microbatch.interval_ms = {args.interval_ms}, {len(latency)} requests of "
+                f"{LATENCY_REQUEST_EVENTS}): p50 {_percentile(latency, 0.5) * 1000:.0f} ms, "
+                f"p99 {_percentile(latency, 0.99) * 1000:.0f} ms"
+            )
         if args.json:
             print(
                 json.dumps(
@@ -323,6 +623,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                             for r in results
                         ],
                         "rounds": {"eventplane": ours, "peer": peers},
+                        "latency_s": {
+                            "p50": _percentile(latency, 0.5),
+                            "p99": _percentile(latency, 0.99),
+                        }
+                        if latency
+                        else None,
                     }
                 )
             )
