@@ -176,9 +176,12 @@ class Loader(threading.Thread):
     acknowledged must survive any SIGKILL.
     """
 
-    def __init__(self, url: str, batch: int = 200, producers: int = 4) -> None:
+    def __init__(
+        self, url: str, batch: int = 200, producers: int = 4, pause_s: float = 0.0
+    ) -> None:
         super().__init__(daemon=True)
         self.url = url
+        self.pause_s = pause_s
         self.batch = batch
         self.producers = producers
         self.acked: list[tuple[int, int]] = []
@@ -199,6 +202,8 @@ class Loader(threading.Thread):
             with self._lock:
                 self.acked.append((resp["first_lsn"], resp["last_lsn"]))
             i += self.batch
+            if self.pause_s and self._halt.wait(self.pause_s):
+                return
 
     def run(self) -> None:
         threads = [

@@ -28,6 +28,9 @@ from tests.integration.harness import DaemonProcess, Loader, write_config
 from tests.integration.test_crash_recording import _wait_caught_up
 
 KILLS = 20
+# Paced producers (~16k events/s): the point is to hit commit steps with
+# batches in flight, not to pile up a backlog Spark needs minutes to clear.
+PAUSE_S = 0.05
 
 
 def _wait_spark_ready(daemon: DaemonProcess, timeout_s: float = 120.0) -> None:
@@ -71,7 +74,8 @@ def test_sigkill_at_commit_steps_and_random_points_keeps_cdc_exactly_once(
     for point in CRASH_POINTS:
         daemon = DaemonProcess.production(config, env={"EVENTPLANE_CRASH_AT": f"{point}@2"})
         daemon.start(timeout_s=120)
-        loader = Loader(daemon.ingest_url, batch=200, producers=4)
+        _wait_spark_ready(daemon)
+        loader = Loader(daemon.ingest_url, batch=200, producers=4, pause_s=PAUSE_S)
         loader.start()
         try:
             rc = daemon.wait(timeout_s=120)
@@ -86,14 +90,14 @@ def test_sigkill_at_commit_steps_and_random_points_keeps_cdc_exactly_once(
     while kills < KILLS:
         daemon = DaemonProcess.production(config).start(timeout_s=120)
         _wait_spark_ready(daemon)
-        loader = Loader(daemon.ingest_url, batch=200, producers=4)
+        loader = Loader(daemon.ingest_url, batch=200, producers=4, pause_s=PAUSE_S)
         loader.start()
         time.sleep(rng.uniform(0.3, 2.0))
         daemon.kill()
         loader.stop()
         acked |= loader.acked_lsns()
         kills += 1
-    assert len(acked) > 5_000, "the load was too light to prove anything"
+    assert len(acked) > 2_000, "the load was too light to prove anything"
 
     # Step 3. Recover and let every batch commit.
     daemon = DaemonProcess.production(config).start(timeout_s=120)
