@@ -193,6 +193,7 @@ class Daemon:
                     self.should_exit = True
                     break
                 self._publish_wal_gauges()
+                self._check_retry_loop()
                 if self.reload_requested:
                     self.reload_requested = False
                     await self._reload()
@@ -255,6 +256,12 @@ class Daemon:
         from daemon.spark_executor import SparkExecutor
 
         return SparkExecutor(cfg, self.metrics, stages)
+
+    def _check_retry_loop(self) -> None:
+        """The trigger retry loop gives up after repeated failures: fail-stop then."""
+        task = getattr(self.triggers, "retry_task", None)
+        if task is not None and task.done() and not task.cancelled() and task.exception():
+            self.fail(f"trigger retry loop stopped: {task.exception()}")
 
     def _publish_wal_gauges(self) -> None:
         if self.wal is not None:
