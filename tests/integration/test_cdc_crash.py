@@ -62,6 +62,8 @@ path = "{table}"
 
 @pytest.mark.spark
 @pytest.mark.crash
+# 20 daemon lifetimes, each booting Spark (5-40 s depending on machine load).
+@pytest.mark.timeout(1500)
 def test_sigkill_at_commit_steps_and_random_points_keeps_cdc_exactly_once(
     tmp_path: Path, spark: Any
 ) -> None:
