@@ -173,14 +173,19 @@ async def read_range(
             await sleep(retry_ms / 1000)
 
 
+# A long catch-up logs its progress this often (operators watch the journal).
+PROGRESS_LOG_S = 10.0
+
+
 class CatchupProgress:
-    __slots__ = ("reason", "replayed", "start_lsn", "started")
+    __slots__ = ("last_logged", "reason", "replayed", "start_lsn", "started")
 
     def __init__(self, reason: Reason, start_lsn: int, started: float) -> None:
         self.reason = reason
         self.start_lsn = start_lsn
         self.started = started
         self.replayed = 0
+        self.last_logged = started
 
 
 class Consumer:
@@ -263,6 +268,15 @@ class Consumer:
             "eta_s": round(remaining / lsn_rate, 3) if lsn_rate > 0 else None,
             "elapsed_s": round(elapsed, 3),
         }
+
+    def _log_progress(self) -> None:
+        """Every PROGRESS_LOG_S of a catch-up: events replayed, rate and ETA."""
+        p = self.progress
+        now = self._clock()
+        if p is None or now - p.last_logged < PROGRESS_LOG_S:
+            return
+        p.last_logged = now
+        log.info("catchup_progress", **(self.status(self.wal.head_lsn()) or {}))
 
     # ------------------------------------------------------------------
     # Transitions
@@ -458,5 +472,6 @@ class Consumer:
         self._replayed.inc(n)
         if self.progress is not None:
             self.progress.replayed += n
+            self._log_progress()
         # Keep the ring from filling with entries we already have.
         self.ring.discard_through(last)

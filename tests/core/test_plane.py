@@ -13,6 +13,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
+import daemon.consumer as consumer_module
 from daemon.config import Config
 from daemon.consumer import Mode
 from daemon.errors import ConsumerFailedError, IdentityMismatchError
@@ -603,3 +604,21 @@ async def test_watermarks_are_flushed_as_soon_as_a_catchup_is_committed(
     await h.executor.wait_rows(30)
     store = WatermarkStore(h.cfg.data_dir / "watermarks.json")
     await h.until(lambda: store.load(h.wal.wal_id, 1).lsns == (30,))
+
+
+async def test_long_catchup_logs_replayed_rate_and_eta_at_a_steady_cadence(
+    make_harness: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the cadence at zero every replayed chunk logs its progress line."""
+    monkeypatch.setattr(consumer_module, "PROGRESS_LOG_S", 0.0)
+    h = make_harness(cores=1)
+    for _ in range(20):
+        await h.feed([(0, b"p" * 100)])
+    with structlog.testing.capture_logs() as logs:
+        await h.plane.start()
+        await h.executor.wait_rows(20)
+    lines = [e for e in logs if e["event"] == "catchup_progress"]
+    assert lines, "no catchup_progress line during a boot catch-up"
+    last = lines[-1]
+    assert last["reason"] == "boot" and last["replayed"] > 0
+    assert {"rate", "eta_s", "remaining_lsns"} <= last.keys()
