@@ -255,7 +255,9 @@ class Daemon:
             return NullExecutor()
         from daemon.spark_executor import SparkExecutor
 
-        return SparkExecutor(cfg, self.metrics, stages)
+        # The WAL id goes into every CDC ledger: a table of another WAL refuses to start.
+        wal_id = self.wal.wal_id if self.wal is not None else ""
+        return SparkExecutor(cfg, self.metrics, stages, wal_id=wal_id)
 
     def _check_retry_loop(self) -> None:
         """The trigger retry loop gives up after repeated failures: fail-stop then."""
