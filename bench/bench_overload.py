@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--producers", type=int, default=16)
+    ap.add_argument(
+        "--no-spark",
+        action="store_true",
+        help="no CDC stream: batches commit at once (the floor without the executor)",
+    )
     args = ap.parse_args(argv)
 
     ring_capacity, ring_bytes, pending = 65_536, 16 * MiB, 64 * MiB
@@ -57,7 +62,9 @@ pending_max_bytes = {pending}
 [spark]
 master = "local[2]"
 log_level = "ERROR"
-
+"""
+        if not args.no_spark:
+            extra += f"""
 [[cdc.streams]]
 name = "all"
 collections = "*"
@@ -90,7 +97,7 @@ path = "{d / "cdc"}"
 
     print(
         f"\nDaemon RSS under overload ({args.producers} producers x 1000-event requests,"
-        f" fsync on, 4 cores, Spark local[2])"
+        f" fsync on, 4 cores, {'no executor' if args.no_spark else 'Spark local[2]'})"
     )
     print(
         f"budgets: ring {ring_capacity} events / {ring_bytes // MiB} MiB per core,"

@@ -466,6 +466,7 @@ class EventPlane:
                     "delivered_lsn": consumer.last_lsn if consumer else None,
                     "pending_rows": planner.pending_rows(core) if planner else 0,
                     "pending_bytes": planner.pending_bytes(core) if planner else 0,
+                    "inflight_bytes": planner.inflight_bytes(core) if planner else 0,
                     "catchups": consumer.catchups if consumer else 0,
                     "catchup": consumer.status(head) if consumer else None,
                 }

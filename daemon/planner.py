@@ -337,12 +337,25 @@ class PlanLog:
 
 
 class _Pending:
-    __slots__ = ("backlog", "catching_up", "last_lsn", "nbytes", "parts", "room", "rows")
+    __slots__ = (
+        "backlog",
+        "catching_up",
+        "inflight",
+        "last_lsn",
+        "nbytes",
+        "parts",
+        "room",
+        "rows",
+    )
 
     def __init__(self) -> None:
         self.parts: list[tuple[Part, int]] = []  # (part, part_bytes)
         self.rows = 0
         self.nbytes = 0
+        # Bytes of this core's slice in the running batch: still in memory
+        # (and decoded by the executor) until the batch commits, so they
+        # count against the same budget as the pending parts.
+        self.inflight = 0
         self.last_lsn = 0
         self.catching_up = False
         # Rows replayed by a catch-up that just ended are still pending: the
@@ -424,16 +437,17 @@ class Planner:
         p.rows += len(part)
         p.nbytes += size
         p.last_lsn = last_lsn(part)
-        if p.nbytes >= self.pending_max_bytes:
-            # Full: the consumer waits for room, so close a batch now rather
-            # than at the next interval.
+        if p.nbytes + p.inflight >= self.pending_max_bytes:
+            # Over budget: the consumer waits for room (the WAL keeps the
+            # rest). Pending alone full: close a batch now, not at the interval.
             p.room.clear()
-            self._wake.set()
-        elif p.rows >= self._limit(p):
+        if p.nbytes >= self.pending_max_bytes or p.rows >= self._limit(p):
             self._wake.set()
 
     def has_room(self, core: int) -> bool:
-        return self._pending[core].nbytes < self.pending_max_bytes
+        """Pending plus running bytes of the core are under ``pending_max_bytes``."""
+        p = self._pending[core]
+        return p.nbytes + p.inflight < self.pending_max_bytes
 
     async def wait_room(self, core: int) -> None:
         await self._pending[core].room.wait()
@@ -449,6 +463,10 @@ class Planner:
 
     def pending_bytes(self, core: int) -> int:
         return self._pending[core].nbytes
+
+    def inflight_bytes(self, core: int) -> int:
+        """Bytes of the core's slice in the running batch (0 when none runs)."""
+        return self._pending[core].inflight
 
     def owes(self, core: int) -> bool:
         """True while the core has rows that are delivered but not committed."""
@@ -544,10 +562,10 @@ class Planner:
         for core, p in enumerate(self._pending):
             if not p.rows:
                 continue
+            before = p.nbytes
             taken = self._take(p, self._limit(p))
+            p.inflight = before - p.nbytes
             p.backlog = False
-            if p.nbytes < self.pending_max_bytes:
-                p.room.set()
             slices[core] = Slice(core, first_lsn(taken[0]), last_lsn(taken[-1]), Rows(taken))
         self._last_close = self._clock()
         if not slices:
@@ -653,6 +671,10 @@ class Planner:
         self.watermarks.commit(batch)
         self._running = None
         self._running_ranges = {}
+        for p in self._pending:
+            p.inflight = 0
+            if p.nbytes < self.pending_max_bytes:
+                p.room.set()
         elapsed = self._clock() - started
         m = self.metrics
         m.batch_duration.observe(elapsed)

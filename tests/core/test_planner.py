@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from daemon.batch import MicroBatch
 from daemon.config import MicrobatchConfig
 from daemon.metrics import Metrics
 from daemon.planner import RECORD_OVERHEAD_BYTES, PlanLog, PlanMismatchError, Planner, Ranges
@@ -172,6 +173,41 @@ async def test_pending_bytes_bound_closes_room_until_a_batch_takes_the_rows(
 
     await asyncio.wait_for(waiter, 1)
     assert planner.has_room(0) and planner.pending_bytes(0) == 0
+
+
+async def test_running_batch_counts_against_the_budget_until_it_commits(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    """Closing a slice moves its bytes from pending to in flight, not out of the
+    budget: room opens only once the batch that holds them commits."""
+    bound = 3 * (RECORD_OVERHEAD_BYTES + 100)
+    planner, _ = make_planner(tmp_path, executor, metrics, pending_max_bytes=bound)
+    executor.stall = asyncio.Event()
+    started = asyncio.Event()
+    original = executor.execute
+
+    async def execute(batch: MicroBatch) -> None:
+        started.set()
+        await original(batch)
+
+    executor.execute = execute  # type: ignore[method-assign]
+    planner.add(0, [rec(lsn, payload=b"x" * 100) for lsn in (1, 2, 3)])
+    running = asyncio.create_task(planner.run_once())
+    await asyncio.wait_for(started.wait(), 1)
+
+    assert planner.pending_bytes(0) == 0
+    assert planner.inflight_bytes(0) == bound
+    assert not planner.has_room(0)
+    planner.add(0, [rec(4, payload=b"x" * 100)])
+    waiter = asyncio.create_task(planner.wait_room(0))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+
+    executor.stall.set()
+    await asyncio.wait_for(running, 1)
+    await asyncio.wait_for(waiter, 1)
+    assert planner.inflight_bytes(0) == 0
+    assert planner.has_room(0) and planner.pending_rows(0) == 1
 
 
 async def test_planned_batch_is_rerun_after_restart_with_the_same_id_and_rows(
