@@ -68,6 +68,7 @@ async def _wait_for_signal() -> None:
 
 
 async def _serve_eventplane(directory: Path, port_file: Path, cores: int) -> None:
+    from daemon.app import tune_gc
     from daemon.config import Config, DaemonConfig, IngestConfig, Listen
     from daemon.ingest import IngestServer
     from daemon.metrics import Metrics
@@ -86,6 +87,7 @@ async def _serve_eventplane(directory: Path, port_file: Path, cores: int) -> Non
         ingest=IngestConfig(listen=Listen("127.0.0.1", 0), max_lag_events=1 << 62),
     )
     server = IngestServer(cfg, wal, Metrics(), lag=lambda: 0)
+    tune_gc()  # as `eventplane run` does
     await server.start()
     await asyncio.to_thread(port_file.write_text, str(server.port))
     await _wait_for_signal()
