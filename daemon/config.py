@@ -60,6 +60,9 @@ class IngestConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 256
+    # Bodies being read or parsed at once hold at most this many bytes; more
+    # requests wait their turn (within their body deadline).
+    max_buffered_bytes: int = 128 * MiB
     # Disk bound (invariant 12): 429 when the slowest core lags more than this.
     max_lag_events: int = 50_000_000
     retry_after_s: int = 1
@@ -334,6 +337,7 @@ _INGEST: dict[str, Checker] = {
     "header_timeout_s": _float(0.0),
     "body_timeout_s": _float(0.0),
     "max_connections": _int(1),
+    "max_buffered_bytes": _int(1 * KiB),
     "max_lag_events": _int(1),
     "retry_after_s": _int(1),
 }
@@ -584,6 +588,11 @@ def _cross_checks(cfg: Config, errors: list[str]) -> None:
         )
     if cfg.ingest.max_event_bytes > cfg.ingest.max_body_bytes:
         errors.append("ingest.max_event_bytes: must be <= ingest.max_body_bytes")
+    if cfg.ingest.max_buffered_bytes < cfg.ingest.max_body_bytes:
+        errors.append(
+            f"ingest.max_buffered_bytes: must be >= ingest.max_body_bytes "
+            f"({cfg.ingest.max_body_bytes}), or a body of the maximum size could never be read"
+        )
     if cfg.ingest.listen == cfg.admin.listen and cfg.ingest.listen.port != 0:
         errors.append(f"admin.listen: same address as ingest.listen ({cfg.ingest.listen})")
     if cfg.spark.remote and "master" in cfg.spark.conf:

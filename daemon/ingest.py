@@ -62,10 +62,6 @@ MAX_REPORTED_ERRORS = 100
 # After an early answer (413, 408, 429, ...) aiohttp keeps reading and discarding
 # the unread body this long, so the client sees the answer instead of a reset.
 LINGER_S = 2.0
-# Bodies being read or parsed may hold at most this many max-size bodies of
-# memory at once; the rest wait (inside their body deadline). Parsed events
-# and payloads add about 2x on top, so ingest stays within ~3x this budget.
-BUFFERED_BODIES = 8
 
 
 class WalAppender(Protocol):
@@ -414,7 +410,9 @@ class IngestServer:
         self._max_body = c.max_body_bytes
         self._max_event = c.max_event_bytes
         self._max_events = c.max_events_per_request
-        self._budget = ByteBudget(BUFFERED_BODIES * c.max_body_bytes)
+        # Bodies being read or parsed hold at most max_buffered_bytes; parsed
+        # events and payloads add about 2x on top, so ingest stays within ~3x.
+        self._budget = ByteBudget(c.max_buffered_bytes)
         self._draining = False
         self._wal_errors_logged: set[type[Exception]] = set()
         self._refusing = 0

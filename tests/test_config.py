@@ -104,3 +104,13 @@ def test_unparseable_toml_says_where(tmp_path: Path) -> None:
     path.write_text("[daemon\n")
     with pytest.raises(ConfigError, match=r"not valid TOML .*line 1"):
         config.load(path)
+
+
+def test_ingest_buffer_smaller_than_one_body_is_rejected_with_both_limits() -> None:
+    raw = {"ingest": {"max_body_bytes": 4 * 1024 * 1024, "max_buffered_bytes": 1024 * 1024}}
+    with pytest.raises(ConfigError) as info:
+        config.parse(raw)
+    assert info.value.errors == [
+        "ingest.max_buffered_bytes: must be >= ingest.max_body_bytes (4194304), or a body "
+        "of the maximum size could never be read"
+    ]

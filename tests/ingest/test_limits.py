@@ -184,8 +184,10 @@ async def test_byte_budget_waiter_cancelled_frees_its_place() -> None:
 async def test_requests_beyond_the_memory_budget_wait_then_succeed(
     start_ingest: StartIngest, wal: Any
 ) -> None:
-    """With the budget taken, a request waits (within its body deadline), then runs."""
-    server = await start_ingest(max_body_bytes=4096, body_timeout_s=5.0)
+    """With the budget (ingest.max_buffered_bytes) taken, a request waits within its
+    body deadline, then runs."""
+    server = await start_ingest(max_body_bytes=4096, max_buffered_bytes=8192, body_timeout_s=5.0)
+    assert server._budget.limit == 8192
     await server._budget.acquire(server._budget.limit)
     async with aiohttp.ClientSession() as session:
         pending = asyncio.ensure_future(post(session, server, ndjson([event(1)])))
