@@ -89,6 +89,14 @@ def _load(args: argparse.Namespace) -> configmod.Config:
     return configmod.load(args.config)
 
 
+def _load_for_client(args: argparse.Namespace) -> configmod.Config:
+    """Config for a command that talks to a daemon: with ``--url`` and no config
+    file at the default place, the defaults do (nothing else is read from it)."""
+    if args.url and args.config is None and not configmod.default_path().exists():
+        return configmod.parse({})
+    return _load(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -112,11 +120,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "status":
         from daemon import statuscmd
 
-        return statuscmd.main(args, _load(args))
+        return statuscmd.main(args, _load_for_client(args))
     if args.command == "send":
         from daemon import send
 
-        return send.main(args, _load(args))
+        return send.main(args, _load_for_client(args))
     if args.command == "wal":
         from wal import tool
 

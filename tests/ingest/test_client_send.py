@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from daemon.client import (
     SyncIngestClient,
     parse_retry_after,
 )
+from daemon.config import ENV_CONFIG
 from tests.conftest import free_port
 from tests.ingest.conftest import StartIngest, event, make_cfg, ndjson, stored
 
@@ -182,6 +184,27 @@ async def run_send(tmp_path: Path, url: str, stdin: bytes, *args: str) -> tuple[
     out, err = await asyncio.wait_for(proc.communicate(stdin), 60.0)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+async def test_send_with_url_needs_no_config_file(
+    start_ingest: StartIngest, wal: Any, tmp_path: Path
+) -> None:
+    server = await start_ingest()
+    proc = await asyncio.create_subprocess_exec(
+        str(EVENTPLANE),
+        "send",
+        "--url",
+        server.url,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=tmp_path,  # no config.toml here
+        env={k: v for k, v in os.environ.items() if k != ENV_CONFIG},
+    )
+    out, err = await asyncio.wait_for(proc.communicate(ndjson([event(1), event(2)])), 60.0)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().startswith("sent 2 events in 1 requests, LSN 1..2, ")
+    assert [e.key for _, _, e in stored(wal)] == ["k1", "k2"]
 
 
 async def test_send_posts_stdin_in_batches_in_order(
