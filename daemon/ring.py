@@ -26,10 +26,13 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from daemon.errors import LsnRegressionError
 from wal.record import Record
+
+_payload = itemgetter(3)
 
 if TYPE_CHECKING:
     from daemon.metrics import Metrics
@@ -123,6 +126,24 @@ class Ring:
         self.nbytes += size
         return True
 
+    def offer_all(self, records: list[Record]) -> int:
+        """:meth:`offer` each of ``records`` (LSN order); returns how many were dropped.
+
+        One call per core and group: when all of them fit, they go in at once.
+        """
+        entries = self._entries
+        if len(entries) + len(records) <= self.capacity:
+            size = sum(map(len, map(_payload, records)))
+            if self.nbytes + size <= self.max_bytes:
+                entries.extend(records)
+                self.nbytes += size
+                last = records[-1]
+                self.emitted = last.seq
+                self.offered_lsn = last.lsn
+                return 0
+        offer = self.offer
+        return sum(not offer(r) for r in records)
+
     def take(self, limit: int) -> list[Record]:
         """Remove and return up to ``limit`` records, oldest first."""
         entries = self._entries
@@ -208,9 +229,31 @@ class RingSet:
             return
         rings = self.rings
         ncores = len(rings)
+        first, last = records[0].lsn, records[-1].lsn
+        if first <= self.pushed_lsn or [r.lsn for r in records] != list(range(first, last + 1)):
+            # A WAL group has consecutive LSNs; anything else is checked one by one.
+            self._check_lsns(records)
+        cores = [r.core for r in records]
+        if min(cores) < 0 or max(cores) >= ncores:
+            bad = next(r for r in records if not 0 <= r.core < ncores)
+            raise ValueError(
+                f"record LSN {bad.lsn} is for core {bad.core}, but daemon.cores = {ncores}"
+            )
+        buckets: list[list[Record]] = [[] for _ in rings]
+        for core, record in zip(cores, records, strict=True):
+            buckets[core].append(record)
+        self.pushed_lsn = last
+        for core, bucket in enumerate(buckets):
+            if not bucket:
+                continue
+            ring = rings[core]
+            dropped = ring.offer_all(bucket)
+            ring.settle()
+            if dropped and self._metrics is not None:
+                self._metrics.ring_drops.labels(core=str(core)).inc(dropped)
+
+    def _check_lsns(self, records: Sequence[Record]) -> None:
         last = self.pushed_lsn
-        touched: set[int] = set()
-        drops: dict[int, int] = {}
         for record in records:
             lsn = record.lsn
             if lsn <= last:
@@ -219,17 +262,3 @@ class RingSet:
                     "durable groups must arrive in strictly increasing LSN order"
                 )
             last = lsn
-            core = record.core
-            if not 0 <= core < ncores:
-                raise ValueError(
-                    f"record LSN {lsn} is for core {core}, but daemon.cores = {ncores}"
-                )
-            touched.add(core)
-            if not rings[core].offer(record):
-                drops[core] = drops.get(core, 0) + 1
-        self.pushed_lsn = last
-        for core in touched:
-            rings[core].settle()
-        if drops and self._metrics is not None:
-            for core, n in drops.items():
-                self._metrics.ring_drops.labels(core=str(core)).inc(n)

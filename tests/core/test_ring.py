@@ -107,3 +107,25 @@ def test_discard_through_drops_only_delivered_entries() -> None:
     assert ring.discard_through(9) == 3
     assert ring.peek() == rec(12)
     assert ring.nbytes == 1
+
+
+def test_push_group_refuses_a_repeated_lsn_inside_a_group_and_offers_nothing() -> None:
+    """[1, 1, 3] spans 1..3 like a consecutive group would; every LSN is still checked."""
+    rings = RingSet(1, capacity=8, max_bytes=1 << 20)
+    with pytest.raises(LsnRegressionError, match="LSN 1 after LSN 1"):
+        rings.push_group([rec(1), rec(1), rec(3)])
+    assert len(rings[0]) == 0 and rings.pushed_lsn == 0
+
+
+def test_offer_all_keeps_per_record_semantics_when_the_group_does_not_fit() -> None:
+    """Bytes bound: a record that does not fit is dropped, a later smaller one is kept."""
+    bulk = RingSet(1, capacity=8, max_bytes=10)[0]
+    one_by_one = RingSet(1, capacity=8, max_bytes=10)[0]
+    group = [rec(1, payload=b"123456"), rec(2, payload=b"123456"), rec(3, payload=b"1234")]
+
+    dropped = bulk.offer_all(group)
+    kept = [one_by_one.offer(r) for r in group]
+
+    assert dropped == kept.count(False) == 1
+    assert [r.lsn for r in bulk.take(8)] == [r.lsn for r in one_by_one.take(8)] == [1, 3]
+    assert bulk.emitted == one_by_one.emitted and bulk.last_drop_lsn == 2
