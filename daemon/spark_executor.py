@@ -11,11 +11,12 @@
   (one thread: Spark work is serialized, and a minutes-long job never holds a
   slot of the loop's shared default pool). Per batch, in that thread:
 
-  1. slices -> one Arrow table (``batch_table``; payloads decoded in one pass);
+  1. slices -> Arrow, a chunk of rows at a time (payloads decoded per chunk);
   2. Arrow -> DataFrame with ``new``/``old`` parsed to VARIANT
-     (``batch_dataframe``; on local masters through a Parquet file in
-     ``<data_dir>/spark-inbox``, 3x faster than ``createDataFrame``);
-     persisted when more than one consumer reads it;
+     (``batch_frame``; on local masters the chunks stream into a Parquet file
+     in ``<data_dir>/spark-inbox``, 3x faster than ``createDataFrame`` and
+     never one whole-batch table in memory); persisted when more than one
+     consumer reads it;
   3. each CDC stream commits its rows exactly once (``daemon.cdc``);
   4. each ``BatchStage.run_in_spark`` (triggers) computes its result;
   5. each ``[[cdc.handlers]]`` function gets ``(df, batch_id)``.
@@ -38,7 +39,7 @@ import importlib
 import itertools
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,9 @@ from daemon.config import Config
 from daemon.errors import ConfigError, DaemonError, ExecutorError
 from daemon.events import StoredEvent
 from daemon.metrics import Metrics
+from daemon.planner import Rows
+from wal.reader import RecordBatch
+from wal.record import Record
 
 log = structlog.get_logger("eventplane.spark")
 
@@ -73,6 +77,10 @@ _inbox_seq = itertools.count(1)
 # Below this many rows a batch stays one task: a Spark task costs ~10 ms to
 # schedule, about what parsing 5k rows to VARIANT takes.
 _MIN_ROW_GROUP = 5_000
+# Most rows held as Arrow before a row group of the inbox file is written.
+_MAX_ROW_GROUP = 131_072
+# Rows decoded into Python objects at a time while building a batch's table.
+TABLE_CHUNK_ROWS = 16_384
 
 
 class State(enum.Enum):
@@ -87,30 +95,61 @@ class State(enum.Enum):
 
 
 def batch_table(batch: MicroBatch) -> Any:
-    """The batch's rows as one Arrow table, slices in core order, LSN order within."""
+    """The batch's rows as one Arrow table, slices in core order, LSN order within.
+
+    Rows are decoded ``TABLE_CHUNK_ROWS`` at a time, so the Python objects of
+    decoding (about 1 KiB per event) exist for one chunk only; the table itself
+    (about 1.2x the payload bytes) is what the batch holds. Columnar parts
+    (WAL replay) are decoded straight from their contiguous payload bytes,
+    without a ``Record`` per event.
+    """
+    import pyarrow as pa
+
+    chunks = [
+        _record_batch(*chunk)
+        for c in sorted(batch.slices)
+        for chunk in _chunks(batch.slices[c].records, TABLE_CHUNK_ROWS)
+    ]
+    return pa.Table.from_batches(chunks or [_record_batch((), (), (), b"")])
+
+
+_Chunk = tuple[Sequence[int], Sequence[int], Sequence[int], bytes]
+
+
+def _chunks(records: Sequence[Record], size: int) -> Iterator[_Chunk]:
+    """``(lsns, cores, seqs, concatenated payloads)`` of at most ``size`` rows each."""
+    parts = records.parts() if isinstance(records, Rows) else [records]
+    for part in parts:
+        n = len(part)
+        if isinstance(part, RecordBatch):
+            offs = part.offsets
+            for i in range(0, n, size):
+                j = min(i + size, n)
+                first = part.first_seq + i
+                data = part.data[offs[i] : offs[j]]
+                yield part.lsns[i:j], [part.core] * (j - i), range(first, first + j - i), data
+        else:
+            for i in range(0, n, size):
+                cols = tuple(zip(*part[i : i + size], strict=True))
+                yield cols[0], cols[1], cols[2], b"".join(cols[3])
+
+
+def _record_batch(
+    lsns: Sequence[int], cores: Sequence[int], seqs: Sequence[int], payloads: bytes
+) -> Any:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    lsn: list[int] = []
-    core: list[int] = []
-    seq: list[int] = []
-    events: list[StoredEvent] = []
-    for c in sorted(batch.slices):
-        records = batch.slices[c].records
-        if not records:
-            continue
-        lsns, cores, seqs, payloads = zip(*records, strict=True)
-        lsn.extend(lsns)
-        core.extend(cores)
-        seq.extend(seqs)
-        header = b"\xdd" + len(payloads).to_bytes(4, "big")
-        events.extend(_events_decoder.decode(header + b"".join(payloads)))
+    # The payloads are msgpack StoredEvents back to back: prefix an array
+    # header and decode them in one call.
+    header = b"\xdd" + len(lsns).to_bytes(4, "big")
+    events = _events_decoder.decode(header + payloads)
     ts_ns = pa.array([e.ingest_ts_ns for e in events], pa.int64())
-    return pa.table(
+    return pa.record_batch(
         {
-            "lsn": pa.array(lsn, pa.int64()),
-            "core": pa.array(core, pa.int32()),
-            "seq": pa.array(seq, pa.int64()),
+            "lsn": pa.array(lsns, pa.int64()),
+            "core": pa.array(cores, pa.int32()),
+            "seq": pa.array(seqs, pa.int64()),
             "collection": pa.array([e.collection for e in events], pa.string()),
             "op": pa.array([e.op for e in events], pa.string()),
             "key": pa.array([e.key for e in events], pa.string()),
@@ -146,18 +185,92 @@ def batch_dataframe(
     group, so every core reads, parses and writes its share. The caller removes
     the file once every consumer is done.
     """
-    from pyspark.sql import functions as F
-
     if inbox is not None:
         import pyarrow.parquet as pq
 
-        file = inbox / f"b{batch_id:012d}-{next(_inbox_seq)}.parquet"
+        file = _inbox_file(inbox, batch_id)
         groups = max(1, parallelism)
         rows_per_group = max(_MIN_ROW_GROUP, -(-table.num_rows // groups))
         pq.write_table(table, file, compression="none", row_group_size=rows_per_group)
         raw = spark.read.parquet(str(file))
     else:
         raw = spark.createDataFrame(table)
+    return _contract_frame(raw, batch_id)
+
+
+def batch_frame(
+    spark: Any, batch: MicroBatch, inbox: Path | None, parallelism: int
+) -> tuple[Any, int, dict[str, int]]:
+    """Steps 1-2 for the executor: ``(DataFrame, rows, rows per collection)``.
+
+    With an inbox the rows are streamed into the Parquet file a chunk at a
+    time (``write_batch_file``), so the batch never exists as one Arrow table
+    in this process; without one, the table is built and handed over.
+    """
+    if inbox is None:
+        table = batch_table(batch)
+        df = batch_dataframe(spark, table, batch.batch_id)
+        return df, table.num_rows, collection_counts(table)
+    file = _inbox_file(inbox, batch.batch_id)
+    rows, counts = write_batch_file(batch, file, parallelism)
+    return _contract_frame(spark.read.parquet(str(file)), batch.batch_id), rows, counts
+
+
+def write_batch_file(batch: MicroBatch, path: Path, parallelism: int) -> tuple[int, dict[str, int]]:
+    """Write the batch's rows (``batch_table`` layout) to an uncompressed Parquet
+    file, ``TABLE_CHUNK_ROWS`` at a time; returns ``(rows, rows per collection)``.
+
+    Spark splits Parquet input by row group: a batch gets about
+    ``parallelism`` row groups, so every core gets a share, but at least
+    ``_MIN_ROW_GROUP`` rows each (a small batch stays one task) and at most
+    ``_MAX_ROW_GROUP`` (what this process holds before writing).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    total = sum(len(s.records) for s in batch.slices.values())
+    group_rows = min(_MAX_ROW_GROUP, max(_MIN_ROW_GROUP, -(-total // max(1, parallelism))))
+    counts: dict[str, int] = {}
+    rows = 0
+    writer: Any = None
+    pending: list[Any] = []  # record batches not yet written: one row group's worth
+    pending_rows = 0
+    try:
+        for c in sorted(batch.slices):
+            for chunk in _chunks(batch.slices[c].records, min(TABLE_CHUNK_ROWS, group_rows)):
+                rb = _record_batch(*chunk)
+                for name, n in collection_counts(rb).items():
+                    counts[name] = counts.get(name, 0) + n
+                rows += rb.num_rows
+                if writer is None:
+                    writer = pq.ParquetWriter(path, rb.schema, compression="none")
+                pending.append(rb)
+                pending_rows += rb.num_rows
+                if pending_rows >= group_rows:
+                    # Whole row groups out; the rest (a zero-copy slice) waits.
+                    table = pa.Table.from_batches(pending)
+                    full = pending_rows - pending_rows % group_rows
+                    writer.write_table(table.slice(0, full), row_group_size=group_rows)
+                    rest = table.slice(full)
+                    pending, pending_rows = rest.to_batches(), rest.num_rows
+        if writer is None:  # no rows: a file with the schema and no row group
+            writer = pq.ParquetWriter(path, _record_batch((), (), (), b"").schema)
+        if pending_rows:
+            writer.write_table(pa.Table.from_batches(pending))
+    finally:
+        if writer is not None:
+            writer.close()
+    return rows, counts
+
+
+def _inbox_file(inbox: Path, batch_id: int) -> Path:
+    return inbox / f"b{batch_id:012d}-{next(_inbox_seq)}.parquet"
+
+
+def _contract_frame(raw: Any, batch_id: int) -> Any:
+    """The batch DataFrame (``BATCH_COLUMNS``) over ``batch_table``-shaped rows."""
+    from pyspark.sql import functions as F
+
     return raw.select(
         "lsn",
         "core",
@@ -512,16 +625,12 @@ class SparkExecutor:
         spark = self._session
         if spark is None:
             raise ExecutorError("no SparkSession (the executor was stopped)")
-        table = batch_table(batch)
-        counts = collection_counts(table)
-        todo = [(sink, self._rows_for(sink, counts)) for sink in self._sinks]
-        pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
-        readers = len(pending) + len(self._stages) + len(self._handlers)
         cached = False
         try:
-            df = batch_dataframe(
-                spark, table, batch.batch_id, self._inbox, self._parallelism(spark)
-            )
+            df, nrows, counts = batch_frame(spark, batch, self._inbox, self._parallelism(spark))
+            todo = [(sink, self._rows_for(sink, counts)) for sink in self._sinks]
+            pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
+            readers = len(pending) + len(self._stages) + len(self._handlers)
             if readers > 1:
                 df, cached = df.persist(), True
             commits = [sink.commit(df, batch, rows) for sink, rows in todo]
@@ -536,7 +645,7 @@ class SparkExecutor:
             if self._inbox is not None:
                 for f in self._inbox.glob(f"b{batch.batch_id:012d}-*.parquet"):
                     f.unlink(missing_ok=True)
-        return _Outcome(table.num_rows, commits, results, time.monotonic() - started)
+        return _Outcome(nrows, commits, results, time.monotonic() - started)
 
     def _parallelism(self, spark: Any) -> int:
         if self._cores is None:

@@ -1,0 +1,112 @@
+"""The executor's batch -> Arrow table step: chunked, columnar parts without Records."""
+
+from __future__ import annotations
+
+from array import array
+from itertools import accumulate
+from pathlib import Path
+
+import pytest
+
+from daemon import spark_executor
+from daemon.batch import MicroBatch, Slice
+from daemon.events import StoredEvent, encode
+from daemon.planner import Rows, split_part
+from daemon.spark_executor import batch_table, write_batch_file
+from wal.reader import RecordBatch
+from wal.record import Record
+
+
+def event(i: int) -> bytes:
+    new = b'{"n":%d}' % i
+    old = None if i % 3 == 0 else b'{"n":%d}' % (i - 1)
+    op = "insert" if old is None else "update"
+    return encode(StoredEvent(f"c{i % 2}", op, f"k{i}", new, old, 1_700_000_000_000_000_000 + i))
+
+
+def records(core: int, lsns: range) -> list[Record]:
+    return [Record(lsn, core, 100 + lsn, event(lsn)) for lsn in lsns]
+
+
+def as_columnar(recs: list[Record]) -> RecordBatch:
+    payloads = [r.payload for r in recs]
+    offsets = array("Q", accumulate(map(len, payloads), initial=0))
+    return RecordBatch(
+        recs[0].core, array("Q", [r.lsn for r in recs]), recs[0].seq, offsets, b"".join(payloads)
+    )
+
+
+def test_columnar_and_record_parts_give_the_same_table_across_chunk_edges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Core 0 arrives as Record lists, core 1 as WAL-style columnar parts (one of them
+    split as the planner splits); with 7-row chunks both give the rows of one
+    Record-per-event decode, in core then LSN order."""
+    core0 = records(0, range(1, 30))
+    core1 = records(1, range(30, 61))
+    head, tail = split_part(as_columnar(core1[:20]), 9)
+    mixed = MicroBatch(
+        1,
+        {
+            1: Slice(1, 30, 60, Rows([head, tail, as_columnar(core1[20:])])),
+            0: Slice(0, 1, 29, Rows([core0[:10], core0[10:]])),
+        },
+    )
+    plain = MicroBatch(1, {0: Slice(0, 1, 29, core0), 1: Slice(1, 30, 60, core1)})
+
+    monkeypatch.setattr(spark_executor, "TABLE_CHUNK_ROWS", 7)
+    chunked = batch_table(mixed)
+    monkeypatch.setattr(spark_executor, "TABLE_CHUNK_ROWS", 1_000)
+    whole = batch_table(plain)
+
+    assert chunked.equals(whole)
+    assert chunked["lsn"].to_pylist() == list(range(1, 61))
+    assert chunked["seq"].to_pylist() == [100 + lsn for lsn in range(1, 61)]
+    assert chunked["core"].to_pylist() == [0] * 29 + [1] * 31
+    assert chunked["key"].to_pylist() == [f"k{lsn}" for lsn in range(1, 61)]
+    assert chunked["old_json"].to_pylist()[:4] == ['{"n":0}', '{"n":1}', None, '{"n":3}']
+
+
+def test_an_empty_batch_gives_an_empty_table_with_the_full_schema() -> None:
+    table = batch_table(MicroBatch(1, {}))
+    assert table.num_rows == 0
+    assert table.column_names[:3] == ["lsn", "core", "seq"]
+    assert str(table.schema.field("ingest_ts").type) == "timestamp[us, tz=UTC]"
+
+
+def test_streamed_inbox_file_holds_the_batch_table_in_bounded_row_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file written chunk by chunk reads back as ``batch_table``; row groups
+    are at least the minimum, at most the maximum, about one per Spark core."""
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(spark_executor, "TABLE_CHUNK_ROWS", 4)
+    monkeypatch.setattr(spark_executor, "_MIN_ROW_GROUP", 5)
+    monkeypatch.setattr(spark_executor, "_MAX_ROW_GROUP", 12)
+    core0 = records(0, range(1, 30))
+    batch = MicroBatch(
+        2,
+        {
+            0: Slice(0, 1, 29, core0),
+            1: Slice(1, 30, 60, Rows([as_columnar(records(1, range(30, 61)))])),
+        },
+    )
+    path = tmp_path / "b.parquet"
+
+    rows, counts = write_batch_file(batch, path, parallelism=2)
+
+    assert rows == 60 and counts == {"c0": 30, "c1": 30}
+    assert pq.read_table(path).equals(batch_table(batch))
+    meta = pq.ParquetFile(path).metadata
+    sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    assert sum(sizes) == 60 and max(sizes) <= 12 and min(sizes[:-1]) >= 5
+
+
+def test_an_empty_batch_streams_to_a_readable_file_with_no_rows(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "empty.parquet"
+    assert write_batch_file(MicroBatch(1, {}), path, parallelism=2) == (0, {})
+    table = pq.read_table(path)
+    assert table.num_rows == 0 and table.schema.equals(batch_table(MicroBatch(1, {})).schema)
