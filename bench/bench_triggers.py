@@ -25,6 +25,10 @@ Measured per side:
 
 Run: ``python -m bench.bench_triggers`` (``--events 20000 --batches 2`` for a
 quick run; ``--triggers 4`` splits the matches over four triggers).
+
+``--e2e`` measures the whole daemon instead (ingest -> webhook received at a
+steady rate, and the max sustained rate) against a Structured Streaming job:
+see ``bench/triggers_e2e.py``.
 """
 
 from __future__ import annotations
@@ -353,8 +357,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--match", type=float, default=0.10, help="fraction of events matched")
     ap.add_argument("--triggers", type=int, default=1, help="triggers sharing the matches")
     ap.add_argument("--batch-size", type=int, default=1024, help="rows per webhook call")
-    ap.add_argument("--master", default="local[2]")
+    ap.add_argument(
+        "--master", help="Spark master (stage: local[2]; --e2e: the shipped default, local[*])"
+    )
+    ap.add_argument(
+        "--e2e",
+        action="store_true",
+        help="the whole daemon (ingest -> webhook) against a Structured Streaming job: "
+        "see bench/triggers_e2e.py",
+    )
+    from bench import triggers_e2e
+
+    triggers_e2e.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.e2e:
+        from daemon.config import SparkConfig
+
+        args.master = args.master or SparkConfig().master
+        return triggers_e2e.run(args)
+    args.master = args.master or "local[2]"
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     import structlog
