@@ -192,7 +192,7 @@ def batch_dataframe(
         groups = max(1, parallelism)
         rows_per_group = max(_MIN_ROW_GROUP, -(-table.num_rows // groups))
         pq.write_table(table, file, compression="none", row_group_size=rows_per_group)
-        raw = spark.read.parquet(str(file))
+        raw = _read_inbox(spark, file)
     else:
         raw = spark.createDataFrame(table)
     return _contract_frame(raw, batch_id)
@@ -213,7 +213,7 @@ def batch_frame(
         return df, table.num_rows, collection_counts(table)
     file = _inbox_file(inbox, batch.batch_id)
     rows, counts = write_batch_file(batch, file, parallelism)
-    return _contract_frame(spark.read.parquet(str(file)), batch.batch_id), rows, counts
+    return _contract_frame(_read_inbox(spark, file), batch.batch_id), rows, counts
 
 
 def write_batch_file(batch: MicroBatch, path: Path, parallelism: int) -> tuple[int, dict[str, int]]:
@@ -261,6 +261,19 @@ def write_batch_file(batch: MicroBatch, path: Path, parallelism: int) -> tuple[i
         if writer is not None:
             writer.close()
     return rows, counts
+
+
+# The inbox file's columns as Spark reads them (``_record_batch``'s schema).
+# Given up front, Spark plans the read without opening the file's footer on
+# the driver: measured 0.1-0.4 s per batch here, time in which no task runs.
+INBOX_SCHEMA = (
+    "lsn BIGINT, core INT, seq BIGINT, collection STRING, op STRING, key STRING,"
+    " new_json STRING, old_json STRING, ingest_ts TIMESTAMP, depth INT, source STRING"
+)
+
+
+def _read_inbox(spark: Any, file: Path) -> Any:
+    return spark.read.schema(INBOX_SCHEMA).parquet(str(file))
 
 
 def _inbox_file(inbox: Path, batch_id: int) -> Path:

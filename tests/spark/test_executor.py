@@ -14,7 +14,14 @@ from daemon.batch import MicroBatch
 from daemon.cdc import CDC_COLUMNS
 from daemon.errors import ConfigError, ExecutorError
 from daemon.metrics import Metrics
-from daemon.spark_executor import BATCH_COLUMNS, SparkExecutor, batch_dataframe, batch_table
+from daemon.spark_executor import (
+    BATCH_COLUMNS,
+    INBOX_SCHEMA,
+    SparkExecutor,
+    batch_dataframe,
+    batch_table,
+    write_batch_file,
+)
 from tests.spark import handlers
 from tests.spark.support import batch_lsns, make_batches, make_config, read_table
 
@@ -76,6 +83,20 @@ def test_inbox_file_and_arrow_transfer_give_the_same_rows(spark: Any, tmp_path: 
     b = via_file.selectExpr(*as_text).drop("new", "old").orderBy("lsn").collect()
     assert a[0].new_j.startswith('{"amount":')
     assert a == b and len(a) == 300
+
+
+def test_inbox_schema_given_to_spark_is_the_schema_of_the_written_file(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The read skips the footer because INBOX_SCHEMA is given; it must not drift
+    from what ``write_batch_file`` writes, or Spark would read nulls."""
+    (batch,) = make_batches(1, 50, first_batch_id=4)
+    file = tmp_path / "b.parquet"
+    write_batch_file(batch, file, parallelism=1)
+
+    inferred = spark.read.parquet(str(file)).schema
+    given = spark.read.schema(INBOX_SCHEMA).parquet(str(file)).schema
+    assert [(f.name, f.dataType) for f in given] == [(f.name, f.dataType) for f in inferred]
 
 
 async def test_cdc_table_holds_each_event_exactly_once_after_normal_runs(
