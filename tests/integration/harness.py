@@ -21,7 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_config(directory: Path, extra: str = "", **daemon: Any) -> Path:
-    """A config on free ports with data under ``directory/data``."""
+    """A config on free ports with data under ``directory/data``.
+
+    ``ingest=`` and ``wal=`` take extra lines for those tables (TOML cannot
+    reopen a table, so ``extra`` cannot add to them).
+    """
     cores = daemon.get("cores", 4)
     text = f"""
 [daemon]
@@ -31,12 +35,14 @@ shutdown_timeout_s = {daemon.get("shutdown_timeout_s", 10.0)}
 
 [ingest]
 listen = "127.0.0.1:{free_port()}"
+{daemon.get("ingest", "")}
 
 [admin]
 listen = "127.0.0.1:{free_port()}"
 
 [wal]
 segment_bytes = {daemon.get("segment_bytes", 1 << 20)}
+{daemon.get("wal", "")}
 
 [microbatch]
 interval_ms = {daemon.get("interval_ms", 100)}
