@@ -181,16 +181,16 @@ def batch_dataframe(
     100k rows, that is ~3x faster than ``createDataFrame(table)``, which ships
     the Arrow bytes inside task closures and converts them row by row. Without
     an inbox (Spark Connect, remote clusters) the table travels in the call.
-    The file gets ``parallelism`` row groups: Spark splits Parquet input by row
-    group, so every core reads, parses and writes its share. The caller removes
-    the file once every consumer is done.
+    The file's row groups come in whole waves of ``parallelism``
+    (``row_group_rows``): Spark splits Parquet input by row group, so every
+    core reads, parses and writes its share. The caller removes the file once
+    every consumer is done.
     """
     if inbox is not None:
         import pyarrow.parquet as pq
 
         file = _inbox_file(inbox, batch_id)
-        groups = max(1, parallelism)
-        rows_per_group = max(_MIN_ROW_GROUP, -(-table.num_rows // groups))
+        rows_per_group = row_group_rows(table.num_rows, parallelism)
         pq.write_table(table, file, compression="none", row_group_size=rows_per_group)
         raw = _read_inbox(spark, file)
     else:
@@ -229,7 +229,7 @@ def write_batch_file(batch: MicroBatch, path: Path, parallelism: int) -> tuple[i
     import pyarrow.parquet as pq
 
     total = sum(len(s.records) for s in batch.slices.values())
-    group_rows = min(_MAX_ROW_GROUP, max(_MIN_ROW_GROUP, -(-total // max(1, parallelism))))
+    group_rows = row_group_rows(total, parallelism)
     counts: dict[str, int] = {}
     rows = 0
     writer: Any = None
@@ -274,6 +274,22 @@ INBOX_SCHEMA = (
 
 def _read_inbox(spark: Any, file: Path) -> Any:
     return spark.read.schema(INBOX_SCHEMA).parquet(str(file))
+
+
+def row_group_rows(total: int, parallelism: int) -> int:
+    """Rows per row group (= per Spark task) for a batch of ``total`` rows.
+
+    The group count is a multiple of ``parallelism`` and the groups are equal,
+    so every wave of tasks keeps every core busy: 300k rows on 2 cores as
+    131k + 131k + 38k left one core idle for the whole last wave; as 4 x 75k
+    both cores finish together. Groups stay within ``_MAX_ROW_GROUP`` (what
+    this process holds before writing) and, but for a small batch that stays
+    one task, at least ``_MIN_ROW_GROUP``.
+    """
+    cores = max(1, parallelism)
+    groups = -(-total // _MAX_ROW_GROUP)  # fewest groups within the maximum
+    groups = max(cores, -(-groups // cores) * cores)  # whole waves
+    return max(_MIN_ROW_GROUP, -(-total // groups))
 
 
 def _inbox_file(inbox: Path, batch_id: int) -> Path:

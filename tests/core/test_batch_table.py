@@ -110,3 +110,23 @@ def test_an_empty_batch_streams_to_a_readable_file_with_no_rows(tmp_path: Path) 
     assert write_batch_file(MicroBatch(1, {}), path, parallelism=2) == (0, {})
     table = pq.read_table(path)
     assert table.num_rows == 0 and table.schema.equals(batch_table(MicroBatch(1, {})).schema)
+
+
+@pytest.mark.parametrize(
+    ("total", "cores", "expected"),
+    [
+        (300_000, 2, 75_000),  # 4 equal groups, two full waves (not 131k+131k+38k)
+        (1_000_000, 2, 125_000),  # 8 groups of at most the 131,072 maximum
+        (200_000, 2, 100_000),
+        (8_000, 2, 5_000),  # a small batch: groups of at least the minimum
+        (50_000, 4, 12_500),
+    ],
+)
+def test_row_groups_come_in_equal_whole_waves_within_the_bounds(
+    total: int, cores: int, expected: int
+) -> None:
+    rows = spark_executor.row_group_rows(total, cores)
+    groups = -(-total // rows)
+    assert rows == expected
+    assert rows <= spark_executor._MAX_ROW_GROUP
+    assert groups % cores == 0 or total < cores * spark_executor._MIN_ROW_GROUP
