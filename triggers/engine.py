@@ -100,6 +100,8 @@ class TriggerEngine:
         self._validated = False
         self._spark: Any = None
         self._sql_lock = threading.Lock()
+        # The batch job's Columns, rebuilt only when the trigger set or session changes.
+        self._selection: evaluate.Selection | None = None
         self._data_dir = Path(data_dir)
         self._emit = emit
         self._http = http
@@ -268,7 +270,11 @@ class TriggerEngine:
             if errors:
                 raise TriggerConfigError(errors)
         triggers = self._triggers  # one set per batch, even if a reload lands meanwhile
-        return evaluate.evaluate(spark, df, triggers, int(batch.batch_id), self._sql_lock)
+        result = evaluate.evaluate(
+            spark, df, triggers, int(batch.batch_id), self._sql_lock, selection=self._selection
+        )
+        self._selection = result.selection
+        return result
 
     async def finish(self, batch: Any, result: Any) -> None:
         """Deliver the batch's matched rows; return once every call is done or durable.

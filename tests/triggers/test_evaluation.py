@@ -194,6 +194,33 @@ async def test_reload_with_a_broken_trigger_keeps_the_old_set(
     assert receiver.all_lsns[4:] == [2]
 
 
+async def test_batches_reuse_the_trigger_columns_until_a_reload_replaces_the_set(
+    spark: Any, make_engine: Any, receiver: Receiver
+) -> None:
+    """1. Two batches with one trigger set: the second reuses the first's Columns
+       and still gets its own rows (its own batch id in every row).
+    2. After a reload the next batch builds new Columns from the new set."""
+    big = Spec(name="big", collection="orders", when="new:amount::double > 1000",
+               action=webhook(receiver.url))  # fmt: skip
+    engine = await make_engine([big], spark)
+
+    first = await run_batch(engine, spark, batch_df(spark, mixed_events(), batch_id=1), 1)
+    second = await run_batch(engine, spark, batch_df(spark, mixed_events(), batch_id=2), 2)
+
+    assert first.selection is not None and second.selection is first.selection
+    assert receiver.all_lsns == [1, 3, 6, 9, 1, 3, 6, 9]
+    batch_ids = [row["batch_id"] for r in receiver.requests for row in r.body["rows"]]
+    assert batch_ids == [1, 1, 1, 1, 2, 2, 2, 2]
+
+    small = Spec(name="small", collection="orders", when="new:amount::double < 1000",
+                 action=webhook(receiver.url))  # fmt: skip
+    assert await engine.reload_specs([small]) == []
+    third = await run_batch(engine, spark, batch_df(spark, mixed_events(), batch_id=3), 3)
+
+    assert third.selection is not None and third.selection is not first.selection
+    assert receiver.all_lsns[8:] == [2]
+
+
 async def test_when_failing_at_run_time_fails_the_batch_naming_the_trigger(
     spark: Any, make_engine: Any, receiver: Receiver
 ) -> None:
