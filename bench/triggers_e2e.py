@@ -235,11 +235,11 @@ class LatencyRun:
     seconds: float
     sent: list[Sent]
     arrivals: Arrivals
-    measured_from: float  # due time of the first measured request
+    warmup: int  # the first ``warmup`` requests are not measured
     missing: int = 0  # matched rows of measured requests that never arrived
 
     def measured(self) -> list[Sent]:
-        return [s for s in self.sent if s.due >= self.measured_from]
+        return self.sent[self.warmup :]
 
     def row_latencies(self) -> list[tuple[float, Sent, float, int]]:
         """(latency s, request, arrival, batch id) per matched row of the measured requests."""
@@ -290,6 +290,11 @@ def pct(values: Sequence[float], q: float) -> float:
 def _schedule(rate: int, seconds: float, request_events: int) -> tuple[int, float]:
     """(requests, period s) of an open-loop run."""
     return max(1, round(rate * seconds / request_events)), request_events / rate
+
+
+def warmup_requests(args: argparse.Namespace) -> int:
+    """Requests (files) of the latency run's warm-up: the first ones sent."""
+    return round(args.rate * args.warmup_seconds / args.request_events)
 
 
 def expected_ids(sent: Iterable[Sent]) -> set[int]:
@@ -680,8 +685,9 @@ def run_daemon_side(
             missing = wait_for_ids(receiver, expected_ids(sent), args.drain_timeout, d.check)
             after = scrape(d)
             poller.stop()
+            warm = warmup_requests(args)
             latency = LatencyRun(
-                "eventplane", args.rate, args.seconds, sent, receiver.take(), t_measure, missing
+                "eventplane", args.rate, args.seconds, sent, receiver.take(), warm, missing
             )
             delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
             explained = breakdown(
@@ -856,11 +862,11 @@ def run_peer_side(
             receiver.take()
             total = args.warmup_seconds + args.seconds
             print(f"peer: {args.rate:,} events/s for {total:g} s ...", file=sys.stderr, flush=True)
-            t_measure = time.time() + args.warmup_seconds + 0.2
             sent = paced_files(landing, args.rate, total, args.request_events, 3 * RUN_ID_SPAN)
             missing = wait_for_ids(receiver, expected_ids(sent), args.drain_timeout, alive)
+            warm = warmup_requests(args)
             latency = LatencyRun(
-                "peer", args.rate, args.seconds, sent, receiver.take(), t_measure, missing
+                "peer", args.rate, args.seconds, sent, receiver.take(), warm, missing
             )
         if not args.skip_max:
             first_id = 4 * RUN_ID_SPAN
