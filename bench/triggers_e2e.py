@@ -294,7 +294,7 @@ def _schedule(rate: int, seconds: float, request_events: int) -> tuple[int, floa
 
 def warmup_requests(args: argparse.Namespace) -> int:
     """Requests (files) of the latency run's warm-up: the first ones sent."""
-    return round(args.rate * args.warmup_seconds / args.request_events)
+    return round(int(args.rate) * float(args.warmup_seconds) / int(args.request_events))
 
 
 def expected_ids(sent: Iterable[Sent]) -> set[int]:
@@ -1016,7 +1016,9 @@ class Line:
         return f"{self.value:,.0f} {self.unit}"
 
 
-def latency_lines(run: LatencyRun, peer: LatencyRun | None, system: str, ack: str) -> list[Line]:
+def latency_lines(
+    run: LatencyRun, peer: LatencyRun | None, system: str, start: str, ack: str
+) -> list[Line]:
     lat = [r[0] * 1000 for r in run.row_latencies()]
     acks = [a * 1000 for a in run.acks()]
     p_lat = [r[0] * 1000 for r in peer.row_latencies()] if peer else []
@@ -1026,7 +1028,7 @@ def latency_lines(run: LatencyRun, peer: LatencyRun | None, system: str, ack: st
         lines.append(
             Line(
                 system,
-                f"ingest -> webhook received {label}",
+                f"{start} -> webhook received {label}",
                 pct(lat, q),
                 "ms",
                 pct(p_lat, q) if peer else None,
@@ -1128,9 +1130,9 @@ def run(args: argparse.Namespace) -> int:
     ss = "peer (Structured Streaming)"
     lines: list[Line] = []
     if ep_lat is not None:
-        lines += latency_lines(ep_lat, peer_lat, ep, "ack (request -> 200)")
+        lines += latency_lines(ep_lat, peer_lat, ep, "ingest", "ack (request -> 200)")
     if peer_lat is not None:
-        lines += latency_lines(peer_lat, None, ss, "land (write + fsync + rename)")
+        lines += latency_lines(peer_lat, None, ss, "land", "land (write + fsync + rename)")
     if ep_max is not None:
         lines += max_lines(ep_max, peer_max, ep, "acknowledged")
     if peer_max is not None:

@@ -22,7 +22,8 @@ def test_bench_triggers_e2e_runs_both_sides_and_every_matched_row_arrives(
     """
     out = tmp_path / "result.json"
     tiny = "--seconds 1 --warmup-seconds 1 --rate 1000 --request-events 100 --max-seconds 0.3"
-    argv = ["--e2e", *tiny.split(), "--clients", "1", "--drain-timeout", "60"]
+    argv = ["--e2e", *tiny.split(), "--clients", "1", "--interval-ms", "250"]
+    argv += ["--drain-timeout", "60"]
     argv += ["--dir", str(tmp_path / "work"), "--json", str(out)]
     rc = bench_triggers.main(argv)
     text = capsys.readouterr().out
