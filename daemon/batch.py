@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from wal.record import Record
 
@@ -55,6 +55,19 @@ class Executor(Protocol):
     async def execute(self, batch: MicroBatch) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+@runtime_checkable
+class Preparer(Protocol):
+    """An executor that can start on a batch's input while the previous batch runs.
+
+    ``prepare(batch)`` is a hint, called on the event loop for a batch that is
+    planned and will be the next one executed; it must not block and must not
+    commit anything. ``execute(batch)`` stays correct whether or not the
+    preparation finished or succeeded.
+    """
+
+    def prepare(self, batch: MicroBatch) -> None: ...
 
 
 class BatchStage(Protocol):

@@ -15,6 +15,10 @@ Batch protocol (Spark's offset-log rule):
    backoff, same id and same rows, forever (a batch is never dropped).
 4. Commit: advance the watermarks of the batch's cores.
 
+While batch N runs (step 3), an executor that prepares (``Preparer``) gets
+batch N+1 early: once a core's next slice is full, N+1 goes through steps 1-2
+and ``executor.prepare``; it runs right after N's step 4 (``run``).
+
 After a crash, plans above the persisted watermarks' ``batch_id`` are read
 back from the WAL and re-run first with their own ids (the executor's sinks
 dedupe by batch id), and consumers resume after the highest planned LSN.
@@ -47,7 +51,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import structlog
 
-from daemon.batch import Executor, MicroBatch, Slice
+from daemon.batch import Executor, MicroBatch, Preparer, Slice
 from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
 from daemon.watermarks import atomic_write
 from wal.reader import RecordBatch
@@ -404,8 +408,13 @@ class Planner:
         self._logged: dict[int, Ranges] = dict(plans)
         self._recovered = sorted(b for b in plans if b > watermarks.batch_id)
         self._next_id = max([watermarks.batch_id, *plans]) + 1
-        self._running: MicroBatch | None = None
-        self._running_ranges: Ranges = {}
+        # Batches closed (or reloaded) and not yet committed, id -> ranges: the
+        # running one, and the next one when it was closed ahead (``run``).
+        self._open: dict[int, Ranges] = {}
+        # What each open batch took from its cores' budgets: id -> {core: bytes}.
+        self._open_bytes: dict[int, dict[int, int]] = {}
+        # Close the next batch while one runs, so the executor can prepare it.
+        self._preparer = executor if isinstance(executor, Preparer) else None
         self._wake = asyncio.Event()
         self._stopping = False
         self._last_close = clock()
@@ -439,9 +448,12 @@ class Planner:
         p.last_lsn = last_lsn(part)
         if p.nbytes + p.inflight >= self.pending_max_bytes:
             # Over budget: the consumer waits for room (the WAL keeps the
-            # rest). Pending alone full: close a batch now, not at the interval.
+            # rest), and the slice will not grow: the run loop may close it
+            # ahead of time (``_next_is_full``).
             p.room.clear()
+            self._wake.set()
         if p.nbytes >= self.pending_max_bytes or p.rows >= self._limit(p):
+            # Pending alone full: close a batch now, not at the interval.
             self._wake.set()
 
     def has_room(self, core: int) -> bool:
@@ -470,7 +482,7 @@ class Planner:
 
     def owes(self, core: int) -> bool:
         """True while the core has rows that are delivered but not committed."""
-        if self._pending[core].rows or core in self._running_ranges:
+        if self._pending[core].rows or any(core in r for r in self._open.values()):
             return True
         return any(core in self._logged[b] for b in self._recovered)
 
@@ -505,19 +517,33 @@ class Planner:
             self._commit(batch, started)
             self._recovered.pop(0)
         held = False
+        ahead: MicroBatch | None = None
         while not self._stopping:
-            if not await self._wait_due():
-                break
-            if not self.executor.ready():
-                if not held:
-                    log.info("microbatch_held", reason="executor not ready")
-                    held = True
-                await self._sleep(min(self.cfg.interval_ms / 1000, 0.1))
-                continue
-            if held:
-                log.info("microbatch_resumed")
-                held = False
-            await self.run_once()
+            if ahead is not None:
+                # Closed, planned and prepared while the previous batch ran.
+                batch, ahead = ahead, None
+            else:
+                if not await self._wait_due():
+                    break
+                if not self.executor.ready():
+                    if not held:
+                        log.info("microbatch_held", reason="executor not ready")
+                        held = True
+                    await self._sleep(min(self.cfg.interval_ms / 1000, 0.1))
+                    continue
+                if held:
+                    log.info("microbatch_resumed")
+                    held = False
+                # Steps 1-2 (as in ``run_once``).
+                closed = self._close()
+                if closed is None:
+                    continue
+                await uncancellable(self._append_plan(closed))
+                batch = closed
+            started = self._clock()
+            ahead = await self._execute_closing_ahead(batch)
+            self._commit(batch, started)
+        # A batch closed ahead stays planned: a restart re-runs it from the plan log.
 
     async def run_once(self) -> MicroBatch | None:
         """Steps 1-4 for one batch; None when nothing is pending."""
@@ -533,6 +559,49 @@ class Planner:
         # Step 4. Commit: watermarks move only now (invariant 6).
         self._commit(batch, started)
         return batch
+
+    async def _execute_closing_ahead(self, batch: MicroBatch) -> MicroBatch | None:
+        """Step 3 for ``batch``; meanwhile close, plan and prepare the next one once
+        its slice cannot grow any more (``_next_is_full``). Returns that batch.
+
+        Only with an executor that prepares (``Preparer``): the next batch's
+        input is then built while this one runs in Spark. Batch sizes stay what
+        they would be without it, because a batch is closed early only when it
+        is full. It commits after this one; ids, plans and watermarks keep
+        their order, and a crash re-runs both plans in order.
+        """
+        if self._preparer is None:
+            await self._execute(batch)
+            return None
+        running = asyncio.ensure_future(self._execute(batch))
+        ahead: MicroBatch | None = None
+        try:
+            while not running.done():
+                if ahead is None and not self._stopping and self._next_is_full():
+                    ahead = self._close()
+                    if ahead is not None:
+                        await uncancellable(self._append_plan(ahead))
+                        self._preparer.prepare(ahead)
+                    continue
+                self._wake.clear()
+                woken = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait((running, woken), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    woken.cancel()
+        except BaseException:
+            running.cancel()
+            with contextlib.suppress(BaseException):
+                await running
+            raise
+        await running
+        return ahead
+
+    def _next_is_full(self) -> bool:
+        """Some core's pending slice is as big as the next batch may take or hold."""
+        return any(
+            p.rows >= self._limit(p) or (p.rows and not p.room.is_set()) for p in self._pending
+        )
 
     async def _append_plan(self, batch: MicroBatch) -> None:
         async with self._file_lock:
@@ -559,12 +628,14 @@ class Planner:
 
     def _close(self) -> MicroBatch | None:
         slices: dict[int, Slice] = {}
+        taken_bytes: dict[int, int] = {}
         for core, p in enumerate(self._pending):
             if not p.rows:
                 continue
             before = p.nbytes
             taken = self._take(p, self._limit(p))
-            p.inflight = before - p.nbytes
+            taken_bytes[core] = before - p.nbytes
+            p.inflight += taken_bytes[core]
             p.backlog = False
             slices[core] = Slice(core, first_lsn(taken[0]), last_lsn(taken[-1]), Rows(taken))
         self._last_close = self._clock()
@@ -572,8 +643,8 @@ class Planner:
             return None
         batch = MicroBatch(self._next_id, slices)
         self._next_id += 1
-        self._running = batch
-        self._running_ranges = batch.ranges()
+        self._open[batch.batch_id] = batch.ranges()
+        self._open_bytes[batch.batch_id] = taken_bytes
         return batch
 
     @staticmethod
@@ -617,8 +688,7 @@ class Planner:
                 )
             slices[core] = Slice(core, first, last, rows)
         batch = MicroBatch(batch_id, slices)
-        self._running = batch
-        self._running_ranges = dict(ranges)
+        self._open[batch_id] = dict(ranges)
         log.info("microbatch_rerun", batch_id=batch_id, rows=batch.rows, cores=sorted(ranges))
         return batch
 
@@ -669,11 +739,11 @@ class Planner:
 
     def _commit(self, batch: MicroBatch, started: float) -> None:
         self.watermarks.commit(batch)
-        self._running = None
-        self._running_ranges = {}
+        self._open.pop(batch.batch_id, None)
+        for core, nbytes in self._open_bytes.pop(batch.batch_id, {}).items():
+            self._pending[core].inflight -= nbytes
         for p in self._pending:
-            p.inflight = 0
-            if p.nbytes < self.pending_max_bytes:
+            if p.nbytes + p.inflight < self.pending_max_bytes:
                 p.room.set()
         elapsed = self._clock() - started
         m = self.metrics

@@ -4,6 +4,7 @@ hold while the executor is not ready, bounded pending memory."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,128 @@ async def test_rows_replayed_by_a_finished_catchup_still_go_out_in_one_catchup_s
 
     assert first is not None and first.ranges() == {0: (1, 4)}
     assert second is not None and second.ranges() == {0: (5, 6)}  # back to max_rows
+
+
+class PreparingExecutor(RecordingExecutor):
+    """A RecordingExecutor that also takes ``prepare`` hints (``daemon.batch.Preparer``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared: list[int] = []
+        self.committed_when_prepared: list[list[int]] = []
+        self.called = asyncio.Event()  # set on every execute and prepare call
+
+    def prepare(self, batch: MicroBatch) -> None:
+        self.prepared.append(batch.batch_id)
+        self.committed_when_prepared.append([b.batch_id for b in self.committed])
+        self.called.set()
+
+    async def execute(self, batch: MicroBatch) -> None:
+        self.called.set()
+        await super().execute(batch)
+
+    async def wait_until(self, condition: Callable[[], bool], within_s: float = 2.0) -> None:
+        async with asyncio.timeout(within_s):
+            while not condition():
+                self.called.clear()
+                await self.called.wait()
+
+
+async def test_next_batch_is_planned_and_prepared_while_one_runs_and_commits_after_it(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """1. Batch 1 (LSN 1-2) runs and stalls in the executor.
+    2. Core 0 fills the next slice to max_rows: batch 2 (LSN 3-4) is closed,
+       durably planned and handed to ``prepare`` while batch 1 still runs; both
+       count against the core's budget; no watermark moved.
+    3. Released, batch 1 commits, then batch 2; watermarks follow in order."""
+    executor = PreparingExecutor()
+    executor.stall = asyncio.Event()
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, retry_initial_ms=1)
+    planner, plan_log = make_planner(tmp_path, executor, metrics, cfg=cfg)
+    rows = [rec(lsn, payload=b"x" * 10) for lsn in range(1, 5)]
+    planner.add(0, rows[:2])
+    task = asyncio.create_task(planner.run())
+    await executor.wait_until(lambda: len(executor.attempts) == 1)
+
+    planner.add(0, rows[2:])
+    await executor.wait_until(lambda: executor.prepared == [2])
+
+    assert executor.committed_when_prepared == [[]]
+    assert sorted(PlanLog(plan_log.path, "wal-t", 2).open()) == [1, 2]
+    assert planner.pending_rows(0) == 0
+    assert planner.inflight_bytes(0) == 4 * (RECORD_OVERHEAD_BYTES + 10)
+    assert planner.owes(0) and planner.watermarks.lsns == [0, 0]
+
+    executor.stall.set()
+    await executor.wait_rows(4, within_s=2)
+    planner.request_stop()
+    await asyncio.wait_for(task, 2)
+    assert [b.batch_id for b in executor.committed] == [1, 2]
+    assert [r.lsn for b in executor.committed for r in b.slices[0].records] == [1, 2, 3, 4]
+    assert planner.watermarks.lsns == [4, 0] and planner.inflight_bytes(0) == 0
+    assert not planner.owes(0)
+
+
+async def test_a_core_out_of_room_gets_its_next_slice_closed_ahead(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """Below max_rows, but the running batch and the new rows use the core's whole
+    budget: the slice cannot grow until a commit, so it is closed and prepared now."""
+    executor = PreparingExecutor()
+    executor.stall = asyncio.Event()
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=100, retry_initial_ms=1)
+    bound = 3 * (RECORD_OVERHEAD_BYTES + 10)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, pending_max_bytes=bound)
+    planner.add(0, [rec(lsn, payload=b"x" * 10) for lsn in (1, 2, 3)])  # full: closes now
+    task = asyncio.create_task(planner.run())
+    await executor.wait_until(lambda: len(executor.attempts) == 1)
+
+    planner.add(0, [rec(4, payload=b"x" * 10)])
+    await executor.wait_until(lambda: executor.prepared == [2])
+    assert not planner.has_room(0)
+
+    executor.stall.set()
+    await executor.wait_rows(4, within_s=2)
+    planner.request_stop()
+    await asyncio.wait_for(task, 2)
+    assert [b.ranges() for b in executor.committed] == [{0: (1, 3)}, {0: (4, 4)}]
+    assert planner.has_room(0)
+
+
+async def test_batches_closed_ahead_are_rerun_in_order_after_a_crash(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """1. Batch 1 runs (stalled) and batch 2 is closed ahead; the process dies
+       (the run task is cancelled, nothing committed).
+    2. Restart on the same plan log and WAL: batches 1 and 2 re-run first, in
+       order, with their ids and rows; consumers resume after LSN 4."""
+    wal = [rec(lsn, payload=b"x" * 10) for lsn in range(1, 5)]
+    executor = PreparingExecutor()
+    executor.stall = asyncio.Event()
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, retry_initial_ms=1)
+    first, log1 = make_planner(tmp_path, executor, metrics, cfg=cfg)
+    first.add(0, wal[:2])
+    task = asyncio.create_task(first.run())
+    await executor.wait_until(lambda: len(executor.attempts) == 1)
+    first.add(0, wal[2:])
+    await executor.wait_until(lambda: executor.prepared == [2])
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    log1.close()
+    assert executor.committed == []
+
+    again = RecordingExecutor()
+    second, log2 = make_planner(tmp_path, again, Metrics(), cfg=cfg, wal=wal)
+    assert second.resume_lsn(0) == 4
+    rerun = asyncio.create_task(second.run())
+    await again.wait_rows(4, within_s=2)
+    second.request_stop()
+    await asyncio.wait_for(rerun, 2)
+    log2.close()
+    assert [(b.batch_id, b.ranges()) for b in again.committed] == [
+        (1, {0: (1, 2)}),
+        (2, {0: (3, 4)}),
+    ]
+    assert second.watermarks.lsns == [4, 0]

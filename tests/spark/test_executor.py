@@ -7,9 +7,11 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
+from daemon import spark_executor
 from daemon.batch import MicroBatch
 from daemon.cdc import CDC_COLUMNS
 from daemon.errors import ConfigError, ExecutorError
@@ -113,6 +115,43 @@ async def test_cdc_table_holds_each_event_exactly_once_after_normal_runs(
     assert sorted(table.columns) == sorted(CDC_COLUMNS)
     assert {k: v for k, v in table.dtypes} == {c: CONTRACT_TYPES[c] for c in CDC_COLUMNS}
     assert table.where("new:amount::double >= 0").count() == len(rows)
+
+
+async def test_prepared_batch_commits_from_the_file_built_ahead_and_a_failed_one_is_rebuilt(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """1. Batch 1 runs (Spark's parallelism is known from then on).
+    2. ``prepare(2)`` builds batch 2's inbox file in the prep thread; ``execute(2)``
+       uses it: one build in all, none in the Spark thread.
+    3. ``prepare(3)`` fails (injected into the real writer): ``execute(3)`` builds
+       the file itself. The table holds every event of the three batches once."""
+    ex = await executor_factory()
+    batches = make_batches(3, 200)
+    await ex.execute(batches[0])
+    builds: list[str] = []
+    real = spark_executor.write_batch_file
+
+    def counting(batch: MicroBatch, path: Path, parallelism: int) -> Any:
+        builds.append(threading.current_thread().name)
+        if batch.batch_id == 3 and len(builds) == 2:
+            raise OSError("injected: disk full while preparing")
+        return real(batch, path, parallelism)
+
+    with mock.patch.object(spark_executor, "write_batch_file", side_effect=counting):
+        ex.prepare(batches[1])
+        await ex.execute(batches[1])
+        assert [name.startswith("eventplane-prep") for name in builds] == [True]
+        ex.prepare(batches[2])
+        await ex.execute(batches[2])
+
+    assert [name.split("_")[0] for name in builds] == [
+        "eventplane-prep",
+        "eventplane-prep",
+        "eventplane-spark",
+    ]
+    rows = read_table(spark, tmp_path / "cdc" / "all")
+    assert sorted(r.lsn for r in rows) == batch_lsns(batches)
+    assert not list((tmp_path / "var" / "spark-inbox").iterdir())
 
 
 async def test_rerun_of_a_committed_batch_is_a_noop(
