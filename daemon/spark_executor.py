@@ -25,8 +25,8 @@
 
   Back on the loop, each stage's ``finish`` completes its effects. ``execute``
   returns only when all of it is done (invariant 6); any failure raises, so
-  the planner retries the batch with the same id and rows, and is counted in
-  ``eventplane_microbatch_outcomes_total`` and shown by ``status()``.
+  the planner retries the batch with the same id and rows (and counts it in
+  ``eventplane_microbatch_outcomes_total``); ``status()`` shows it.
 - ``stop()`` waits for the batch in flight, closes the streams and stops the
   session it built.
 """
@@ -667,7 +667,7 @@ class SparkExecutor:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._record_failure(batch, exc, time.monotonic() - started)
+            self._record_failure(batch, exc)
             bound.warning(
                 "microbatch_failed", rows=batch.rows, error=f"{type(exc).__name__}: {exc}"
             )
@@ -741,17 +741,12 @@ class SparkExecutor:
         st.batches_committed += 1
         for c in outcome.commits:
             st.streams[c.stream] = max(st.streams.get(c.stream) or 0, c.batch_id)
-        m = self.metrics
-        m.batch_duration.observe(seconds)
-        m.batch_rows.inc(outcome.rows)
-        m.batch_outcomes.labels(outcome="committed").inc()
-        m.batch_last_id.set(batch.batch_id)
+        # The eventplane_microbatch_* series are the planner's: it sees every
+        # batch and attempt, whatever executor runs them.
 
-    def _record_failure(self, batch: MicroBatch, exc: BaseException, seconds: float) -> None:
+    def _record_failure(self, batch: MicroBatch, exc: BaseException) -> None:
         st = self._status
         st.batches_failed += 1
         st.last_error = f"{type(exc).__name__}: {exc}"[:2000]
         st.last_error_batch_id = batch.batch_id
         st.last_error_at = time.time()
-        self.metrics.batch_outcomes.labels(outcome="failed").inc()
-        self.metrics.batch_duration.observe(seconds)

@@ -296,7 +296,7 @@ async def test_overlapping_stream_paths_fail_at_startup(spark: Any, tmp_path: Pa
         await SparkExecutor(cfg, Metrics(), session=spark).start()
 
 
-async def test_handler_failure_fails_the_batch_and_shows_in_status_and_metrics(
+async def test_handler_failure_fails_the_batch_and_shows_in_status(
     executor_factory: Any, metrics: Metrics
 ) -> None:
     ex = await executor_factory(handlers=["tests.spark.handlers:explode"])
@@ -307,13 +307,16 @@ async def test_handler_failure_fails_the_batch_and_shows_in_status_and_metrics(
     st = ex.status()
     assert st["batches_failed"] == 1 and st["last_error_batch_id"] == 1
     assert "handler failed" in st["last_error"]
-    text = metrics.render().decode()
-    assert 'eventplane_microbatch_outcomes_total{outcome="failed"} 1.0' in text
+    # The planner counts the failed attempt; counting it here too would double it.
+    assert 'eventplane_microbatch_outcomes_total{outcome="failed"}' not in metrics.render().decode()
 
 
-async def test_status_and_metrics_report_the_last_committed_batch(
+async def test_status_reports_the_last_committed_batch_and_batch_metrics_are_the_planners(
     executor_factory: Any, metrics: Metrics
 ) -> None:
+    """The planner sees every batch whatever runs it and owns the
+    ``eventplane_microbatch_*`` series; the executor adding to them counted
+    each batch twice."""
     ex = await executor_factory()
     for b in make_batches(3, 40):
         await ex.execute(b)
@@ -324,10 +327,9 @@ async def test_status_and_metrics_report_the_last_committed_batch(
     assert st["last_batch_duration_s"] > 0 and st["last_error"] is None
     assert st["streams"]["all"]["last_batch_id"] == 3
     text = metrics.render().decode()
-    assert 'eventplane_microbatch_outcomes_total{outcome="committed"} 3.0' in text
-    assert "eventplane_microbatch_rows_total 120.0" in text
-    assert "eventplane_microbatch_last_committed_id 3.0" in text
-    assert "eventplane_microbatch_duration_seconds_count 3.0" in text
+    assert 'eventplane_microbatch_outcomes_total{outcome="committed"}' not in text
+    assert "eventplane_microbatch_rows_total 0.0" in text
+    assert "eventplane_microbatch_duration_seconds_count 0.0" in text
 
 
 class _SharedSession:
