@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.common import post_events
 from daemon.batch import MicroBatch, Slice
 from daemon.config import CdcConfig, CdcStream, Config, DaemonConfig, SparkConfig
 from daemon.events import Op, StoredEvent, encode
@@ -336,18 +337,6 @@ def _ledger_state(table: Path) -> tuple[int, dict[int, int]]:
     return (ledger.rows_total, dict(ledger.high_lsn)) if ledger else (0, {})
 
 
-async def _post(session: Any, url: str, body: bytes) -> dict[str, int]:
-    headers = {"Content-Type": "application/x-ndjson"}
-    while True:
-        async with session.post(f"{url}/v1/events", data=body, headers=headers) as r:
-            if r.status == 429:
-                await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
-                continue
-            if r.status != 200:
-                raise SystemExit(f"ingest answered {r.status}: {await r.text()}")
-            return dict(await r.json())
-
-
 async def e2e_throughput(
     d: Daemon, events: int, clients: int, first: int = 1, already: int = 0
 ) -> tuple[float, float]:
@@ -368,7 +357,7 @@ async def e2e_throughput(
 
         async def producer() -> None:
             for body in todo:
-                await _post(session, d.ingest, body)
+                await post_events(session, d.ingest, body)
 
         started = time.perf_counter()
         await asyncio.gather(*(producer() for _ in range(clients)))
@@ -406,7 +395,7 @@ async def e2e_latency(d: Daemon, first_event: int, rate: int, seconds: float) ->
         async def one(i: int) -> None:
             due = t0 + i * period
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            ack = await _post(session, d.ingest, requests[i][0])
+            ack = await post_events(session, d.ingest, requests[i][0])
             sent.append((due, _needs(ack["first_lsn"], requests[i][1])))
 
         await asyncio.gather(*(one(i) for i in range(n_req)))

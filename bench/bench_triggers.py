@@ -41,7 +41,6 @@ import random
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,6 +50,8 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import web
+
+from bench.common import HookServer
 
 THRESHOLD = 1000.0  # amounts are uniform in [0, top); those above THRESHOLD match
 
@@ -63,37 +64,12 @@ class Received:
     rows: list[int] = field(default_factory=list)
 
 
-class Receiver:
-    """aiohttp on loopback in its own thread and loop, so it does not share the
-    sender's event loop (it still shares the GIL, as a local receiver would)."""
+class Receiver(HookServer):
+    """The loopback receiver (``bench.common.HookServer``): counts rows per request."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.got = Received()
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-receiver", daemon=True)
-        self._runner: web.AppRunner | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-        self._ready.wait(10)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._serve())
-        self._ready.set()
-        self._loop.run_forever()
-
-    async def _serve(self) -> None:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
-        app.router.add_post("/hook", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}/hook"
 
     async def _handle(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -106,15 +82,6 @@ class Receiver:
     def reset(self) -> Received:
         got, self.got = self.got, Received()
         return got
-
-    def stop(self) -> None:
-        async def cleanup() -> None:
-            if self._runner is not None:
-                await self._runner.cleanup()
-
-        asyncio.run_coroutine_threadsafe(cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 # --------------------------------------------------------------------------

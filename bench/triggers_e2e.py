@@ -63,6 +63,8 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from bench.common import HookServer, post_events
+
 TRIGGER = "big-orders"
 COLLECTION = "orders"
 WHEN = "new:amount::double > 1000"
@@ -142,39 +144,14 @@ class Arrivals:
         return out
 
 
-class RowReceiver:
-    """aiohttp on loopback in its own thread and loop (it shares the GIL with the
-    producers, as a local receiver would), answering 200 at once."""
+class RowReceiver(HookServer):
+    """The loopback receiver (``bench.common.HookServer``), answering 200 at once;
+    notes each row's arrival."""
 
     def __init__(self) -> None:
-        self.url = ""
+        super().__init__()
         self._got = Arrivals()
         self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-receiver", daemon=True)
-        self._runner: web.AppRunner | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("the receiver did not start within 10 s")
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._serve())
-        self._ready.set()
-        self._loop.run_forever()
-
-    async def _serve(self) -> None:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
-        app.router.add_post("/hook", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}/hook"
 
     async def _handle(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -201,15 +178,6 @@ class RowReceiver:
         with self._lock:
             g = self._got
             return Arrivals(list(g.times), list(g.ids), list(g.lsns), list(g.batches))
-
-    def stop(self) -> None:
-        async def cleanup() -> None:
-            if self._runner is not None:
-                await self._runner.cleanup()
-
-        asyncio.run_coroutine_threadsafe(cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 # --------------------------------------------------------------------------
@@ -426,18 +394,6 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
             proc.wait(10)
 
 
-async def _post(session: aiohttp.ClientSession, url: str, data: bytes) -> dict[str, Any]:
-    headers = {"Content-Type": "application/x-ndjson"}
-    while True:
-        async with session.post(f"{url}/v1/events", data=data, headers=headers) as r:
-            if r.status == 429:
-                await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
-                continue
-            if r.status != 200:
-                raise SystemExit(f"ingest answered {r.status}: {await r.text()}")
-            return dict(await r.json())
-
-
 async def paced_requests(
     ingest: str, rate: int, seconds: float, request_events: int, first_id: int
 ) -> list[Sent]:
@@ -448,7 +404,7 @@ async def paced_requests(
 
     async def one(session: aiohttp.ClientSession, data: bytes, s: Sent) -> None:
         s.sent = time.time()
-        ack = await _post(session, ingest, data)
+        ack = await post_events(session, ingest, data)
         s.acked = time.time()
         s.first_lsn = int(ack["first_lsn"])
 
@@ -489,7 +445,7 @@ async def closed_loop_requests(
     async def producer(session: aiohttp.ClientSession, k: int) -> None:
         i = k
         while time.time() < stop_at:
-            ack = await _post(session, ingest, pool[i % len(pool)])
+            ack = await post_events(session, ingest, pool[i % len(pool)])
             firsts.append(int(ack["first_lsn"]))
             i += clients
 

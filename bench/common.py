@@ -1,0 +1,73 @@
+"""Pieces the benchmarks share: the ingest POST and a loopback webhook receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from aiohttp import web
+
+
+async def post_events(session: Any, ingest: str, body: bytes) -> dict[str, Any]:
+    """POST an NDJSON body to ``<ingest>/v1/events``; wait out 429s; the ack as a dict.
+
+    Any other non-200 answer ends the benchmark with the daemon's message.
+    """
+    headers = {"Content-Type": "application/x-ndjson"}
+    while True:
+        async with session.post(f"{ingest}/v1/events", data=body, headers=headers) as r:
+            if r.status == 429:
+                await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
+                continue
+            if r.status != 200:
+                raise SystemExit(f"ingest answered {r.status}: {await r.text()}")
+            return dict(await r.json())
+
+
+class HookServer:
+    """aiohttp on loopback (``POST /hook``) in its own thread and event loop.
+
+    It does not share the sender's loop, only the GIL, as a local receiver
+    would. Subclasses implement ``_handle``; ``url`` is set by ``start``.
+    """
+
+    def __init__(self) -> None:
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-receiver", daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the receiver did not start within 10 s")
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._serve())
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _serve(self) -> None:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/hook", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}/hook"
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        async def cleanup() -> None:
+            if self._runner is not None:
+                await self._runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
