@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from daemon.errors import ConsumerFailedError, LsnRegressionError
-from daemon.planner import COLUMNAR_OVERHEAD_BYTES, Part
+from daemon.planner import Part, pack, part_bytes
 from daemon.ring import Backpressure, Ring
 from wal.errors import BelowRetainedFloorError
 from wal.reader import RecordBatch
@@ -110,7 +110,7 @@ def _take(it: Iterator[RecordBatch], rows: int, max_bytes: int) -> tuple[list[Re
         if len(batch):
             out.append(batch)
             n += len(batch)
-            nbytes += len(batch.data) + COLUMNAR_OVERHEAD_BYTES * len(batch)
+            nbytes += part_bytes(batch)
     return out, False
 
 
@@ -370,7 +370,8 @@ class Consumer:
         return taken
 
     def _deliver(self, records: list[Record]) -> None:
-        self.sink.add(self.core, records)
+        # An in-order prefix has consecutive sequences: one columnar part.
+        self.sink.add(self.core, pack(records))
         self.last_lsn = records[-1].lsn
         self._delivered.inc(len(records))
 

@@ -72,27 +72,36 @@ FILENAME = "plans.log"
 # Rewrite the plan log once this many of its entries are covered by persisted
 # watermarks: about 17 minutes of 1 s batches, a few tens of KiB of file.
 COMPACT_AFTER = 1024
-# In-memory cost of one pending Record beyond its payload: the tuple, two ints
-# and the bytes header (measured with sys.getsizeof on CPython 3.11: ~170 B).
-RECORD_OVERHEAD_BYTES = 160
-# The same for one event of a columnar RecordBatch: a u64 LSN and a u64 offset.
-COLUMNAR_OVERHEAD_BYTES = 16
+# In-memory cost of one Record (a ring entry) beyond its payload: the tuple
+# (80 B), two ints (64 B), the bytes object's header with pymalloc's rounding
+# (~46 B) and the container's slot (8 B). Measured with pymalloc's own block
+# counts on CPython 3.11: 198 B for ~130-byte events with exact-size payloads.
+RECORD_OVERHEAD_BYTES = 200
+# The same for one event of a columnar RecordBatch: a u64 LSN and a u64 offset,
+# in arrays built by appending (CPython over-allocates them by ~1/16).
+COLUMNAR_OVERHEAD_BYTES = 18
+# ... and for each columnar part: the RecordBatch, its two arrays (with their
+# over-allocation) and the planner's (part, bytes) entry. Measured 130-530 B
+# per part (pymalloc and glibc counts); a part can be one event, so it counts.
+PART_OVERHEAD_BYTES = 512
 
 Ranges = dict[int, tuple[int, int]]
 T = TypeVar("T")
 _payload = itemgetter(3)
 
-# Delivered rows come in parts: record lists from the ring (Normal) and
-# columnar batches from WAL replay (CatchUp). Replay stays columnar because a
-# Record per event costs ~0.3 KiB of heap and, being a tuple subclass, is never
-# untracked by the cyclic GC: a million of them pending made replay 3-5x slower.
+# Delivered rows come in parts: columnar batches from WAL replay (CatchUp) and
+# from the ring (Normal: the consumer packs each in-order run, see ``pack``);
+# record lists are accepted too. Pending rows stay columnar because a Record
+# per event costs ~0.2 KiB of heap beyond its payload and, being a tuple
+# subclass, is never untracked by the cyclic GC: a million of them pending made
+# replay 3-5x slower. A ~130-byte event costs 330 B as a Record, 150 B packed.
 Part = list[Record] | RecordBatch
 
 
 def part_bytes(part: Part) -> int:
     """Memory a pending part holds (what the pending budget counts)."""
     if isinstance(part, RecordBatch):
-        return len(part.data) + COLUMNAR_OVERHEAD_BYTES * len(part)
+        return len(part.data) + COLUMNAR_OVERHEAD_BYTES * len(part) + PART_OVERHEAD_BYTES
     return sum(map(len, map(_payload, part))) + RECORD_OVERHEAD_BYTES * len(part)
 
 
@@ -102,6 +111,28 @@ def first_lsn(part: Part) -> int:
 
 def last_lsn(part: Part) -> int:
     return part.lsns[-1] if isinstance(part, RecordBatch) else part[-1].lsn
+
+
+_lsn = itemgetter(0)
+
+
+def pack(records: Sequence[Record]) -> RecordBatch:
+    """Records of one core with consecutive sequences, as one columnar part.
+
+    The consumer packs what it takes from the ring (~80 ns per event), so a
+    pending event costs its payload plus ``COLUMNAR_OVERHEAD_BYTES`` instead of
+    a Record's ``RECORD_OVERHEAD_BYTES``, and the Records die young, leaving
+    no long-lived small objects to pin pymalloc's arenas.
+    """
+    payloads = list(map(_payload, records))
+    first = records[0]
+    return RecordBatch(
+        first.core,
+        array("Q", map(_lsn, records)),
+        first.seq,
+        array("Q", accumulate(map(len, payloads), initial=0)),
+        b"".join(payloads),
+    )
 
 
 def split_part(part: Part, k: int) -> tuple[Part, Part]:

@@ -1,12 +1,32 @@
-"""Replay chunking, and the columnar rows that slices are made of."""
+"""Replay chunking, ring packing, and the columnar rows that slices are made of."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
+import itertools
+import tracemalloc
+from collections.abc import Callable, Iterator
+
 import pytest
 
-from daemon.consumer import _take
-from daemon.planner import Rows, part_bytes, split_part
+from daemon.config import ConsumerConfig
+from daemon.consumer import Consumer, _take
+from daemon.metrics import Metrics
+from daemon.planner import (
+    COLUMNAR_OVERHEAD_BYTES,
+    PART_OVERHEAD_BYTES,
+    Part,
+    Rows,
+    pack,
+    part_bytes,
+    split_part,
+)
+from daemon.ring import Ring
 from tests.core.conftest import columnar, rec
+from wal.reader import RecordBatch
+from wal.record import Record
 
 
 def test_replay_chunks_stop_near_the_byte_bound_even_for_large_events() -> None:
@@ -60,4 +80,100 @@ def test_splitting_a_wal_batch_keeps_every_event_and_its_payload() -> None:
         rec(8, seq=5, payload=b"xyz"),
     ]
     assert list(Rows([tail])) == [rec(9, seq=6, payload=b"xyz")]
-    assert part_bytes(head) + part_bytes(tail) == part_bytes(batch)
+    # Two parts now: the events' bytes are the same, plus one more part's overhead.
+    assert part_bytes(head) + part_bytes(tail) == part_bytes(batch) + PART_OVERHEAD_BYTES
+
+
+def test_ring_records_packed_into_one_part_read_back_as_the_same_records() -> None:
+    records = [rec(lsn, seq=40 + i, payload=b"p%d" % lsn) for i, lsn in enumerate([3, 4, 9])]
+
+    part = pack(records)
+
+    assert isinstance(part, RecordBatch) and part.first_seq == 40
+    assert list(Rows([part])) == records
+    assert part_bytes(part) == len(b"p3p4p9") + 3 * COLUMNAR_OVERHEAD_BYTES + PART_OVERHEAD_BYTES
+
+
+def test_part_bytes_covers_what_pending_parts_really_allocate() -> None:
+    """The budget counts at least what a pending part allocates: packed parts of
+    one event (per-part overhead) and of many, and plain Record lists (as ring
+    entries: a tuple, two ints and an exact-size payload each)."""
+
+    def allocated(make: Callable[[], Part]) -> tuple[int, int]:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            held = []
+            for _ in range(200):
+                part = make()
+                held.append((part, part_bytes(part)))  # as the planner keeps it
+            real = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        return real, sum(size for _, size in held)
+
+    def fresh(n: int) -> list[Record]:
+        base = next(lsns)
+        return [Record(base + i, 1, base + i, bytes(130)) for i in range(n)]
+
+    lsns = itertools.count(3_000_000_000, 10_000)
+    for make in (lambda: pack(fresh(1)), lambda: pack(fresh(500)), lambda: fresh(50)):
+        real, counted = allocated(make)
+        assert real <= counted, (real, counted)
+
+
+async def test_normal_mode_hands_the_planner_packed_parts_with_every_event() -> None:
+    """1. Boot: the WAL is empty, so catch-up ends at once (Normal).
+    2. Two durable groups reach the ring.
+    3. The sink gets columnar parts holding exactly those events, in order."""
+    sink = RecordingSink()
+    ring = Ring(0, capacity=100, max_bytes=1 << 20)
+    consumer = Consumer(
+        0, ConsumerConfig(poll_min_ms=0.1), ring, EmptyWal(), sink, Metrics(), start_lsn=0
+    )
+    task = asyncio.create_task(consumer.run())
+    try:
+        sent = [rec(lsn, seq=lsn, payload=b"e%d" % lsn) for lsn in range(1, 8)]
+        ring.offer_all(sent[:3])
+        ring.offer_all(sent[3:])
+        async with asyncio.timeout(5):
+            while sum(map(len, sink.parts)) < len(sent):
+                sink.added.clear()
+                await sink.added.wait()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    assert all(isinstance(p, RecordBatch) for p in sink.parts)
+    assert list(Rows(sink.parts)) == sent
+
+
+class EmptyWal:
+    def read_batches(
+        self, from_lsn: int, *, core: int | None = None, to_lsn: int | None = None
+    ) -> Iterator[RecordBatch]:
+        return iter(())
+
+    def head_lsn(self) -> int:
+        return 0
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.parts: list[Part] = []
+        self.added = asyncio.Event()
+
+    def add(self, core: int, part: Part, nbytes: int | None = None) -> None:
+        self.parts.append(part)
+        self.added.set()
+
+    def has_room(self, core: int) -> bool:
+        return True
+
+    async def wait_room(self, core: int) -> None:
+        return None
+
+    def set_catching_up(self, core: int, flag: bool) -> None:
+        return None
