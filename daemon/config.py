@@ -116,6 +116,9 @@ class MicrobatchConfig:
     catchup_max_rows: int = 1_000_000
     retry_initial_ms: int = 500
     retry_max_ms: int = 30_000
+    # Arrow bytes the Spark executor holds while it writes a batch's input
+    # (one inbox row group); its working set is about 3x this.
+    build_max_bytes: int = 16 * MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +378,7 @@ _MICROBATCH: dict[str, Checker] = {
     "catchup_max_rows": _int(1),
     "retry_initial_ms": _int(1),
     "retry_max_ms": _int(1),
+    "build_max_bytes": _int(64 * KiB),
 }
 _DLQ: dict[str, Checker] = {"max_entries": _int(1)}
 _LOG: dict[str, Checker] = {

@@ -114,3 +114,12 @@ def test_ingest_buffer_smaller_than_one_body_is_rejected_with_both_limits() -> N
         "ingest.max_buffered_bytes: must be >= ingest.max_body_bytes (4194304), or a body "
         "of the maximum size could never be read"
     ]
+
+
+def test_build_max_bytes_is_a_checked_microbatch_key() -> None:
+    assert config.load(ROOT / "config.toml").microbatch.build_max_bytes == 16 * 1024 * 1024
+    with pytest.raises(ConfigError) as info:
+        config.parse({"microbatch": {"build_max_bytes": 1024}})
+    assert info.value.errors == [
+        "microbatch.build_max_bytes: expected an integer >= 65536, got 1024"
+    ]

@@ -130,3 +130,41 @@ def test_row_groups_come_in_equal_whole_waves_within_the_bounds(
     assert rows == expected
     assert rows <= spark_executor._MAX_ROW_GROUP
     assert groups % cores == 0 or total < cores * spark_executor._MIN_ROW_GROUP
+
+
+def test_row_groups_of_large_events_stay_within_build_max_bytes(tmp_path: Path) -> None:
+    """With ~10 KiB events, ``max_bytes`` (not the row maximum) sizes the row
+    groups: none holds more than about that much Arrow data."""
+    import pyarrow.parquet as pq
+
+    def big(i: int) -> bytes:
+        new = b'{"n":%d,"pad":"%s"}' % (i, b"x" * 10_000)
+        return encode(StoredEvent("c0", "insert", f"k{i}", new, None, 1_700_000_000_000_000_000))
+
+    core0 = [Record(lsn, 0, lsn, big(lsn)) for lsn in range(1, 61)]
+    batch = MicroBatch(1, {0: Slice(0, 1, 60, Rows([as_columnar(core0)]))})
+    path = tmp_path / "big.parquet"
+
+    rows, _ = write_batch_file(batch, path, parallelism=2, max_bytes=50_000)
+
+    meta = pq.ParquetFile(path).metadata
+    sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    assert rows == 60 and sum(sizes) == 60
+    assert max(sizes) == 4  # 4 x ~10 KiB: within 50,000 bytes (the row maximum is 131,072)
+    assert pq.read_table(path).equals(batch_table(batch))
+
+
+@pytest.mark.parametrize(
+    ("total", "cores", "max_rows", "expected"),
+    [
+        (1_000_000, 2, 50_000, 50_000),  # 20 groups: the byte bound, not 131,072
+        (300_000, 2, 1_000_000, 75_000),  # above the row maximum: that still rules
+        (10, 2, 3, 3),  # fewer rows than the minimum: 4 groups of at most 3
+    ],
+)
+def test_a_byte_bound_on_rows_keeps_equal_whole_waves(
+    total: int, cores: int, max_rows: int, expected: int
+) -> None:
+    rows = spark_executor.row_group_rows(total, cores, max_rows)
+    assert rows == expected
+    assert (-(-total // rows)) % cores == 0
