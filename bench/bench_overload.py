@@ -5,8 +5,13 @@ far more than it can commit (16 producers posting 1000-event requests as fast
 as they can) for ``--seconds``, and samples the resident memory of the
 daemon's Python process (anonymous and file-backed apart) and of its Spark
 JVM every few seconds. Overload must move work to the WAL, not to RAM: the
-anonymous RSS levels off at a multiple of the configured ring and
-pending-slice budgets, whatever the backlog.
+anonymous RSS levels off within the configured budgets (rings, pending and
+running slices, the executor's batch build, ingest bodies, one WAL group),
+whatever the backlog.
+
+Columns: ``held`` is what rings, pending and running slices hold by the
+daemon's own count (``/v1/status``); ``other`` is the anonymous RSS beyond the
+idle daemon and ``held``: the executor's build, ingest, allocator slack.
 
     python -m bench.bench_overload [--seconds 60]
 """
@@ -22,6 +27,7 @@ import time
 from pathlib import Path
 
 from daemon.planner import RECORD_OVERHEAD_BYTES
+from daemon.spark_executor import BUILD_MAX_BYTES
 from tests.integration.harness import DaemonProcess, Loader, write_config
 
 MiB = 1024 * 1024
@@ -62,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     ring_capacity, ring_bytes, pending = 65_536, 16 * MiB, 64 * MiB
+    # Writing a batch's inbox file holds microbatch.build_max_bytes of Arrow
+    # data; measured resident: 41-45 MiB for the 16 MiB default (Arrow's pool
+    # purging freed pages at once, as the daemon sets it up).
+    build = 3 * BUILD_MAX_BYTES
     # Request bodies read or parsed at once, and one WAL group commit: the
     # ingest side's own bounds, configured here so the budget line is exact.
     buffered, group = 64 * MiB, 8 * MiB
@@ -130,23 +140,26 @@ path = "{d / "cdc"}"
     )
     cores = 4
     cores_budget = cores * (ring_bytes + ring_capacity * RECORD_OVERHEAD_BYTES + pending)
-    budget = cores_budget + buffered + group
+    budget = cores_budget + build + buffered + group
     print(
         f"budgets per core: ring {ring_capacity} events / {ring_bytes // MiB} MiB,"
-        f" pending + running slices {pending // MiB} MiB; all cores, with record"
-        f" overhead: {cores_budget / MiB:.0f} MiB; ingest bodies {buffered // MiB} MiB,"
+        f" pending + running slices {pending // MiB} MiB; all cores, with"
+        f" {RECORD_OVERHEAD_BYTES} B per ring entry: {cores_budget / MiB:.0f} MiB;"
+        f" batch build {build / MiB:.0f} MiB, ingest bodies {buffered // MiB} MiB,"
         f" WAL group {group // MiB} MiB; in all {budget / MiB:.0f} MiB."
         f" Anonymous RSS before load {base / MiB:.0f} MiB\n"
-        "held = what rings, pending and running slices hold by the daemon's own count\n"
+        "held = what rings, pending and running slices hold by the daemon's own count;"
+        " other = anon - before load - held\n"
     )
     print(
-        f"{'t (s)':>6} {'anon MiB':>9} {'held MiB':>9} {'file MiB':>9} {'JVM RSS MiB':>12}"
-        f" {'WAL head':>12} {'max lag':>12}"
+        f"{'t (s)':>6} {'anon MiB':>9} {'held MiB':>9} {'other MiB':>10} {'file MiB':>9}"
+        f" {'JVM RSS MiB':>12} {'WAL head':>12} {'max lag':>12}"
     )
     for t, anon, file, jvm, head, lag, held in samples:
+        other = anon - base - held
         print(
-            f"{t:6.0f} {anon / MiB:9.0f} {held / MiB:9.0f} {file / MiB:9.0f} {jvm / MiB:12.0f}"
-            f" {head:12,} {lag:12,}"
+            f"{t:6.0f} {anon / MiB:9.0f} {held / MiB:9.0f} {other / MiB:10.0f} {file / MiB:9.0f}"
+            f" {jvm / MiB:12.0f} {head:12,} {lag:12,}"
         )
     thirds = [samples[i * len(samples) // 3 : (i + 1) * len(samples) // 3] for i in range(3)]
     peaks = [max(s[1] for s in part) / MiB if part else 0.0 for part in thirds]
