@@ -131,11 +131,11 @@ async def test_prepared_batch_commits_from_the_file_built_ahead_and_a_failed_one
     builds: list[str] = []
     real = spark_executor.write_batch_file
 
-    def counting(batch: MicroBatch, path: Path, parallelism: int) -> Any:
+    def counting(batch: MicroBatch, path: Path, parallelism: int, max_bytes: int) -> Any:
         builds.append(threading.current_thread().name)
         if batch.batch_id == 3 and len(builds) == 2:
             raise OSError("injected: disk full while preparing")
-        return real(batch, path, parallelism)
+        return real(batch, path, parallelism, max_bytes)
 
     with mock.patch.object(spark_executor, "write_batch_file", side_effect=counting):
         ex.prepare(batches[1])
