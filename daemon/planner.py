@@ -376,9 +376,11 @@ class PlanLog:
 class _Reaper:
     """Frees committed batches in a thread of its own.
 
-    The last reference to a batch of 100k ring records holds ~400k objects
-    (tuples, ints, payload bytes); dropping it on the event loop stalled every
-    ack for ~30 ms once per batch here. Dropped in this thread, the
+    Dropping the last reference to a batch frees everything it holds in one
+    piece. When ring deliveries were one ``Record`` each, 100k of them were
+    ~400k objects and stalled every ack for ~30 ms once per batch; packed
+    parts made that cheap, but replay parts still come one per WAL frame
+    section and a batch can hold many. Dropped in this thread, the
     interpreter's switch interval (5 ms) lets the loop run in between.
     """
 
