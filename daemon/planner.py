@@ -601,11 +601,9 @@ class Planner:
                 if held:
                     log.info("microbatch_resumed")
                     held = False
-                # Steps 1-2 (as in ``run_once``).
-                closed = self._close()
+                closed = await self._close_and_plan()
                 if closed is None:
                     continue
-                await uncancellable(self._append_plan(closed))
                 batch, closed = closed, None
             started = self._clock()
             ahead = await self._execute_closing_ahead(batch)
@@ -617,12 +615,9 @@ class Planner:
     async def run_once(self) -> MicroBatch | None:
         """Steps 1-4 for one batch; None when nothing is pending."""
         started = self._clock()
-        # Step 1. Close one slice per core.
-        batch = self._close()
+        batch = await self._close_and_plan()
         if batch is None:
             return None
-        # Step 2. Record the plan durably before the batch runs.
-        await uncancellable(self._append_plan(batch))
         # Step 3. Execute, retrying with backoff; same id, same rows.
         await self._execute(batch)
         # Step 4. Commit: watermarks move only now (invariant 6).
@@ -647,9 +642,8 @@ class Planner:
         try:
             while not running.done():
                 if ahead is None and not self._stopping and self._next_is_full():
-                    ahead = self._close()
+                    ahead = await self._close_and_plan()
                     if ahead is not None:
-                        await uncancellable(self._append_plan(ahead))
                         self._preparer.prepare(ahead)
                     continue
                 self._wake.clear()
@@ -671,6 +665,16 @@ class Planner:
         return any(
             p.rows >= self._limit(p) or (p.rows and not p.room.is_set()) for p in self._pending
         )
+
+    async def _close_and_plan(self) -> MicroBatch | None:
+        """Steps 1-2: the next batch, planned durably; None when nothing is pending."""
+        # Step 1. Close one slice per core.
+        batch = self._close()
+        if batch is None:
+            return None
+        # Step 2. Record the plan durably before the batch runs.
+        await uncancellable(self._append_plan(batch))
+        return batch
 
     async def _append_plan(self, batch: MicroBatch) -> None:
         async with self._file_lock:

@@ -125,10 +125,14 @@ def batch_table(batch: MicroBatch) -> Any:
 _Chunk = tuple[Sequence[int], Sequence[int], Sequence[int], bytes]
 
 
+def _parts(records: Sequence[Record]) -> Sequence[Sequence[Record] | RecordBatch]:
+    """A slice's rows as the planner delivered them: ``Rows`` parts, or one list."""
+    return records.parts() if isinstance(records, Rows) else [records]
+
+
 def _chunks(records: Sequence[Record], size: int) -> Iterator[_Chunk]:
     """``(lsns, cores, seqs, concatenated payloads)`` of at most ``size`` rows each."""
-    parts = records.parts() if isinstance(records, Rows) else [records]
-    for part in parts:
+    for part in _parts(records):
         n = len(part)
         if isinstance(part, RecordBatch):
             offs = part.offsets
@@ -290,8 +294,7 @@ def payload_bytes(batch: MicroBatch) -> int:
     """Payload bytes of all the batch's rows (parts are summed, not iterated)."""
     n = 0
     for s in batch.slices.values():
-        records = s.records
-        for part in records.parts() if isinstance(records, Rows) else [records]:
+        for part in _parts(s.records):
             if isinstance(part, RecordBatch):
                 n += len(part.data)
             else:
