@@ -478,6 +478,7 @@ class EventPlane:
             "persisted_batch_id": wm.persisted.batch_id if wm else 0,
             "last_batch": dict(planner.last_batch) if planner and planner.last_batch else None,
             "executor_ready": self.executor.ready(),
+            "expected_run_s": round(planner.expected_run_s(), 4) if planner else 0.0,
             "cores": cores,
             "failure": str(self._failure) if self._failure else None,
         }

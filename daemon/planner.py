@@ -1,10 +1,19 @@
 """Micro-batch planner: per-core pending slices, a durable plan log, and the run loop.
 
-Consumers add delivered records to their core's pending slice. Every
-``microbatch.interval_ms`` (sooner when a core reaches ``max_rows``, or
-``catchup_max_rows`` while it catches up) the planner closes one slice per core
-into a :class:`~daemon.batch.MicroBatch` and runs it. One batch runs at a time,
-so batches commit in id order and watermarks only move forward.
+Consumers add delivered records to their core's pending slice. The planner
+closes one slice per core into a :class:`~daemon.batch.MicroBatch` and runs
+it. One batch runs at a time, so batches commit in id order and watermarks
+only move forward.
+
+When a batch closes: ``microbatch.interval_ms`` is the time from an event's
+delivery to its batch's commit that the planner aims for. It closes a batch
+when its oldest pending event has waited ``interval_ms`` less the expected run
+time (``RUN_TIME_MARGIN`` x the slowest of the last ``RECENT_BATCHES`` runs),
+and sooner when a core reaches ``max_rows`` (``catchup_max_rows`` while it
+catches up) or its memory budget. With fast batches that is about once per
+interval; a slower executor gets batches closed sooner, so rows do not wait a
+whole interval and then a run on top of it (a batch that is due while another
+runs starts right after it commits).
 
 Batch protocol (Spark's offset-log rule):
 
@@ -45,6 +54,7 @@ import time
 import zlib
 from array import array
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from itertools import accumulate
 from operator import itemgetter
@@ -84,6 +94,12 @@ COLUMNAR_OVERHEAD_BYTES = 18
 # over-allocation) and the planner's (part, bytes) entry. Measured 130-530 B
 # per part (pymalloc and glibc counts); a part can be one event, so it counts.
 PART_OVERHEAD_BYTES = 512
+
+# The close deadline (module docstring) expects the next run to take this
+# many times the slowest of the last RECENT_BATCHES runs: room for the next
+# one's variance, and for delivery before and the actions' hand-off after.
+RECENT_BATCHES = 8
+RUN_TIME_MARGIN = 1.25
 
 Ranges = dict[int, tuple[int, int]]
 T = TypeVar("T")
@@ -419,7 +435,8 @@ class _Pending:
     )
 
     def __init__(self) -> None:
-        self.parts: list[tuple[Part, int]] = []  # (part, part_bytes)
+        # (part, part_bytes, when it was delivered: the planner's clock)
+        self.parts: list[tuple[Part, int, float]] = []
         self.rows = 0
         self.nbytes = 0
         # Bytes of this core's slice in the running batch: still in memory
@@ -484,7 +501,8 @@ class Planner:
         self._reaper = _Reaper()
         self._wake = asyncio.Event()
         self._stopping = False
-        self._last_close = clock()
+        # Seconds the executor took for recent batches (the close deadline).
+        self._run_times: deque[float] = deque(maxlen=RECENT_BATCHES)
         self._file_lock = asyncio.Lock()
         self.last_batch: dict[str, Any] | None = None
 
@@ -509,7 +527,9 @@ class Planner:
         if first <= p.last_lsn:
             raise LsnRegressionError(f"core {core}: LSN {first} delivered after LSN {p.last_lsn}")
         size = part_bytes(part) if nbytes is None else nbytes
-        p.parts.append((part, size))
+        if not p.parts:
+            self._wake.set()  # the planner's close deadline starts now
+        p.parts.append((part, size, self._clock()))
         p.rows += len(part)
         p.nbytes += size
         p.last_lsn = last_lsn(part)
@@ -683,21 +703,36 @@ class Planner:
 
     async def _wait_due(self) -> bool:
         """Wait until a batch is due. False when stopping."""
-        interval = self.cfg.interval_ms / 1000
         while not self._stopping:
             if any(
                 p.rows >= self._limit(p) or p.nbytes >= self.pending_max_bytes
                 for p in self._pending
             ):
                 return True
-            remaining = self._last_close + interval - self._clock()
-            if remaining <= 0:
-                if any(p.rows for p in self._pending):
-                    return True
-                remaining = interval
+            due = self.close_due()
             self._wake.clear()
+            if due is None:
+                await self._wake.wait()  # the first delivered row sets it
+                continue
+            remaining = due - self._clock()
+            if remaining <= 0:
+                return True
             await wait_event(self._wake, remaining)
         return False
+
+    def expected_run_s(self) -> float:
+        """What the close deadline expects the next batch's run to take (seconds)."""
+        if not self._run_times:
+            return 0.0
+        return min(RUN_TIME_MARGIN * max(self._run_times), self.cfg.interval_ms / 1000)
+
+    def close_due(self) -> float | None:
+        """When (planner clock) the next batch is due so that its oldest row commits
+        ``interval_ms`` after delivery; None while nothing is pending."""
+        oldest = min((p.parts[0][2] for p in self._pending if p.parts), default=None)
+        if oldest is None:
+            return None
+        return oldest + self.cfg.interval_ms / 1000 - self.expected_run_s()
 
     def _close(self) -> MicroBatch | None:
         slices: dict[int, Slice] = {}
@@ -711,7 +746,6 @@ class Planner:
             p.inflight += taken_bytes[core]
             p.backlog = False
             slices[core] = Slice(core, first_lsn(taken[0]), last_lsn(taken[-1]), Rows(taken))
-        self._last_close = self._clock()
         if not slices:
             return None
         batch = MicroBatch(self._next_id, slices)
@@ -724,14 +758,14 @@ class Planner:
     def _take(p: _Pending, limit: int) -> list[Part]:
         """Remove up to ``limit`` rows from the front of ``p``, splitting one part if needed."""
         if p.rows <= limit:
-            taken = [part for part, _ in p.parts]
+            taken = [part for part, _, _ in p.parts]
             p.parts, p.rows, p.nbytes = [], 0, 0
             return taken
         taken = []
         rows = 0
         i = 0
         while rows < limit:
-            part, size = p.parts[i]
+            part, size, delivered = p.parts[i]
             if rows + len(part) <= limit:
                 taken.append(part)
                 rows += len(part)
@@ -743,7 +777,7 @@ class Planner:
             rows = limit
             tail_bytes = part_bytes(tail)
             p.nbytes -= size - tail_bytes
-            p.parts[i] = (tail, tail_bytes)
+            p.parts[i] = (tail, tail_bytes, delivered)
         del p.parts[:i]
         p.rows -= rows
         return taken
@@ -790,6 +824,7 @@ class Planner:
             attempt += 1
             info["attempts"] = attempt
             info["state"] = "running"
+            attempt_started = self._clock()
             try:
                 await self.executor.execute(batch)
             except asyncio.CancelledError:
@@ -808,6 +843,7 @@ class Planner:
                 await self._sleep(delay)
                 delay = min(delay * 2, self.cfg.retry_max_ms / 1000)
                 continue
+            self._run_times.append(self._clock() - attempt_started)
             return
 
     def _commit(self, batch: MicroBatch, started: float) -> None:

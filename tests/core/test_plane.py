@@ -522,6 +522,7 @@ async def test_status_reports_mode_watermark_lag_ring_and_last_batch(
     assert core0["backpressure"] == "normal" and core0["ring"]["events"] == 0
     assert core0["catchup"] is None
     assert status["last_batch"]["state"] == "committed"
+    assert 0 <= status["expected_run_s"] <= 0.01  # capped at interval_ms (10 ms)
     assert status["failure"] is None
 
 

@@ -14,7 +14,14 @@ from structlog.testing import capture_logs
 from daemon.batch import MicroBatch
 from daemon.config import MicrobatchConfig
 from daemon.metrics import Metrics
-from daemon.planner import RECORD_OVERHEAD_BYTES, PlanLog, PlanMismatchError, Planner, Ranges
+from daemon.planner import (
+    RECORD_OVERHEAD_BYTES,
+    RUN_TIME_MARGIN,
+    PlanLog,
+    PlanMismatchError,
+    Planner,
+    Ranges,
+)
 from daemon.watermarks import Watermarks, WatermarkSnapshot
 from tests.core.conftest import RecordingExecutor, columnar, rec
 from wal.record import Record
@@ -30,6 +37,7 @@ def make_planner(
     pending_max_bytes: int = 1 << 20,
     wal: list[Record] | None = None,
     persisted: WatermarkSnapshot | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> tuple[Planner, PlanLog]:
     plan_log = PlanLog(tmp_path / "plans.log", "wal-t", cores)
     plans = plan_log.open()
@@ -49,6 +57,7 @@ def make_planner(
         metrics=metrics,
         plans=plans,
         load_slice=load_slice,
+        **({"clock": clock} if clock is not None else {}),
     )
     return planner, plan_log
 
@@ -474,3 +483,78 @@ async def test_committed_batch_rows_are_freed_off_the_event_loop(
     await planner.aclose()
     assert _NoteFreed.freed_by == ["eventplane-free"]
     assert planner.watermarks.lsns == [2, 0]
+
+
+class ClockedExecutor(RecordingExecutor):
+    """Each run takes ``run_s`` on the test's clock."""
+
+    def __init__(self, clock: list[float], run_s: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.run_s = run_s
+
+    async def execute(self, batch: MicroBatch) -> None:
+        self.clock[0] += self.run_s
+        await super().execute(batch)
+
+
+async def test_batch_closes_early_by_the_expected_run_time_so_rows_commit_within_the_interval(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """1. No run seen yet: the batch is due ``interval`` after its oldest row.
+    2. After runs of 0.3 s and 0.2 s, it is due ``interval - 1.25 x 0.3`` after
+       the oldest row, on whichever core that row waits."""
+    now = [100.0]
+    executor = ClockedExecutor(now, run_s=0.3)
+    cfg = MicrobatchConfig(interval_ms=1000, max_rows=100)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, clock=lambda: now[0])
+    assert planner.close_due() is None
+    planner.add(0, [rec(1)])
+    assert planner.close_due() == pytest.approx(101.0)
+
+    assert await planner.run_once() is not None
+    executor.run_s = 0.2
+    planner.add(1, [rec(2, core=1)])
+    assert await planner.run_once() is not None
+    assert planner.expected_run_s() == pytest.approx(RUN_TIME_MARGIN * 0.3)
+
+    now[0] = 200.0
+    planner.add(1, [rec(3, core=1)])
+    now[0] = 200.5
+    planner.add(0, [rec(4)])
+    assert planner.close_due() == pytest.approx(200.0 + 1.0 - RUN_TIME_MARGIN * 0.3)
+
+
+async def test_rows_left_by_a_full_slice_keep_their_delivery_time_for_the_next_deadline(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    now = [10.0]
+    cfg = MicrobatchConfig(interval_ms=1000, max_rows=2)
+    planner, _ = make_planner(tmp_path, RecordingExecutor(), metrics, cfg=cfg, clock=lambda: now[0])
+    planner.add(0, [rec(1), rec(2), rec(3)])
+    now[0] = 10.4
+    planner.add(0, [rec(4)])
+    batch = await planner.run_once()
+    assert batch is not None and batch.ranges() == {0: (1, 2)}
+    assert planner.close_due() == pytest.approx(11.0)  # LSN 3 came at 10.0, not 10.4
+
+
+async def test_executor_slower_than_the_interval_gets_each_batch_as_soon_as_rows_wait(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """Runs take longer than the 60 s interval: the next batch closes at once
+    instead of waiting the interval on top (the expected run is capped at it)."""
+    now = [0.0]
+    executor = ClockedExecutor(now, run_s=90.0)
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=100, retry_initial_ms=1)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, clock=lambda: now[0])
+    planner.add(0, [rec(1)])
+    assert await planner.run_once() is not None
+    assert planner.expected_run_s() == 60.0
+
+    task = asyncio.create_task(planner.run())
+    planner.add(0, [rec(2)])
+    await executor.wait_rows(2, within_s=5)
+    planner.request_stop()
+    await asyncio.wait_for(task, 5)
+    assert [b.ranges() for b in executor.committed] == [{0: (1, 1)}, {0: (2, 2)}]
