@@ -88,7 +88,7 @@ class Receiver(HookServer):
 # Data
 
 
-def make_table(events: int, match: float, first_lsn: int, seed: int) -> Any:
+def make_table(events: int, match: float, first_lsn: int, seed: int, batch_id: int) -> Any:
     """An Arrow table shaped like the executor's ``batch_table`` output."""
     import pyarrow as pa
 
@@ -112,6 +112,7 @@ def make_table(events: int, match: float, first_lsn: int, seed: int) -> Any:
             "new_json": pa.array(news, pa.string()),
             "old_json": pa.array([None] * events, pa.string()),
             "ingest_ts": pa.array([ts] * events, pa.timestamp("us", tz="UTC")),
+            "batch_id": pa.array([batch_id] * events, pa.int64()),
             "depth": pa.array([0] * events, pa.int32()),
             "source": pa.array([""] * events, pa.string()),
         }
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         frames = []
         for b in range(args.warmup + args.batches):
-            table = make_table(args.events, args.match, 1 + b * args.events, seed=b)
+            table = make_table(args.events, args.match, 1 + b * args.events, seed=b, batch_id=b + 1)
             frames.append((batch_dataframe(spark, table, b + 1), args.events))
         print(
             f"{args.batches} measured batches (after {args.warmup} warm-up) of {args.events:,} "

@@ -574,7 +574,7 @@ def breakdown(
 ) -> Breakdown:
     parts: dict[str, list[float]] = {
         "ack: HTTP + WAL group commit + fsync": [],
-        "ack -> batch runs: waiting for the interval, plan fsync, previous batch": [],
+        "ack -> batch runs: waiting for the batch to close, plan fsync, previous batch": [],
         "Spark: inbox file + trigger job + collect": [],
         "Spark done -> row received: webhook POSTs": [],
     }
