@@ -518,6 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
 
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-cdc-", dir=args.dir))
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     try:

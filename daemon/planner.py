@@ -15,6 +15,13 @@ interval; a slower executor gets batches closed sooner, so rows do not wait a
 whole interval and then a run on top of it (a batch that is due while another
 runs starts right after it commits).
 
+How much a slice takes: everything the core has pending, up to
+``catchup_max_rows``. Rows that piled up while a batch ran (more than
+``max_rows`` of them: the executor is behind) go out in one large batch, as
+a Structured Streaming source without a per-trigger limit does; every batch
+pays a fixed cost in Spark (a few hundred ms for a CDC write here), so many
+``max_rows`` batches would keep the executor behind for longer.
+
 Batch protocol (Spark's offset-log rule):
 
 1. Close one slice per core and give the batch the next id.
@@ -424,7 +431,6 @@ class _Reaper:
 
 class _Pending:
     __slots__ = (
-        "backlog",
         "catching_up",
         "inflight",
         "last_lsn",
@@ -445,9 +451,6 @@ class _Pending:
         self.inflight = 0
         self.last_lsn = 0
         self.catching_up = False
-        # Rows replayed by a catch-up that just ended are still pending: the
-        # next slice may take them all (catchup_max_rows), not max_rows.
-        self.backlog = False
         self.room = asyncio.Event()
         self.room.set()
 
@@ -539,7 +542,7 @@ class Planner:
             # ahead of time (``_next_is_full``).
             p.room.clear()
             self._wake.set()
-        if p.nbytes >= self.pending_max_bytes or p.rows >= self._limit(p):
+        if p.nbytes >= self.pending_max_bytes or p.rows >= self._due_rows(p):
             # Pending alone full: close a batch now, not at the interval.
             self._wake.set()
 
@@ -552,10 +555,7 @@ class Planner:
         await self._pending[core].room.wait()
 
     def set_catching_up(self, core: int, flag: bool) -> None:
-        p = self._pending[core]
-        if p.catching_up and not flag and p.rows:
-            p.backlog = True
-        p.catching_up = flag
+        self._pending[core].catching_up = flag
 
     def pending_rows(self, core: int) -> int:
         return self._pending[core].rows
@@ -583,8 +583,11 @@ class Planner:
         ]
         return min(firsts) - 1 if firsts else None
 
-    def _limit(self, p: _Pending) -> int:
-        return self.cfg.catchup_max_rows if p.catching_up or p.backlog else self.cfg.max_rows
+    def _due_rows(self, p: _Pending) -> int:
+        """Pending rows that make a batch due before its deadline. A slice takes up
+        to ``catchup_max_rows`` whatever the mode: a backlog that built up while
+        a batch ran goes out in few large batches, not many ``max_rows`` ones."""
+        return self.cfg.catchup_max_rows if p.catching_up else self.cfg.max_rows
 
     # ------------------------------------------------------------------
     # Run loop
@@ -683,7 +686,8 @@ class Planner:
     def _next_is_full(self) -> bool:
         """Some core's pending slice is as big as the next batch may take or hold."""
         return any(
-            p.rows >= self._limit(p) or (p.rows and not p.room.is_set()) for p in self._pending
+            p.rows >= self.cfg.catchup_max_rows or (p.rows and not p.room.is_set())
+            for p in self._pending
         )
 
     async def _close_and_plan(self) -> MicroBatch | None:
@@ -705,7 +709,7 @@ class Planner:
         """Wait until a batch is due. False when stopping."""
         while not self._stopping:
             if any(
-                p.rows >= self._limit(p) or p.nbytes >= self.pending_max_bytes
+                p.rows >= self._due_rows(p) or p.nbytes >= self.pending_max_bytes
                 for p in self._pending
             ):
                 return True
@@ -741,10 +745,9 @@ class Planner:
             if not p.rows:
                 continue
             before = p.nbytes
-            taken = self._take(p, self._limit(p))
+            taken = self._take(p, self.cfg.catchup_max_rows)
             taken_bytes[core] = before - p.nbytes
             p.inflight += taken_bytes[core]
-            p.backlog = False
             slices[core] = Slice(core, first_lsn(taken[0]), last_lsn(taken[-1]), Rows(taken))
         if not slices:
             return None

@@ -144,13 +144,31 @@ async def test_slice_closes_at_max_rows_without_waiting_for_the_interval(
     cfg = MicrobatchConfig(interval_ms=60_000, max_rows=3, catchup_max_rows=10)
     planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg)
     task = asyncio.create_task(planner.run())
-    planner.add(0, [rec(lsn) for lsn in range(1, 8)])
-    await executor.wait_rows(6, within_s=5)
+    planner.add(0, [rec(lsn) for lsn in range(1, 4)])
+    await executor.wait_rows(3, within_s=5)
+    planner.add(0, [rec(lsn) for lsn in range(4, 6)])
+    await asyncio.sleep(0.05)
     planner.request_stop()
     await asyncio.wait_for(task, 5)
 
-    assert [b.ranges() for b in executor.committed] == [{0: (1, 3)}, {0: (4, 6)}]
-    assert planner.pending_rows(0) == 1  # under max_rows: waits for the interval
+    assert [b.ranges() for b in executor.committed] == [{0: (1, 3)}]
+    assert planner.pending_rows(0) == 2  # under max_rows: waits for the deadline
+
+
+async def test_backlog_beyond_max_rows_goes_out_whole_in_slices_of_catchup_max_rows(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    """13 rows piled up (max_rows 3): not four max_rows batches, but the most a
+    slice may take (catchup_max_rows 10), then the rest."""
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=3, catchup_max_rows=10)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg)
+    task = asyncio.create_task(planner.run())
+    planner.add(0, [rec(lsn) for lsn in range(1, 14)])
+    await executor.wait_rows(13, within_s=5)
+    planner.request_stop()
+    await asyncio.wait_for(task, 5)
+
+    assert [b.ranges() for b in executor.committed] == [{0: (1, 10)}, {0: (11, 13)}]
 
 
 async def test_catching_up_core_gets_catchup_sized_slices(
@@ -165,6 +183,24 @@ async def test_catching_up_core_gets_catchup_sized_slices(
     batch = await planner.run_once()
 
     assert batch is not None and batch.ranges() == {0: (1, 5), 1: (8, 9)}
+
+
+async def test_catching_up_core_is_not_due_at_max_rows_but_at_catchup_max_rows(
+    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
+) -> None:
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, catchup_max_rows=5)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg)
+    planner.set_catching_up(0, True)
+    task = asyncio.create_task(planner.run())
+    planner.add(0, [rec(lsn) for lsn in range(1, 5)])
+    await asyncio.sleep(0.2)
+    assert executor.committed == []  # 4 rows: twice max_rows, still growing
+
+    planner.add(0, [rec(5)])
+    await executor.wait_rows(5, within_s=5)
+    planner.request_stop()
+    await asyncio.wait_for(task, 5)
+    assert [b.ranges() for b in executor.committed] == [{0: (1, 5)}]
 
 
 async def test_pending_bytes_bound_closes_room_until_a_batch_takes_the_rows(
@@ -308,7 +344,7 @@ async def test_rows_replayed_by_a_finished_catchup_still_go_out_in_one_catchup_s
     second = await planner.run_once()
 
     assert first is not None and first.ranges() == {0: (1, 4)}
-    assert second is not None and second.ranges() == {0: (5, 6)}  # back to max_rows
+    assert second is not None and second.ranges() == {0: (5, 7)}
 
 
 class PreparingExecutor(RecordingExecutor):
@@ -340,13 +376,14 @@ async def test_next_batch_is_planned_and_prepared_while_one_runs_and_commits_aft
     tmp_path: Path, metrics: Metrics
 ) -> None:
     """1. Batch 1 (LSN 1-2) runs and stalls in the executor.
-    2. Core 0 fills the next slice to max_rows: batch 2 (LSN 3-4) is closed,
+    2. Core 0 fills the next slice to the most it may take (catchup_max_rows):
+       batch 2 (LSN 3-4) is closed,
        durably planned and handed to ``prepare`` while batch 1 still runs; both
        count against the core's budget; no watermark moved.
     3. Released, batch 1 commits, then batch 2; watermarks follow in order."""
     executor = PreparingExecutor()
     executor.stall = asyncio.Event()
-    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, retry_initial_ms=1)
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, catchup_max_rows=2, retry_initial_ms=1)
     planner, plan_log = make_planner(tmp_path, executor, metrics, cfg=cfg)
     rows = [rec(lsn, payload=b"x" * 10) for lsn in range(1, 5)]
     planner.add(0, rows[:2])
@@ -408,7 +445,7 @@ async def test_batches_closed_ahead_are_rerun_in_order_after_a_crash(
     wal = [rec(lsn, payload=b"x" * 10) for lsn in range(1, 5)]
     executor = PreparingExecutor()
     executor.stall = asyncio.Event()
-    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, retry_initial_ms=1)
+    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, catchup_max_rows=2, retry_initial_ms=1)
     first, log1 = make_planner(tmp_path, executor, metrics, cfg=cfg)
     first.add(0, wal[:2])
     task = asyncio.create_task(first.run())
@@ -529,7 +566,7 @@ async def test_rows_left_by_a_full_slice_keep_their_delivery_time_for_the_next_d
     tmp_path: Path, metrics: Metrics
 ) -> None:
     now = [10.0]
-    cfg = MicrobatchConfig(interval_ms=1000, max_rows=2)
+    cfg = MicrobatchConfig(interval_ms=1000, max_rows=2, catchup_max_rows=2)
     planner, _ = make_planner(tmp_path, RecordingExecutor(), metrics, cfg=cfg, clock=lambda: now[0])
     planner.add(0, [rec(1), rec(2), rec(3)])
     now[0] = 10.4
