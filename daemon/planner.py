@@ -684,10 +684,9 @@ class Planner:
         return ahead
 
     def _next_is_full(self) -> bool:
-        """Some core's pending slice is as big as the next batch may take or hold."""
+        """Some core's pending slice would make a batch due now, or cannot grow."""
         return any(
-            p.rows >= self.cfg.catchup_max_rows or (p.rows and not p.room.is_set())
-            for p in self._pending
+            p.rows >= self._due_rows(p) or (p.rows and not p.room.is_set()) for p in self._pending
         )
 
     async def _close_and_plan(self) -> MicroBatch | None:
