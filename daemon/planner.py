@@ -649,13 +649,14 @@ class Planner:
 
     async def _execute_closing_ahead(self, batch: MicroBatch) -> MicroBatch | None:
         """Step 3 for ``batch``; meanwhile close, plan and prepare the next one once
-        its slice cannot grow any more (``_next_is_full``). Returns that batch.
+        it is due: a core's slice reached its row limit or cannot grow
+        (``_next_is_full``), or its oldest row reached the close deadline.
+        Returns that batch.
 
         Only with an executor that prepares (``Preparer``): the next batch's
-        input is then built while this one runs in Spark. Batch sizes stay what
-        they would be without it, because a batch is closed early only when it
-        is full. It commits after this one; ids, plans and watermarks keep
-        their order, and a crash re-runs both plans in order.
+        input is then built while this one runs in Spark, instead of after it
+        with Spark idle. It commits after this one; ids, plans and watermarks
+        keep their order, and a crash re-runs both plans in order.
         """
         if self._preparer is None:
             await self._execute(batch)
@@ -664,15 +665,19 @@ class Planner:
         ahead: MicroBatch | None = None
         try:
             while not running.done():
-                if ahead is None and not self._stopping and self._next_is_full():
+                due = self.close_due() if ahead is None and not self._stopping else None
+                if due is not None and (self._next_is_full() or due <= self._clock()):
                     ahead = await self._close_and_plan()
                     if ahead is not None:
                         self._preparer.prepare(ahead)
                     continue
                 self._wake.clear()
                 woken = asyncio.ensure_future(self._wake.wait())
+                timeout = None if due is None else due - self._clock()
                 try:
-                    await asyncio.wait((running, woken), return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        (running, woken), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                    )
                 finally:
                     woken.cancel()
         except BaseException:

@@ -595,3 +595,32 @@ async def test_executor_slower_than_the_interval_gets_each_batch_as_soon_as_rows
     planner.request_stop()
     await asyncio.wait_for(task, 5)
     assert [b.ranges() for b in executor.committed] == [{0: (1, 1)}, {0: (2, 2)}]
+
+
+async def test_a_batch_due_by_its_deadline_while_another_runs_is_closed_and_prepared_ahead(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """Batch 1 runs (stalled). One row arrives 2 s after batch 1 closed, and the
+    planner's clock says its deadline has passed: batch 2 is closed, planned and
+    prepared now, not when batch 1 commits."""
+    now = [50.0]
+    executor = PreparingExecutor()
+    executor.stall = asyncio.Event()
+    cfg = MicrobatchConfig(interval_ms=1000, max_rows=2, retry_initial_ms=1)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, clock=lambda: now[0])
+    planner.add(0, [rec(1), rec(2)])  # full: due now
+    task = asyncio.create_task(planner.run())
+    await executor.wait_until(lambda: len(executor.attempts) == 1)
+
+    planner.add(0, [rec(3)])
+    assert executor.prepared == []  # 1 s to its deadline on the planner's clock
+    now[0] += 2.0
+    planner.add(1, [rec(4, core=1)])  # wakes the planner, which sees the deadline
+    await executor.wait_until(lambda: executor.prepared == [2])
+    assert executor.committed == []
+
+    executor.stall.set()
+    await executor.wait_rows(4, within_s=2)
+    planner.request_stop()
+    await asyncio.wait_for(task, 2)
+    assert [b.ranges() for b in executor.committed] == [{0: (1, 2)}, {0: (3, 3), 1: (4, 4)}]
