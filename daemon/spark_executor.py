@@ -715,10 +715,8 @@ class SparkExecutor:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            # Logged once, by the planner (microbatch_failed: attempt, retry delay).
             self._record_failure(batch, exc)
-            bound.warning(
-                "microbatch_failed", rows=batch.rows, error=f"{type(exc).__name__}: {exc}"
-            )
             if isinstance(exc, DaemonError):
                 raise
             raise ExecutorError(
