@@ -171,36 +171,25 @@ async def test_backlog_beyond_max_rows_goes_out_whole_in_slices_of_catchup_max_r
     assert [b.ranges() for b in executor.committed] == [{0: (1, 10)}, {0: (11, 13)}]
 
 
-async def test_catching_up_core_gets_catchup_sized_slices(
+async def test_catching_up_core_is_due_at_catchup_max_rows_and_gets_catchup_sized_slices(
     tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
 ) -> None:
-    cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, catchup_max_rows=5)
-    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg)
-    planner.set_catching_up(0, True)
-    planner.add(0, [rec(lsn) for lsn in range(1, 8)])
-    planner.add(1, [rec(lsn, 1) for lsn in range(8, 10)])
-
-    batch = await planner.run_once()
-
-    assert batch is not None and batch.ranges() == {0: (1, 5), 1: (8, 9)}
-
-
-async def test_catching_up_core_is_not_due_at_max_rows_but_at_catchup_max_rows(
-    tmp_path: Path, executor: RecordingExecutor, metrics: Metrics
-) -> None:
+    """4 rows (twice max_rows) of a catching-up core are not due yet; at 7 the
+    batch is due and takes catchup_max_rows (5) of them, with the other core's row."""
     cfg = MicrobatchConfig(interval_ms=60_000, max_rows=2, catchup_max_rows=5)
     planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg)
     planner.set_catching_up(0, True)
     task = asyncio.create_task(planner.run())
     planner.add(0, [rec(lsn) for lsn in range(1, 5)])
     await asyncio.sleep(0.2)
-    assert executor.committed == []  # 4 rows: twice max_rows, still growing
+    assert executor.committed == []
 
-    planner.add(0, [rec(5)])
-    await executor.wait_rows(5, within_s=5)
+    planner.add(1, [rec(8, 1)])  # under max_rows: core 1 makes nothing due
+    planner.add(0, [rec(lsn) for lsn in range(5, 8)])
+    await executor.wait_rows(5 + 1, within_s=5)
     planner.request_stop()
     await asyncio.wait_for(task, 5)
-    assert [b.ranges() for b in executor.committed] == [{0: (1, 5)}]
+    assert executor.committed[0].ranges() == {0: (1, 5), 1: (8, 8)}
 
 
 async def test_pending_bytes_bound_closes_room_until_a_batch_takes_the_rows(
