@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from daemon.errors import ConsumerFailedError, LsnRegressionError
-from daemon.planner import Part, pack, part_bytes
+from daemon.planner import Part, join_small_parts, pack, part_bytes
 from daemon.ring import Backpressure, Ring
 from wal.errors import BelowRetainedFloorError
 from wal.reader import RecordBatch
@@ -99,6 +99,7 @@ def _take(it: Iterator[RecordBatch], rows: int, max_bytes: int) -> tuple[list[Re
 
     Returns the batches and True if the iterator ran dry. Overshoots by at most
     one batch (one core's part of one WAL frame, bounded by the group size).
+    Small parts come back joined (``join_small_parts``).
     """
     out: list[RecordBatch] = []
     n = 0
@@ -106,12 +107,12 @@ def _take(it: Iterator[RecordBatch], rows: int, max_bytes: int) -> tuple[list[Re
     while n < rows and nbytes < max_bytes:
         batch = next(it, None)
         if batch is None:
-            return out, True
+            return join_small_parts(out), True
         if len(batch):
             out.append(batch)
             n += len(batch)
             nbytes += part_bytes(batch)
-    return out, False
+    return join_small_parts(out), False
 
 
 def _close(it: Iterator[RecordBatch] | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,9 +22,12 @@ from daemon.planner import (
     PlanMismatchError,
     Planner,
     Ranges,
+    join_small_parts,
+    part_bytes,
 )
 from daemon.watermarks import Watermarks, WatermarkSnapshot
 from tests.core.conftest import RecordingExecutor, columnar, rec
+from wal.reader import RecordBatch
 from wal.record import Record
 
 
@@ -613,3 +617,23 @@ async def test_a_batch_due_by_its_deadline_while_another_runs_is_closed_and_prep
     planner.request_stop()
     await asyncio.wait_for(task, 2)
     assert [b.ranges() for b in executor.committed] == [{0: (1, 2)}, {0: (3, 3), 1: (4, 4)}]
+
+
+def test_small_replayed_parts_are_joined_per_sequence_run_and_keep_every_event() -> None:
+    """300 one-event frames, one 300-event frame, then 5 one-event frames after a
+    sequence restart: three parts, the events and payloads unchanged, in order."""
+    singles = [columnar([lsn], payload=b"e%d" % lsn) for lsn in range(1, 301)]
+    big = columnar(list(range(301, 601)), payload=b"big")
+    after_restart = [
+        RecordBatch(0, array("Q", [lsn]), 1 + i, array("Q", [0, 2]), b"r%d" % i)
+        for i, lsn in enumerate(range(601, 606))
+    ]
+    parts = [*singles, big, *after_restart]
+
+    joined = join_small_parts(parts)
+
+    assert [(len(p), p.first_seq) for p in joined] == [(300, 1), (300, 301), (5, 1)]
+    assert joined[1] is big
+    events = [r for p in joined for r in p.records()]
+    assert events == [r for p in parts for r in p.records()]
+    assert sum(map(part_bytes, joined)) < sum(map(part_bytes, parts)) - 290 * 512
