@@ -449,8 +449,8 @@ class _Reaper:
     Dropping the last reference to a batch frees everything it holds in one
     piece. When ring deliveries were one ``Record`` each, 100k of them were
     ~400k objects and stalled every ack for ~30 ms once per batch; packed
-    parts made that cheap, but replay parts still come one per WAL frame
-    section and a batch can hold many. Dropped in this thread, the
+    parts made that cheap, and small replay parts are joined, but a batch can
+    still hold many parts (one per ring run). Dropped in this thread, the
     interpreter's switch interval (5 ms) lets the loop run in between.
     """
 
