@@ -13,7 +13,7 @@ and sooner when a core reaches ``max_rows`` (``catchup_max_rows`` while it
 catches up) or its memory budget. With fast batches that is about once per
 interval; a slower executor gets batches closed sooner, so rows do not wait a
 whole interval and then a run on top of it (a batch that is due while another
-runs starts right after it commits).
+runs starts right after it commits, prepared meanwhile if the executor can).
 
 How much a slice takes: everything the core has pending, up to
 ``catchup_max_rows``. Rows that piled up while a batch ran (more than
@@ -32,8 +32,8 @@ Batch protocol (Spark's offset-log rule):
 4. Commit: advance the watermarks of the batch's cores.
 
 While batch N runs (step 3), an executor that prepares (``Preparer``) gets
-batch N+1 early: once a core's next slice is full, N+1 goes through steps 1-2
-and ``executor.prepare``; it runs right after N's step 4 (``run``).
+batch N+1 early: once N+1 is due, it goes through steps 1-2 and
+``executor.prepare``; it runs right after N's step 4 (``run``).
 
 After a crash, plans above the persisted watermarks' ``batch_id`` are read
 back from the WAL and re-run first with their own ids (the executor's sinks
@@ -586,11 +586,11 @@ class Planner:
         if p.nbytes + p.inflight >= self.pending_max_bytes:
             # Over budget: the consumer waits for room (the WAL keeps the
             # rest), and the slice will not grow: the run loop may close it
-            # ahead of time (``_next_is_full``).
+            # ahead of time (``_due_by_size``).
             p.room.clear()
             self._wake.set()
-        if p.nbytes >= self.pending_max_bytes or p.rows >= self._due_rows(p):
-            # Pending alone full: close a batch now, not at the interval.
+        elif p.rows >= self._due_rows(p):
+            # Row limit reached: close a batch now, not at its deadline.
             self._wake.set()
 
     def has_room(self, core: int) -> bool:
@@ -697,7 +697,7 @@ class Planner:
     async def _execute_closing_ahead(self, batch: MicroBatch) -> MicroBatch | None:
         """Step 3 for ``batch``; meanwhile close, plan and prepare the next one once
         it is due: a core's slice reached its row limit or cannot grow
-        (``_next_is_full``), or its oldest row reached the close deadline.
+        (``_due_by_size``), or its oldest row reached the close deadline.
         Returns that batch.
 
         Only with an executor that prepares (``Preparer``): the next batch's
@@ -713,7 +713,7 @@ class Planner:
         try:
             while not running.done():
                 due = self.close_due() if ahead is None and not self._stopping else None
-                if due is not None and (self._next_is_full() or due <= self._clock()):
+                if due is not None and (self._due_by_size() or due <= self._clock()):
                     ahead = await self._close_and_plan()
                     if ahead is not None:
                         self._preparer.prepare(ahead)
@@ -735,8 +735,9 @@ class Planner:
         await running
         return ahead
 
-    def _next_is_full(self) -> bool:
-        """Some core's pending slice would make a batch due now, or cannot grow."""
+    def _due_by_size(self) -> bool:
+        """Some core's pending slice makes a batch due now: it reached its row
+        limit, or it cannot grow (pending plus running bytes at the budget)."""
         return any(
             p.rows >= self._due_rows(p) or (p.rows and not p.room.is_set()) for p in self._pending
         )
@@ -759,10 +760,7 @@ class Planner:
     async def _wait_due(self) -> bool:
         """Wait until a batch is due. False when stopping."""
         while not self._stopping:
-            if any(
-                p.rows >= self._due_rows(p) or p.nbytes >= self.pending_max_bytes
-                for p in self._pending
-            ):
+            if self._due_by_size():
                 return True
             due = self.close_due()
             self._wake.clear()

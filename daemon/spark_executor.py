@@ -518,7 +518,7 @@ class SparkExecutor:
         """Start writing ``batch``'s inbox file while the batch before it runs in Spark.
 
         A hint from the planner, which closed and planned ``batch`` early: the
-        Python half of a batch (decode, Arrow, Parquet; ~2.5 us per event)
+        Python half of a batch (decode, Arrow, Parquet; ~1.5 us per event)
         then overlaps the Spark half of the previous one instead of following
         it with Spark idle. ``execute`` uses the file if it was written and
         builds it itself otherwise (no inbox, a failed write, a retry).
