@@ -28,6 +28,12 @@ end back to back (the best round of each side counts); then the
 ingest-to-visible latency at ``--rate`` events/s (open loop, requests of 200
 events on a fixed schedule; visible = the ledger has committed every LSN of
 the request on its core, polled every 20 ms).
+
+Next to the time, each side's CPU seconds are reported: user + system time of
+every process of that side (the executor and the peer: this process and its
+JVM; end to end: the daemon, its JVM and this process, which runs the
+producers). On a shared machine they drift less than wall time, and they
+bound it: a side cannot finish faster than its CPU seconds over the CPUs.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import post_events
+from bench.common import post_events, process_tree, total_cpu_seconds
 from daemon.batch import MicroBatch, Slice
 from daemon.config import CdcConfig, CdcStream, Config, DaemonConfig, SparkConfig
 from daemon.events import Op, StoredEvent, encode
@@ -70,10 +76,20 @@ class Result:
     name: str
     events: int
     seconds: float
+    cpu_seconds: float  # every process of that side, same round as ``seconds``
 
     @property
     def rate(self) -> float:
         return self.events / self.seconds if self.seconds else 0.0
+
+    @property
+    def cpu_us_per_event(self) -> float:
+        return self.cpu_seconds * 1e6 / self.events if self.events else 0.0
+
+
+def _this_side(skip: Daemon | None) -> list[int]:
+    """This process and its JVM: what the executor and the peer run in."""
+    return process_tree(os.getpid(), frozenset({skip.proc.pid}) if skip else frozenset())
 
 
 def _event(i: int) -> tuple[str, Op, str, bytes, bytes | None]:
@@ -461,11 +477,25 @@ def render(
         f"landed line), {batch_rows:,} per batch/file, Spark {master}, "
         f"{len(COLLECTIONS)} collections, best of {rounds} alternating round(s)"
     )
-    rows = ["| system | events | seconds | events/s | vs peer |", "|---|---:|---:|---:|---:|"]
+    rows = [
+        "| system | events | seconds | events/s | vs peer | CPU s | CPU us/event | CPU vs peer |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         ratio = r.rate / peer.rate if peer.rate else 0.0
-        rows.append(f"| {r.name} | {r.events:,} | {r.seconds:.2f} | {r.rate:,.0f} | {ratio:.2f}x |")
-    return head + "\n\n" + "\n".join(rows)
+        # > 1 means this side spends less CPU per event than the peer.
+        cpu_ratio = peer.cpu_seconds / r.cpu_seconds if r.cpu_seconds else 0.0
+        rows.append(
+            f"| {r.name} | {r.events:,} | {r.seconds:.2f} | {r.rate:,.0f} | {ratio:.2f}x "
+            f"| {r.cpu_seconds:.1f} | {r.cpu_us_per_event:.2f} | {cpu_ratio:.2f}x |"
+        )
+    cores = os.cpu_count() or 1
+    note = (
+        f"CPU: user + system seconds of every process of that side (the JVM included; end "
+        f"to end also counts the producers); {cores} CPUs here, so a side needs at least "
+        f"CPU s / {cores} of wall time."
+    )
+    return head + "\n\n" + "\n".join(rows) + "\n\n" + note
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -551,9 +581,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             d = start_daemon(root / "e2e", args.master, args.interval_ms, args.batch_rows)
         extra: list[Result] = []
         latency: list[float] = []
-        ours: list[float] = []
-        peers: list[float] = []
-        e2e: list[float] = []
+        # (seconds, CPU seconds) of each timed round
+        ours: list[tuple[float, float]] = []
+        peers: list[tuple[float, float]] = []
+        e2e: list[tuple[float, float]] = []
         try:
             if d is not None:
                 # Warm-up (JIT, first-job set-up), not timed, like the other sides'.
@@ -562,25 +593,38 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # The sides alternate within a round: load from other jobs on this
                 # shared machine moves every side's figure by 2x between minutes.
                 print(f"round {n + 1}: eventplane executor ...", file=sys.stderr)
-                ours.append(asyncio.run(run_eventplane(spark, batches, root / f"ep{n}")))
+                side = _this_side(d)
+                cpu = total_cpu_seconds(side)
+                seconds = asyncio.run(run_eventplane(spark, batches, root / f"ep{n}"))
+                ours.append((seconds, total_cpu_seconds(side) - cpu))
                 count_once(spark, root / f"ep{n}" / "cdc", args.events)
                 print(f"round {n + 1}: peer, Structured Streaming ...", file=sys.stderr)
                 out = root / f"peer{n}"
-                peers.append(run_peer(spark, root / "landing", out, args.peer_files_per_trigger))
+                cpu = total_cpu_seconds(side)
+                seconds = run_peer(spark, root / "landing", out, args.peer_files_per_trigger)
+                peers.append((seconds, total_cpu_seconds(side) - cpu))
                 count_once(spark, out / "table", args.events)
                 shutil.rmtree(root / f"ep{n}", ignore_errors=True)
                 shutil.rmtree(out, ignore_errors=True)
                 if d is not None:
                     print(f"round {n + 1}: end to end over HTTP ...", file=sys.stderr)
                     # The same events every round: new LSNs, the same rows otherwise.
+                    # CPU: the daemon and its JVM, and this process (the producers).
+                    jvm = [p for p in process_tree(d.proc.pid) if p != d.proc.pid]
+                    sides = ([d.proc.pid], jvm, [os.getpid()])  # daemon, its JVM, producers
+                    before = [total_cpu_seconds(pids) for pids in sides]
                     visible, acked = asyncio.run(
                         e2e_throughput(
                             d, args.events, args.clients, already=warm_n + n * args.events
                         )
                     )
-                    e2e.append(visible)
+                    py, java, producers = (
+                        total_cpu_seconds(pids) - b for pids, b in zip(sides, before, strict=True)
+                    )
+                    e2e.append((visible, py + java + producers))
                     print(
-                        f"  all acknowledged after {acked:.2f}s, all visible after {visible:.2f}s",
+                        f"  all acknowledged after {acked:.2f}s, all visible after {visible:.2f}s;"
+                        f" CPU s: daemon {py:.2f}, its JVM {java:.2f}, producers {producers:.2f}",
                         file=sys.stderr,
                     )
             if d is not None:
@@ -597,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 Result(
                     "eventplane end to end: HTTP (fsync) -> WAL -> consumers -> Spark -> CDC",
                     args.events,
-                    min(e2e),
+                    *min(e2e),
                 )
             )
 
@@ -606,12 +650,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             Result(
                 "eventplane executor: batches -> Arrow -> VARIANT -> exactly-once CDC",
                 args.events,
-                min(ours),
+                *min(ours),
             ),
             Result(
                 "peer: Structured Streaming, JSON files -> Parquet + checkpoint, availableNow",
                 args.events,
-                min(peers),
+                *min(peers),
             ),
         ]
         print(
@@ -644,6 +688,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             for r in results
                         ],
                         "rounds": {"eventplane": ours, "peer": peers, "e2e": e2e},
+                        "cpu_seconds": {r.name: r.cpu_seconds for r in results},
                         "latency_s": {
                             "p50": _percentile(latency, 0.5),
                             "p99": _percentile(latency, 0.99),

@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.common import cpu_seconds
+
 MiB = 1 << 20
 PEERS = ("eventplane", "daemon", "fsync", "sqlite")
 TARGET_EVENTS_PER_S = 250_000  # issue 3, section 7
@@ -215,15 +217,6 @@ def make_bodies(count: int, per_request: int, seed: int = 7) -> list[bytes]:
             n += 1
         bodies.append(("\n".join(lines) + "\n").encode())
     return bodies
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all threads), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
-    return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import Any
 
@@ -23,6 +24,44 @@ async def post_events(session: Any, ingest: str, body: bytes) -> dict[str, Any]:
             if r.status != 200:
                 raise SystemExit(f"ingest answered {r.status}: {await r.text()}")
             return dict(await r.json())
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(root: int, skip: frozenset[int] = frozenset()) -> list[int]:
+    """``root`` and its live descendants (e.g. the JVM pyspark starts), without the
+    subtrees of the pids in ``skip``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # exited while we looked
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid in skip:
+            continue
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def total_cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds of the given processes, which must outlive the measurement."""
+    return sum(cpu_seconds(pid) for pid in pids)
 
 
 class HookServer:
