@@ -90,6 +90,16 @@ CDC_COLUMNS = (
     "ingest_ts",
     "batch_id",
 )
+# Parquet writer options of the CDC write. ``lsn`` and ``seq`` are unique by
+# construction and ``key`` nearly so within a batch: Parquet would build a
+# dictionary for them alongside the plain values, then drop it at the first
+# page. Ten 100k-row batches measured 18-20 % less JVM CPU without those
+# dictionaries, and the same bytes on disk (docs/cdc.md, "Tuning the write").
+PARQUET_OPTIONS = {
+    "parquet.enable.dictionary#lsn": "false",
+    "parquet.enable.dictionary#seq": "false",
+    "parquet.enable.dictionary#key": "false",
+}
 
 # --------------------------------------------------------------------------
 # Crash points
@@ -474,7 +484,8 @@ class CdcSink:
 
     def _write_staged(self, df: Any, staging: Path) -> None:
         """The Spark write of step 1 (tests wrap this to inject write failures)."""
-        df.write.mode("overwrite").partitionBy("collection").parquet(str(staging))
+        writer = df.write.mode("overwrite").partitionBy("collection").options(**PARQUET_OPTIONS)
+        writer.parquet(str(staging))
 
     def _staging_dir(self, batch_id: int) -> Path:
         return self.meta / "staging" / f"b{batch_id:012d}"

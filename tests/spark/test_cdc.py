@@ -241,3 +241,29 @@ async def test_batch_without_rows_for_a_stream_is_recorded_without_files(
     assert not list((tmp_path / "cdc" / "nothing").glob("collection=*"))
     raw = json.loads((tmp_path / "cdc" / "nothing" / META_DIR / "ledger.json").read_text())
     assert raw["format"] == 1 and raw["high_lsn"]
+
+
+async def test_cdc_files_skip_dictionaries_only_for_unique_columns(
+    executor_factory: Any, tmp_path: Path
+) -> None:
+    """The writer options reach Parquet: lsn, seq and key are written without a
+    dictionary; a repeating column (op) keeps one."""
+    import pyarrow.parquet as pq
+
+    ex = await executor_factory()
+    (batch,) = make_batches(1, 400)
+    await ex.execute(batch)
+
+    files = sorted((tmp_path / "cdc" / "all").glob("collection=*/part-*.parquet"))
+    assert files
+    for f in files:
+        meta = pq.ParquetFile(f).metadata
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            encodings = {
+                group.column(c).path_in_schema: set(group.column(c).encodings)
+                for c in range(group.num_columns)
+            }
+            for name in ("lsn", "seq", "key"):
+                assert not {"PLAIN_DICTIONARY", "RLE_DICTIONARY"} & encodings[name], (f, name)
+            assert {"PLAIN_DICTIONARY", "RLE_DICTIONARY"} & encodings["op"], f
