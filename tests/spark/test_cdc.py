@@ -11,10 +11,13 @@ from unittest import mock
 import pytest
 
 from daemon.cdc import (
+    KEEP_BATCHES,
     META_DIR,
     CdcLedgerMismatchError,
     CdcSink,
     CdcStreamLockedError,
+    Ledger,
+    LedgerEntry,
     read_ledger,
 )
 from daemon.errors import ExecutorError, IdentityMismatchError, LsnRegressionError
@@ -267,3 +270,21 @@ async def test_cdc_files_skip_dictionaries_only_for_unique_columns(
             for name in ("lsn", "seq", "key"):
                 assert not {"PLAIN_DICTIONARY", "RLE_DICTIONARY"} & encodings[name], (f, name)
             assert {"PLAIN_DICTIONARY", "RLE_DICTIONARY"} & encodings["op"], f
+
+
+def test_ledger_keeps_a_bounded_window_but_every_total() -> None:
+    """The entries are bounded (the ledger is rewritten per commit); the last id,
+    row total and per-core high LSNs still count every batch."""
+    ledger = Ledger("all", "wal-1", 2)
+    n = KEEP_BATCHES + 50
+    for b in range(1, n + 1):
+        ledger.append(LedgerEntry(b, {0: (2 * b - 1, 2 * b - 1), 1: (2 * b, 2 * b)}, 2, [], 0.0))
+    assert len(ledger.batches) == KEEP_BATCHES
+    assert ledger.batches[0].batch_id == n - KEEP_BATCHES + 1
+    assert ledger.entry(n - KEEP_BATCHES) is None  # out of the window
+    assert ledger.entry(n) is ledger.batches[-1]
+    assert (ledger.last_batch_id, ledger.rows_total, ledger.high_lsn) == (
+        n,
+        2 * n,
+        {0: 2 * n - 1, 1: 2 * n},
+    )
