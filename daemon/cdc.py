@@ -74,8 +74,9 @@ LEDGER_FORMAT = 1
 META_DIR = "_eventplane"
 # Ranges of this many recent batches are kept for the re-run check; older
 # re-runs are still no-ops (id <= last), just without the range comparison.
-# A restart re-runs at most the two batches the planner had planned, so 128
-# (two minutes at the default 1 s interval) leaves a wide margin. The ledger
+# A restart re-runs the batches committed since the last watermark flush
+# (``consumer.watermark_flush_ms``, 5 s by default) and the two the planner
+# had planned: 128 covers 25 batches a second at the default. The ledger
 # is rewritten on every commit: with 8 files per batch it is 121 KiB and
 # takes 1.5 ms; 1024 batches made it 960 KiB and 10 ms, and 4 MiB and 25 ms
 # with 40 files per batch (fsync included, ad-hoc script).
