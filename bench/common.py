@@ -26,11 +26,16 @@ async def post_events(session: Any, ingest: str, body: bytes) -> dict[str, Any]:
             return dict(await r.json())
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all threads), from /proc/<pid>/stat."""
+def _stat(pid: int | str) -> list[bytes]:
+    """Fields of /proc/<pid>/stat after the command name, from field 3 (state) on."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read()
-    fields = stat[stat.rindex(b")") + 2 :].split()
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all threads), from /proc/<pid>/stat."""
+    fields = _stat(pid)
     utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
@@ -43,11 +48,9 @@ def process_tree(root: int, skip: frozenset[int] = frozenset()) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
+            ppid = int(_stat(entry)[1])  # field 4 of proc(5)
         except OSError:  # exited while we looked
             continue
-        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
         children.setdefault(ppid, []).append(int(entry))
     out, todo = [], [root]
     while todo:
