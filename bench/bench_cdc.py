@@ -54,12 +54,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import post_events, process_tree, total_cpu_seconds
-from daemon.batch import MicroBatch, Slice
 from daemon.config import CdcConfig, CdcStream, Config, DaemonConfig, SparkConfig
 from daemon.events import Op, StoredEvent, encode
-from daemon.metrics import Metrics
-from daemon.spark import build_session
-from daemon.spark_executor import SparkExecutor
+from daemon.plane.batch import MicroBatch, Slice
+from daemon.service.metrics import Metrics
+from daemon.spark.executor import SparkExecutor
+from daemon.spark.session import build_session
 from wal.record import Record
 
 E2E_REQUEST_EVENTS = 1000
@@ -309,7 +309,7 @@ path = "cdc"
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "run", "--config", str(config)],
+            [sys.executable, "-m", "daemon.cli.main", "run", "--config", str(config)],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -344,7 +344,7 @@ def stop_daemon(d: Daemon) -> None:
 
 
 def _ledger_state(table: Path) -> tuple[int, dict[int, int]]:
-    from daemon.cdc import read_ledger
+    from daemon.spark.cdc import read_ledger
 
     try:
         ledger = read_ledger(table)

@@ -1,7 +1,7 @@
 """Consumer catch-up benchmark: WAL -> consumers -> planner -> executor, events/s per core.
 
 A WAL is filled with ~150-byte JSON events, closed and reopened (a restart),
-and an :class:`~daemon.plane.EventPlane` boots over it: every core starts in
+and an :class:`~daemon.plane.eventplane.EventPlane` boots over it: every core starts in
 CatchUp from watermark 0, replays its events from the WAL in a worker thread,
 fills micro-batch slices, and a counting executor (the recording executor
 without the recording: it keeps no rows) commits them. The clock runs from
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import structlog
 
-from daemon.batch import MicroBatch
 from daemon.config import Config, DaemonConfig, MicrobatchConfig, WalConfig
-from daemon.metrics import Metrics
-from daemon.plane import EventPlane
+from daemon.plane.batch import MicroBatch
+from daemon.plane.eventplane import EventPlane
+from daemon.service.metrics import Metrics
 from wal import Wal
 
 TARGET_EPS = 1_000_000  # issue 3, section 7: catch-up >= 1M events/s per core

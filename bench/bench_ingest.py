@@ -6,7 +6,7 @@ about 150 bytes each, ``--clients`` concurrent producers.
 
 Servers:
 
-- ``eventplane``: :class:`daemon.ingest.IngestServer` + :class:`wal.Wal`
+- ``eventplane``: :class:`daemon.ingest.server.IngestServer` + :class:`wal.Wal`
   (fsync "always"): validate whole, shard, encode, one append per request,
   group commit, ack after fdatasync.
 - ``daemon``: the whole daemon, ``eventplane run``: the same ingest and WAL,
@@ -70,10 +70,10 @@ async def _wait_for_signal() -> None:
 
 
 async def _serve_eventplane(directory: Path, port_file: Path, cores: int) -> None:
-    from daemon.app import tune_gc
     from daemon.config import Config, DaemonConfig, IngestConfig, Listen
-    from daemon.ingest import IngestServer
-    from daemon.metrics import Metrics
+    from daemon.ingest.server import IngestServer
+    from daemon.service.app import tune_gc
+    from daemon.service.metrics import Metrics
     from wal import Wal
 
     wal = await asyncio.to_thread(
@@ -180,7 +180,7 @@ async def _run_app(web: Any, handle: Any, port_file: Path) -> None:
 def serve(kind: str, directory: Path, port_file: Path, cores: int) -> int:
     import uvloop
 
-    from daemon import logs
+    from daemon.service import logs
 
     logs.configure("warning", "console")
     if kind == "eventplane":
@@ -273,7 +273,7 @@ class Server:
             '[log]\nlevel = "warning"\nformat = "json"\n'
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "run", "--config", str(config)],
+            [sys.executable, "-m", "daemon.cli.main", "run", "--config", str(config)],
             stdout=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 60

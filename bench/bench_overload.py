@@ -26,8 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from daemon.planner import RECORD_OVERHEAD_BYTES
-from daemon.spark_executor import BUILD_MAX_BYTES
+from daemon.plane.parts import RECORD_OVERHEAD_BYTES
+from daemon.spark.frame import BUILD_MAX_BYTES
 from tests.integration.harness import DaemonProcess, Loader, write_config
 
 MiB = 1024 * 1024

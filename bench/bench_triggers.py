@@ -196,7 +196,7 @@ class EngineSide:
         await self.engine.start(retry_loop=False)
 
     async def batch(self, batch_id: int, df: Any) -> int:
-        from daemon.batch import MicroBatch
+        from daemon.plane.batch import MicroBatch
 
         batch = MicroBatch(batch_id, {})
         result = await asyncio.to_thread(self.engine.run_in_spark, self.spark, df, batch)
@@ -349,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-    from daemon.spark import build_session
-    from daemon.spark_executor import batch_dataframe
+    from daemon.spark.frame import batch_dataframe
+    from daemon.spark.session import build_session
 
     print(f"Spark {args.master}: starting...", flush=True)
     spark = build_session(master=args.master, app_name="bench-triggers", log_level="ERROR",

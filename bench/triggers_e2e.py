@@ -363,7 +363,7 @@ def start_daemon(
     env.pop("NOTIFY_SOCKET", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "run", "--config", str(config)],
+            [sys.executable, "-m", "daemon.cli.main", "run", "--config", str(config)],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -879,7 +879,7 @@ def peer_job(argv: Sequence[str] | None = None) -> int:
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType, StructField, StructType
 
-    from daemon.spark import build_session
+    from daemon.spark.session import build_session
 
     spark = build_session(args.master, "bench-peer-streaming", False, "ERROR", SPARK_CONF)
     url = urlsplit(args.url)

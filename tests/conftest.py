@@ -33,7 +33,7 @@ def free_port() -> int:
 def spark() -> Iterator[Any]:
     """One real local SparkSession for the whole test session (slow to start)."""
     os.environ.setdefault("PYSPARK_PYTHON", os.sys.executable)  # type: ignore[attr-defined]
-    from daemon.spark import build_session  # only Spark tests pay for it
+    from daemon.spark.session import build_session  # only Spark tests pay for it
 
     session = build_session(
         master="local[2]",

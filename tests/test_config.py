@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from daemon import config
-from daemon.cli import main as cli_main
+from daemon.cli.main import main as cli_main
 from daemon.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -76,7 +76,7 @@ _MAX_EXPONENT = 62
 
 
 class TriggerEngine:
-    """BatchStage ``"triggers"`` (see ``daemon.batch.BatchStage``)."""
+    """BatchStage ``"triggers"`` (see ``daemon.plane.batch.BatchStage``)."""
 
     name = "triggers"
 

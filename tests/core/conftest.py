@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from daemon.batch import MicroBatch
 from daemon.config import (
     Config,
     ConsumerConfig,
@@ -21,13 +20,14 @@ from daemon.config import (
     WalConfig,
 )
 from daemon.errors import ExecutorError
-from daemon.metrics import Metrics
+from daemon.plane.batch import MicroBatch
+from daemon.service.metrics import Metrics
 from wal.reader import RecordBatch
 from wal.record import Record
 
 
 class RecordingExecutor:
-    """Test double for :class:`daemon.batch.Executor`: records every batch.
+    """Test double for :class:`daemon.plane.batch.Executor`: records every batch.
 
     ``fail_next`` makes the next N attempts raise; ``stall`` (an Event) makes
     attempts wait until it is set; ``is_ready`` drives ``ready()``.

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from daemon import spark_executor
-from daemon.batch import MicroBatch, Slice
 from daemon.events import StoredEvent, encode
-from daemon.planner import Rows, split_part
-from daemon.spark_executor import batch_table, write_batch_file
+from daemon.plane.batch import MicroBatch, Slice
+from daemon.plane.parts import Rows, split_part
+from daemon.spark import frame
+from daemon.spark.frame import batch_table, write_batch_file
 from wal.reader import RecordBatch
 from wal.record import Record
 
@@ -54,9 +54,9 @@ def test_columnar_and_record_parts_give_the_same_table_across_chunk_edges(
     )
     plain = MicroBatch(1, {0: Slice(0, 1, 29, core0), 1: Slice(1, 30, 60, core1)})
 
-    monkeypatch.setattr(spark_executor, "TABLE_CHUNK_ROWS", 7)
+    monkeypatch.setattr(frame, "TABLE_CHUNK_ROWS", 7)
     chunked = batch_table(mixed)
-    monkeypatch.setattr(spark_executor, "TABLE_CHUNK_ROWS", 1_000)
+    monkeypatch.setattr(frame, "TABLE_CHUNK_ROWS", 1_000)
     whole = batch_table(plain)
 
     assert chunked.equals(whole)
@@ -81,9 +81,9 @@ def test_streamed_inbox_file_holds_the_batch_table_in_bounded_row_groups(
     are at least the minimum, at most the maximum, about one per Spark core."""
     import pyarrow.parquet as pq
 
-    monkeypatch.setattr(spark_executor, "TABLE_CHUNK_ROWS", 4)
-    monkeypatch.setattr(spark_executor, "_MIN_ROW_GROUP", 5)
-    monkeypatch.setattr(spark_executor, "_MAX_ROW_GROUP", 12)
+    monkeypatch.setattr(frame, "TABLE_CHUNK_ROWS", 4)
+    monkeypatch.setattr(frame, "_MIN_ROW_GROUP", 5)
+    monkeypatch.setattr(frame, "_MAX_ROW_GROUP", 12)
     core0 = records(0, range(1, 30))
     batch = MicroBatch(
         2,
@@ -125,11 +125,11 @@ def test_an_empty_batch_streams_to_a_readable_file_with_no_rows(tmp_path: Path) 
 def test_row_groups_come_in_equal_whole_waves_within_the_bounds(
     total: int, cores: int, expected: int
 ) -> None:
-    rows = spark_executor.row_group_rows(total, cores)
+    rows = frame.row_group_rows(total, cores)
     groups = -(-total // rows)
     assert rows == expected
-    assert rows <= spark_executor._MAX_ROW_GROUP
-    assert groups % cores == 0 or total < cores * spark_executor._MIN_ROW_GROUP
+    assert rows <= frame._MAX_ROW_GROUP
+    assert groups % cores == 0 or total < cores * frame._MIN_ROW_GROUP
 
 
 def test_row_groups_of_large_events_stay_within_build_max_bytes(tmp_path: Path) -> None:
@@ -165,6 +165,6 @@ def test_row_groups_of_large_events_stay_within_build_max_bytes(tmp_path: Path) 
 def test_a_byte_bound_on_rows_keeps_equal_whole_waves(
     total: int, cores: int, max_rows: int, expected: int
 ) -> None:
-    rows = spark_executor.row_group_rows(total, cores, max_rows)
+    rows = frame.row_group_rows(total, cores, max_rows)
     assert rows == expected
     assert (-(-total // rows)) % cores == 0

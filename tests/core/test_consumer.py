@@ -12,9 +12,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from daemon.config import ConsumerConfig
-from daemon.consumer import Consumer, _take
-from daemon.metrics import Metrics
-from daemon.planner import (
+from daemon.plane.consumer import Consumer, _take
+from daemon.plane.parts import (
     COLUMNAR_OVERHEAD_BYTES,
     PART_OVERHEAD_BYTES,
     Part,
@@ -23,7 +22,8 @@ from daemon.planner import (
     part_bytes,
     split_part,
 )
-from daemon.ring import Ring
+from daemon.plane.ring import Ring
+from daemon.service.metrics import Metrics
 from tests.core.conftest import columnar, rec
 from wal.reader import RecordBatch
 from wal.record import Record

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from daemon.errors import IdentityMismatchError
-from daemon.planner import PlanLog, PlanLogError
+from daemon.plane.planlog import PlanLog, PlanLogError
 
 
 def test_plans_survive_reopen(tmp_path: Path) -> None:

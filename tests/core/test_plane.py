@@ -13,13 +13,13 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-import daemon.consumer as consumer_module
+import daemon.plane.consumer as consumer_module
 from daemon.config import Config
-from daemon.consumer import Mode
 from daemon.errors import ConsumerFailedError, IdentityMismatchError
-from daemon.metrics import Metrics
-from daemon.plane import EventPlane
-from daemon.watermarks import WatermarkStore
+from daemon.plane.consumer import Mode
+from daemon.plane.eventplane import EventPlane
+from daemon.plane.watermarks import WatermarkStore
+from daemon.service.metrics import Metrics
 from tests.core.conftest import MakeConfig, RecordingExecutor
 from wal import Wal, WalReadError
 from wal.record import Record

@@ -12,20 +12,13 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from daemon.batch import MicroBatch
 from daemon.config import MicrobatchConfig
-from daemon.metrics import Metrics
-from daemon.planner import (
-    RECORD_OVERHEAD_BYTES,
-    RUN_TIME_MARGIN,
-    PlanLog,
-    PlanMismatchError,
-    Planner,
-    Ranges,
-    join_small_parts,
-    part_bytes,
-)
-from daemon.watermarks import Watermarks, WatermarkSnapshot
+from daemon.plane.batch import MicroBatch
+from daemon.plane.parts import RECORD_OVERHEAD_BYTES, join_small_parts, part_bytes
+from daemon.plane.planlog import PlanLog, Ranges
+from daemon.plane.planner import RUN_TIME_MARGIN, PlanMismatchError, Planner
+from daemon.plane.watermarks import Watermarks, WatermarkSnapshot
+from daemon.service.metrics import Metrics
 from tests.core.conftest import RecordingExecutor, columnar, rec
 from wal.reader import RecordBatch
 from wal.record import Record
@@ -341,7 +334,7 @@ async def test_rows_replayed_by_a_finished_catchup_still_go_out_in_one_catchup_s
 
 
 class PreparingExecutor(RecordingExecutor):
-    """A RecordingExecutor that also takes ``prepare`` hints (``daemon.batch.Preparer``)."""
+    """A RecordingExecutor that also takes ``prepare`` hints (``daemon.plane.batch.Preparer``)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from daemon.errors import LsnRegressionError
-from daemon.metrics import Metrics
-from daemon.ring import Backpressure, Ring, RingSet, next_state
+from daemon.plane.ring import Backpressure, Ring, RingSet, next_state
+from daemon.service.metrics import Metrics
 from tests.core.conftest import rec
 
 N, T, S = Backpressure.NORMAL, Backpressure.THROTTLED, Backpressure.SUSPENDED

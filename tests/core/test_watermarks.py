@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.batch import MicroBatch, Slice
 from daemon.errors import IdentityMismatchError, LsnRegressionError
-from daemon.watermarks import (
+from daemon.plane.batch import MicroBatch, Slice
+from daemon.plane.watermarks import (
     WatermarkFileError,
     Watermarks,
     WatermarkSnapshot,

@@ -13,11 +13,11 @@ import msgspec
 import pytest
 import uvloop
 
-from daemon.admin import AdminServer
 from daemon.config import AdminConfig, Config, DaemonConfig, IngestConfig, Listen
 from daemon.events import StoredEvent, decode
-from daemon.ingest import IngestServer
-from daemon.metrics import Metrics
+from daemon.ingest.server import IngestServer
+from daemon.service.admin import AdminServer
+from daemon.service.metrics import Metrics
 from wal import Wal
 
 MiB = 1 << 20

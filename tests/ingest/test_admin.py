@@ -9,8 +9,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.admin import STALL_S, AdminServer
-from daemon.metrics import Metrics
+from daemon.service.admin import STALL_S, AdminServer
+from daemon.service.metrics import Metrics
 
 
 async def get(url: str) -> tuple[int, str, Any]:

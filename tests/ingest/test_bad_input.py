@@ -17,8 +17,8 @@ import msgspec
 import pytest
 from structlog.testing import capture_logs
 
-from daemon.ingest import IngestServer
-from daemon.metrics import Metrics
+from daemon.ingest.server import IngestServer
+from daemon.service.metrics import Metrics
 from tests.ingest.conftest import JSON, NDJSON, StartIngest, event, ndjson, post, stored
 from wal.errors import WalClosedError, WalFatalError
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from daemon import send
+from daemon.cli import send
 from daemon.client import (
     Ack,
     BadRequestError,

@@ -12,9 +12,9 @@ from unittest import mock
 import aiohttp
 import msgspec
 
-from daemon import ingest as ingest_module
-from daemon.ingest import IngestServer
-from daemon.metrics import Metrics
+from daemon.ingest import server as ingest_module
+from daemon.ingest.server import IngestServer
+from daemon.service.metrics import Metrics
 from daemon.shard import core_of
 from tests.ingest.conftest import JSON, StartIngest, event, ndjson, post, stored
 

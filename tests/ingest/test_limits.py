@@ -9,8 +9,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from daemon.ingest import ByteBudget, IngestServer
-from daemon.metrics import Metrics
+from daemon.ingest.server import ByteBudget, IngestServer
+from daemon.service.metrics import Metrics
 from tests.ingest.conftest import StartIngest, event, ndjson, post
 
 HEAD = (

@@ -71,7 +71,7 @@ class DaemonProcess:
 
     @classmethod
     def production(cls, config: Path, **kw: Any) -> DaemonProcess:
-        argv = [sys.executable, "-m", "daemon.cli", "run", "--config", str(config)]
+        argv = [sys.executable, "-m", "daemon.cli.main", "run", "--config", str(config)]
         return cls(config, argv, config.parent / "daemon.log", **kw)
 
     @classmethod

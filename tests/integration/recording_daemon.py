@@ -13,8 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-from daemon import app, config
-from daemon.batch import Executor, MicroBatch
+from daemon import config
+from daemon.plane.batch import Executor, MicroBatch
+from daemon.service import app
 
 
 class FileRecordingExecutor:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon import logs
+from daemon.service import logs
 
 # struct ucred {pid_t pid; uid_t uid; gid_t gid;} on Linux.
 _UCRED = struct.Struct("iII")

@@ -1,4 +1,5 @@
-"""Allocator settings the daemon applies before any thread starts (``daemon.app.tune_malloc``)."""
+"""Allocator settings the daemon applies before any thread starts
+(``daemon.service.app.tune_malloc``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 
 import pytest
 
-from daemon import app
+from daemon.service import app
 
 
 class FakeLibc:

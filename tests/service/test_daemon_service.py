@@ -72,7 +72,7 @@ def test_status_command_and_metrics_against_the_running_daemon(daemon: DaemonPro
        the documented /v1/status shape.
     3. A scrape of /metrics has every DESIGN.md series with its type."""
     post_events(daemon.ingest_url, [_event(i) for i in range(20)])
-    cli = [sys.executable, "-m", "daemon.cli", "status", "--url", daemon.admin_url]
+    cli = [sys.executable, "-m", "daemon.cli.main", "status", "--url", daemon.admin_url]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     table = subprocess.run(
         cli,

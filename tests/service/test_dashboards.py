@@ -1,5 +1,5 @@
 """The Grafana dashboard and the alert rules: well-formed, and every eventplane
-series they query exists in daemon.metrics (parsed from a real scrape)."""
+series they query exists in daemon.service.metrics (parsed from a real scrape)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.metrics import Metrics
+from daemon.service.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "systemd" / "grafana-eventplane.json"

@@ -11,7 +11,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from daemon import logs
+from daemon.service import logs
 
 pytestmark = pytest.mark.usefixtures("clean_logging")
 

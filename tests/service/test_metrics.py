@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from daemon.metrics import BACKPRESSURE_VALUES, CATCHUP_REASONS, Metrics
+from daemon.service.metrics import BACKPRESSURE_VALUES, CATCHUP_REASONS, Metrics
 
 # DESIGN.md "Metrics": (family name as the parser reports it, type, label names).
 # The parser drops ``_total`` from counter family names; samples keep it.

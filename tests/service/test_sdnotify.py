@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 from structlog.testing import capture_logs
 
-from daemon import sdnotify
-from daemon.sdnotify import Notifier, Watchdog
+from daemon.service import sdnotify
+from daemon.service.sdnotify import Notifier, Watchdog
 from tests.service.conftest import NotifyReceiver
 
 
@@ -150,7 +150,7 @@ def test_the_main_process_itself_sends_as_notifyaccess_main_requires(
     """A real child process (as systemd starts it) reports READY=1 and pings;
     the kernel-attested sender pid is that process, not a helper of it."""
     code = (
-        "from daemon.sdnotify import Notifier\n"
+        "from daemon.service.sdnotify import Notifier\n"
         "n = Notifier.from_env()\n"
         "n.ready('up'); n.watchdog(); n.stopping()\n"
     )

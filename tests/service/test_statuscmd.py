@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from daemon import statuscmd
-from daemon.cli import build_parser
+from daemon.cli import status as statuscmd
+from daemon.cli.main import build_parser
 from daemon.config import AdminConfig, Config, Listen
 from tests.conftest import free_port
 
@@ -246,7 +246,7 @@ def test_summary_line_for_systemd_status() -> None:
 def test_cli_routes_status_to_this_module(
     server: StatusServer, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from daemon.cli import main
+    from daemon.cli.main import main
 
     config = tmp_path / "config.toml"
     config.write_text(f'[admin]\nlisten = "127.0.0.1:{server.port}"\n')

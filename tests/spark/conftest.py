@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from daemon.metrics import Metrics
-from daemon.spark_executor import SparkExecutor
+from daemon.service.metrics import Metrics
+from daemon.spark.executor import SparkExecutor
 from tests.spark import handlers
 from tests.spark.support import make_config
 

@@ -13,8 +13,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from daemon.metrics import Metrics
-from daemon.spark_executor import SparkExecutor
+from daemon.service.metrics import Metrics
+from daemon.spark.executor import SparkExecutor
 from tests.spark.support import make_batches, make_config
 
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from daemon.batch import MicroBatch, Slice
 from daemon.config import CdcConfig, CdcHandler, CdcStream, Config, DaemonConfig, SparkConfig
 from daemon.events import StoredEvent, encode
+from daemon.plane.batch import MicroBatch, Slice
 from wal.record import Record
 
 CORES = 4

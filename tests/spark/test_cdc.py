@@ -10,7 +10,8 @@ from unittest import mock
 
 import pytest
 
-from daemon.cdc import (
+from daemon.errors import ExecutorError, IdentityMismatchError, LsnRegressionError
+from daemon.spark.cdc import (
     KEEP_BATCHES,
     META_DIR,
     CdcLedgerMismatchError,
@@ -20,7 +21,6 @@ from daemon.cdc import (
     LedgerEntry,
     read_ledger,
 )
-from daemon.errors import ExecutorError, IdentityMismatchError, LsnRegressionError
 from tests.spark.support import batch_lsns, make_batches, read_table
 
 pytestmark = pytest.mark.spark
@@ -110,7 +110,7 @@ async def test_publish_failure_after_the_intent_rolls_forward_on_retry(
             raise OSError(5, "Input/output error")
         real_rename(src, dst)
 
-    failing = mock.patch("daemon.cdc.os.rename", side_effect=rename_once)
+    failing = mock.patch("daemon.spark.cdc.os.rename", side_effect=rename_once)
     with failing, pytest.raises(ExecutorError, match="Input/output error"):
         await ex.execute(batch)
     table = tmp_path / "cdc" / "all"

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from daemon import cdccmd
-from daemon.cli import build_parser
+from daemon.cli import cdc as cdccmd
+from daemon.cli.main import build_parser
 from tests.spark.support import make_batches, make_config
 
 pytestmark = pytest.mark.spark

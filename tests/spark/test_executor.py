@@ -11,15 +11,15 @@ from unittest import mock
 
 import pytest
 
-from daemon import spark_executor
-from daemon.batch import MicroBatch
-from daemon.cdc import CDC_COLUMNS
 from daemon.errors import ConfigError, ExecutorError
-from daemon.metrics import Metrics
-from daemon.spark_executor import (
+from daemon.plane.batch import MicroBatch
+from daemon.service.metrics import Metrics
+from daemon.spark import frame
+from daemon.spark.cdc import CDC_COLUMNS
+from daemon.spark.executor import SparkExecutor
+from daemon.spark.frame import (
     BATCH_COLUMNS,
     INBOX_SCHEMA,
-    SparkExecutor,
     batch_dataframe,
     batch_table,
     write_batch_file,
@@ -129,7 +129,7 @@ async def test_prepared_batch_commits_from_the_file_built_ahead_and_a_failed_one
     batches = make_batches(3, 200)
     await ex.execute(batches[0])
     builds: list[str] = []
-    real = spark_executor.write_batch_file
+    real = frame.write_batch_file
 
     def counting(batch: MicroBatch, path: Path, parallelism: int, max_bytes: int) -> Any:
         builds.append(threading.current_thread().name)
@@ -137,7 +137,7 @@ async def test_prepared_batch_commits_from_the_file_built_ahead_and_a_failed_one
             raise OSError("injected: disk full while preparing")
         return real(batch, path, parallelism, max_bytes)
 
-    with mock.patch.object(spark_executor, "write_batch_file", side_effect=counting):
+    with mock.patch.object(frame, "write_batch_file", side_effect=counting):
         ex.prepare(batches[1])
         await ex.execute(batches[1])
         assert [name.startswith("eventplane-prep") for name in builds] == [True]

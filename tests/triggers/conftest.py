@@ -1,6 +1,6 @@
 """Fixtures of the trigger tests: a loopback receiver, a fake clock, an engine factory.
 
-The session ``spark`` fixture comes from tests/conftest.py (daemon.spark.build_session).
+The session ``spark`` fixture comes from tests/conftest.py (daemon.spark.session.build_session).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from daemon.metrics import Metrics
+from daemon.service.metrics import Metrics
 from tests.triggers.support import FakeClock, Receiver
 from triggers.engine import TriggerEngine
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from daemon.batch import MicroBatch
+from daemon.plane.batch import MicroBatch
 from triggers import rows as rowsmod
 from triggers.engine import TriggerEngine
 from triggers.evaluate import Evaluation

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from daemon.cli import main as cli
+from daemon.cli.main import main as cli
 from daemon.config import load
 from tests.triggers.support import FakeClock, Receiver, Reply, batch, event, hand_evaluation
 

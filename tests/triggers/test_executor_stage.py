@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from daemon.metrics import Metrics
-from daemon.spark_executor import SparkExecutor
+from daemon.service.metrics import Metrics
+from daemon.spark.executor import SparkExecutor
 from tests.spark.support import event_for, make_batches, make_config
 from tests.triggers.support import Receiver, Reply, webhook
 from triggers import Spec

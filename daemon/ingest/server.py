@@ -11,7 +11,8 @@ WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
    soon as the count passes the limit, 408 at the deadline), holding a share
    of the ingest memory budget.
 3. Parse and validate whole: 400 malformed (line, column, byte position), 413
-   too many events, 422 per-item errors (index, field, reason).
+   too many events, 422 per-item errors (index, field, reason); the decoders
+   and the slow path that explains a refusal are :mod:`daemon.ingest.validate`.
 4. Shard and encode each event (:class:`daemon.events.StoredEvent`, one
    ``ingest_ts_ns`` per request; 413 for an event over ``max_event_bytes``).
 5. One ``wal.append`` for all events; 503 if the WAL is failed or closed.
@@ -29,11 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, Protocol, cast
+from typing import Any, Protocol, cast
 from zlib import crc32
 
 import msgspec
@@ -42,11 +42,21 @@ from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 
-from daemon.config import OPS, Config
+from daemon.config import Config
 from daemon.errors import DaemonError
-from daemon.events import StoredEvent
-from daemon.events import encode as encode_stored
-from daemon.metrics import Metrics
+from daemon.ingest.validate import (
+    _LBRACE,
+    _NULL,
+    InEvent,
+    Rejection,
+    _decode_many,
+    _decode_one,
+    _disagreement,
+    _json,
+    _msgpack_into,
+    explain_body,
+)
+from daemon.service.metrics import Metrics
 from daemon.shard import collection_seed
 from wal.errors import WalClosedError, WalFatalError
 
@@ -55,10 +65,6 @@ log = structlog.get_logger("eventplane.ingest")
 PATH = "/v1/events"
 NDJSON_TYPES = frozenset({"application/x-ndjson", "application/ndjson", "application/jsonl"})
 JSON_TYPES = frozenset({"application/json"})
-# A collection names a Spark partition directory: bounded like a file name.
-COLLECTION_MAX_CHARS = 256
-# A 422 lists at most this many problems; the message gives the full count.
-MAX_REPORTED_ERRORS = 100
 # After an early answer (413, 408, 429, ...) aiohttp keeps reading and discarding
 # the unread body this long, so the client sees the answer instead of a reset.
 LINGER_S = 2.0
@@ -68,211 +74,6 @@ class WalAppender(Protocol):
     """The slice of :class:`wal.Wal` that ingest needs."""
 
     async def append(self, items: Sequence[tuple[int, bytes]]) -> tuple[int, int]: ...
-
-
-# -- the event as producers send it -------------------------------------------
-
-_NULL = msgspec.Raw(b"null")
-_LBRACE = 0x7B  # first byte of a JSON object's raw text
-
-
-class InEvent(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    """One event of a request. ``new``/``old`` stay raw JSON text (``Raw``)."""
-
-    collection: Annotated[str, msgspec.Meta(min_length=1, max_length=COLLECTION_MAX_CHARS)]
-    op: Literal["insert", "update", "delete"]
-    key: str
-    new: msgspec.Raw = _NULL
-    old: msgspec.Raw = _NULL
-
-
-_FIELDS = ("collection", "op", "key", "new", "old")
-_decode_one = msgspec.json.Decoder(InEvent).decode
-_decode_many = msgspec.json.Decoder(list[InEvent]).decode
-_decode_any = msgspec.json.Decoder().decode
-_json = msgspec.json.Encoder().encode
-# msgspec's encode() hands back its growing buffer as the bytes object: 1.3-1.5x the
-# payload's length allocated (measured with tracemalloc, 40 B to 20 KiB), for
-# as long as the ring entry lives. Encoding into a reused bytearray and copying
-# out makes each payload exactly its length, for ~50 ns per event.
-_msgpack_into = msgspec.msgpack.Encoder().encode_into
-
-
-def _stored_payload(
-    collection: str, op: str, key: str, new: bytes | None, old: bytes | None, ts: int
-) -> bytes:
-    """``encode(StoredEvent(...))`` without building the struct.
-
-    ``StoredEvent`` is ``array_like``, so its msgpack form is the array of its
-    fields in order; encoding that tuple gives the same bytes a third faster.
-    :func:`_check_payload_layout` proves the equivalence at import time.
-    """
-    scratch = bytearray()
-    _msgpack_into((collection, op, key, new, old, ts, 0, ""), scratch)
-    return bytes(scratch)
-
-
-def _check_payload_layout() -> None:
-    sample = StoredEvent("c", "update", "k", b'{"a":1}', None, 123, 0, "")
-    fast = _stored_payload("c", "update", "k", b'{"a":1}', None, 123)
-    if encode_stored(sample) != fast:  # StoredEvent changed: update _stored_payload
-        raise DaemonError("daemon.ingest: _stored_payload no longer matches StoredEvent's layout")
-
-
-_check_payload_layout()
-
-
-# -- rejections ---------------------------------------------------------------
-
-
-class Rejection(Exception):
-    """An answer other than 200; the body is JSON with ``error`` and ``message``."""
-
-    def __init__(
-        self,
-        status: int,
-        error: str,
-        message: str,
-        *,
-        close: bool = False,
-        retry_after: int | None = None,
-        **details: Any,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body: dict[str, Any] = {"error": error, "message": message, **details}
-        self.close = close
-        self.retry_after = retry_after
-
-    def response(self) -> web.Response:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        resp = web.Response(
-            status=self.status,
-            body=_json(self.body),
-            content_type="application/json",
-            headers=headers,
-        )
-        if self.close:
-            resp.force_close()
-        return resp
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
-def explain_event(item: Any) -> list[tuple[str | None, str]]:
-    """Every problem of one decoded event as ``(field, reason)``; empty when valid.
-
-    This is the slow path behind a 422 and the reference for the rules the hot
-    path checks: ``collection`` a non-empty string of at most 256 characters,
-    ``op`` one of insert/update/delete, ``key`` a string, ``new``/``old`` an
-    object or null (absent means null), no other fields; an insert carries
-    ``new`` and no ``old``, an update carries ``new`` (``old`` optional), a
-    delete carries no ``new`` (``old`` optional).
-    """
-    if not isinstance(item, dict):
-        return [(None, f"expected an event object, got {_kind(item)}")]
-    problems: list[tuple[str | None, str]] = []
-    collection = item.get("collection")
-    if "collection" not in item:
-        problems.append(("collection", "required field is missing"))
-    elif not isinstance(collection, str):
-        problems.append(("collection", f"expected a string, got {_kind(collection)}"))
-    elif not collection:
-        problems.append(("collection", "must not be empty"))
-    elif len(collection) > COLLECTION_MAX_CHARS:
-        problems.append(("collection", f"longer than {COLLECTION_MAX_CHARS} characters"))
-    op = item.get("op")
-    if "op" not in item:
-        problems.append(("op", "required field is missing"))
-    elif op not in OPS:
-        shown = f'"{op}"' if isinstance(op, str) else _kind(op)
-        problems.append(("op", f'expected "insert", "update" or "delete", got {shown}'))
-    if "key" not in item:
-        problems.append(("key", "required field is missing"))
-    elif not isinstance(item["key"], str):
-        problems.append(("key", f"expected a string, got {_kind(item['key'])}"))
-    for name in ("new", "old"):
-        value = item.get(name)
-        if value is not None and not isinstance(value, dict):
-            problems.append((name, f"expected an object or null, got {_kind(value)}"))
-    new, old = item.get("new"), item.get("old")
-    if op == "insert":
-        if new is None:
-            problems.append(("new", 'an insert needs the "new" object'))
-        if old is not None:
-            problems.append(("old", 'an insert has no previous row: send null or leave "old" out'))
-    elif op == "update":
-        if new is None:
-            problems.append(("new", 'an update needs the "new" object'))
-    elif op == "delete" and new is not None:
-        problems.append(("new", 'a delete has no new row: send null or leave "new" out'))
-    for name in item:
-        if name not in _FIELDS:
-            problems.append((name, "unknown field (fields: collection, op, key, new, old)"))
-    return problems
-
-
-_BYTE_AT = re.compile(r"\s*\(byte (\d+)\)$")
-
-
-def _malformed(body: bytes, base: int, chunk: bytes, exc: Exception, where: str) -> Rejection:
-    """A 400 for ``exc`` raised while decoding ``chunk`` found at ``body[base:]``."""
-    if isinstance(exc, UnicodeDecodeError):
-        try:
-            chunk.decode("utf-8")
-            offset = 0
-        except UnicodeDecodeError as bad:
-            offset = bad.start
-        reason = "invalid UTF-8"
-    else:
-        text = str(exc)
-        m = _BYTE_AT.search(text)
-        offset = int(m.group(1)) if m else len(chunk)
-        reason = _BYTE_AT.sub("", text)
-        if reason == "Input data was truncated":
-            reason = "JSON is truncated (the value does not end)"
-    position = base + offset
-    line = body.count(b"\n", 0, position) + 1
-    column = position - (body.rfind(b"\n", 0, position) + 1) + 1
-    return Rejection(
-        400,
-        "malformed",
-        f"malformed JSON at line {line}, column {column} (byte {position}{where}): "
-        f"{reason}; nothing was stored",
-        line=line,
-        column=column,
-        position=position,
-    )
-
-
-def _disagreement(exc: Exception | None) -> Rejection:
-    """The typed decoder refused what :func:`explain_event` accepts: still a 422, never a 500."""
-    log.warning("ingest.validation_disagreement", error=str(exc))
-    reason = str(exc) if exc is not None else "an event breaks the op/new/old rules"
-    return Rejection(
-        422,
-        "invalid_events",
-        f"invalid events: {reason}; nothing was stored",
-        errors=[{"index": None, "field": None, "reason": reason}],
-        truncated=False,
-    )
-
-
-# -- memory budget -------------------------------------------------------------
 
 
 class ByteBudget:
@@ -757,7 +558,8 @@ class IngestServer:
                     if line:
                         append(_decode_one(line))
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
-                self._explain(body, ndjson)  # raises unless the culprit was a blank line
+                # Raises unless the culprit was a blank line.
+                explain_body(body, ndjson, self._check_count)
                 try:
                     events = [_decode_one(x) for x in lines if x.strip()]
                 except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
@@ -766,14 +568,14 @@ class IngestServer:
             try:
                 events = _decode_many(body)
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-                self._explain(body, ndjson)
+                explain_body(body, ndjson, self._check_count)
                 raise _disagreement(exc) from exc
             self._check_count(len(events))
         if not events:
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
         items = self._encode(events)
         if items is None:
-            self._explain(body, ndjson)
+            explain_body(body, ndjson, self._check_count)
             raise _disagreement(None)
         return items
 
@@ -842,56 +644,4 @@ class IngestServer:
             f"({self._max_event}); nothing was stored",
             index=index,
             limit=self._max_event,
-        )
-
-    def _explain(self, body: bytes, ndjson: bool) -> None:
-        """The slow path: find every problem and raise the 400/413/422 that says so."""
-        located: list[tuple[int | None, Any]] = []  # (line, decoded item)
-        if ndjson:
-            base = 0
-            for lineno, line in enumerate(body.split(b"\n"), start=1):
-                if line.strip():
-                    try:
-                        located.append((lineno, _decode_any(line)))
-                    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-                        raise _malformed(body, base, line, exc, "") from None
-                base += len(line) + 1
-        else:
-            try:
-                doc = _decode_any(body)
-            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-                raise _malformed(body, 0, body, exc, " of the array") from None
-            if not isinstance(doc, list):
-                raise Rejection(
-                    400,
-                    "malformed",
-                    f"an application/json body must be an array of events, got {_kind(doc)}; "
-                    "nothing was stored",
-                )
-            located = [(None, item) for item in doc]
-        self._check_count(len(located))
-        errors: list[dict[str, Any]] = []
-        bad_items = 0
-        for index, (at_line, item) in enumerate(located):
-            problems = explain_event(item)
-            if problems:
-                bad_items += 1
-            for field, reason in problems:
-                if len(errors) < MAX_REPORTED_ERRORS:
-                    entry: dict[str, Any] = {"index": index, "field": field, "reason": reason}
-                    if at_line is not None:
-                        entry["line"] = at_line
-                    errors.append(entry)
-        if not errors:
-            return
-        first = errors[0]
-        where = f"event {first['index']}" + (f" at line {first['line']}" if "line" in first else "")
-        field = f', field "{first["field"]}"' if first["field"] else ""
-        raise Rejection(
-            422,
-            "invalid_events",
-            f"{bad_items} of {len(located)} events are invalid (first: {where}{field}: "
-            f"{first['reason']}); nothing was stored",
-            errors=errors,
-            truncated=bad_items > MAX_REPORTED_ERRORS or len(errors) >= MAX_REPORTED_ERRORS,
         )

@@ -35,7 +35,7 @@ from wal.record import Record
 _payload = itemgetter(3)
 
 if TYPE_CHECKING:
-    from daemon.metrics import Metrics
+    from daemon.service.metrics import Metrics
 
 # Thresholds of DESIGN.md "Consumer modes".
 THROTTLE_AT = 0.85

@@ -32,16 +32,16 @@ from typing import Any
 import structlog
 import uvloop
 
-from daemon import logs
-from daemon.admin import AdminServer
-from daemon.batch import BatchStage, Executor, NullExecutor
 from daemon.config import Config
-from daemon.deadline import Deadline
 from daemon.errors import DaemonError
-from daemon.ingest import IngestServer
-from daemon.metrics import Metrics
-from daemon.plane import EventPlane
-from daemon.sdnotify import Notifier, Watchdog
+from daemon.ingest.server import IngestServer
+from daemon.plane.batch import BatchStage, Executor, NullExecutor
+from daemon.plane.eventplane import EventPlane
+from daemon.service import logs
+from daemon.service.admin import AdminServer
+from daemon.service.deadline import Deadline
+from daemon.service.metrics import Metrics
+from daemon.service.sdnotify import Notifier, Watchdog
 from wal import Wal
 
 log = structlog.get_logger("eventplane")
@@ -144,12 +144,13 @@ class Daemon:
         self.executor = self._build_executor()
         await self.executor.start()
         if self.triggers is not None:
-            from daemon.triggers_wiring import validate_when_spark_ready
+            from daemon.service.triggers import validate_when_spark_ready
 
             await self.triggers.start()
             self._background.add(
                 asyncio.create_task(
-                    validate_when_spark_ready(self, self.triggers), name="trigger-validation"
+                    validate_when_spark_ready(self.executor, self.triggers, self.fail),
+                    name="trigger-validation",
                 )
             )
 
@@ -249,13 +250,13 @@ class Daemon:
         cfg = self.cfg
         stages: list[BatchStage] = []
         if cfg.triggers:
-            from daemon.triggers_wiring import build_trigger_stage
+            from daemon.service.triggers import build_trigger_stage
 
-            self.triggers = build_trigger_stage(self)
+            self.triggers = build_trigger_stage(cfg, lambda: self.wal, self.metrics)
             stages.append(self.triggers)
         if not (cfg.cdc.streams or cfg.cdc.handlers or stages):
             return NullExecutor()
-        from daemon.spark_executor import SparkExecutor
+        from daemon.spark.executor import SparkExecutor
 
         # The WAL id goes into every CDC ledger: a table of another WAL refuses to start.
         wal_id = self.wal.wal_id if self.wal is not None else ""

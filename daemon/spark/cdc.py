@@ -64,9 +64,9 @@ from typing import Any
 
 import structlog
 
-from daemon.batch import MicroBatch
 from daemon.config import CdcStream
 from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
+from daemon.plane.batch import MicroBatch
 
 log = structlog.get_logger("eventplane.cdc")
 

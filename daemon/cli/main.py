@@ -114,15 +114,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(f"OK {cfg.source}")
         return 0
     if args.command == "run":
-        from daemon import app
+        from daemon.service import app
 
         return app.run(_load(args))
     if args.command == "status":
-        from daemon import statuscmd
+        from daemon.cli import status
 
-        return statuscmd.main(args, _load_for_client(args))
+        return status.main(args, _load_for_client(args))
     if args.command == "send":
-        from daemon import send
+        from daemon.cli import send
 
         return send.main(args, _load_for_client(args))
     if args.command == "wal":
@@ -135,13 +135,13 @@ def _dispatch(args: argparse.Namespace) -> int:
             return tool.verify(directory, sys.stdout, progress=sys.stderr.isatty())
         return tool.repair(directory, sys.stdout, assume_yes=args.yes)
     if args.command == "dlq":
-        from daemon import dlqcmd
+        from daemon.cli import dlq
 
-        return dlqcmd.main(args, _load(args))
+        return dlq.main(args, _load(args))
     if args.command == "cdc":
-        from daemon import cdccmd
+        from daemon.cli import cdc
 
-        return cdccmd.main(args, _load(args))
+        return cdc.main(args, _load(args))
     raise AssertionError(f"unhandled command {args.command}")  # argparse forbids this
 
 

@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from daemon.errors import ConsumerFailedError, LsnRegressionError
-from daemon.planner import Part, join_small_parts, pack, part_bytes
-from daemon.ring import Backpressure, Ring
+from daemon.plane.parts import Part, join_small_parts, pack, part_bytes
+from daemon.plane.ring import Backpressure, Ring
 from wal.errors import BelowRetainedFloorError
 from wal.reader import RecordBatch
 from wal.record import Record
 
 if TYPE_CHECKING:
     from daemon.config import ConsumerConfig
-    from daemon.metrics import Metrics
+    from daemon.service.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
 
 if TYPE_CHECKING:
-    from daemon.batch import MicroBatch
-    from daemon.metrics import Metrics
+    from daemon.plane.batch import MicroBatch
+    from daemon.service.metrics import Metrics
 
 FORMAT = "eventplane-watermarks"
 VERSION = 1

@@ -25,7 +25,7 @@ import structlog
 from aiohttp import web
 
 from daemon.config import Config
-from daemon.metrics import Metrics
+from daemon.service.metrics import Metrics
 
 log = structlog.get_logger("eventplane.admin")
 

@@ -1,7 +1,7 @@
 """Micro-batch planner: per-core pending slices, a durable plan log, and the run loop.
 
 Consumers add delivered records to their core's pending slice. The planner
-closes one slice per core into a :class:`~daemon.batch.MicroBatch` and runs
+closes one slice per core into a :class:`~daemon.plane.batch.MicroBatch` and runs
 it. One batch runs at a time, so batches commit in id order and watermarks
 only move forward.
 
@@ -39,68 +39,39 @@ After a crash, plans above the persisted watermarks' ``batch_id`` are read
 back from the WAL and re-run first with their own ids (the executor's sinks
 dedupe by batch id), and consumers resume after the highest planned LSN.
 
-Plan log format, one line per entry, each ``<crc32 of json, 8 hex> <json>\\n``;
-the first line is the identity header (invariant 13)::
-
-    0a1b2c3d {"format":"eventplane-plans","version":1,"wal_id":"...","cores":4}
-    9f8e7d6c {"batch_id":1,"slices":{"0":[1,9],"2":[3,12]}}
-
-A torn last line (crash mid-append) is cut off at open: its batch never ran,
-because step 3 starts only after step 2's fsync returned.
+The plan log's format and recovery: :mod:`daemon.plane.planlog`; pending
+parts and their memory cost: :mod:`daemon.plane.parts`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import queue
 import threading
 import time
-import zlib
-from array import array
-from bisect import bisect_right
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
-from itertools import accumulate
-from operator import itemgetter
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from daemon.batch import Executor, MicroBatch, Preparer, Slice
-from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
-from daemon.watermarks import atomic_write
-from wal.reader import RecordBatch
-from wal.record import Record
+from daemon.errors import DaemonError, LsnRegressionError
+from daemon.plane.batch import Executor, MicroBatch, Preparer, Slice
+from daemon.plane.parts import Part, Rows, first_lsn, last_lsn, part_bytes, split_part
+from daemon.plane.planlog import PlanLog, Ranges
+from daemon.plane.tasks import uncancellable, wait_event
 
 if TYPE_CHECKING:
     from daemon.config import MicrobatchConfig
-    from daemon.metrics import Metrics
-    from daemon.watermarks import Watermarks
+    from daemon.plane.watermarks import Watermarks
+    from daemon.service.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
-FORMAT = "eventplane-plans"
-VERSION = 1
-FILENAME = "plans.log"
 # Rewrite the plan log once this many of its entries are covered by persisted
 # watermarks: about 17 minutes of 1 s batches, a few tens of KiB of file.
 COMPACT_AFTER = 1024
-# In-memory cost of one Record (a ring entry) beyond its payload: the tuple
-# (80 B), two ints (64 B), the bytes object's header with pymalloc's rounding
-# (~46 B) and the container's slot (8 B). Measured with pymalloc's own block
-# counts on CPython 3.11: 198 B for ~130-byte events with exact-size payloads.
-RECORD_OVERHEAD_BYTES = 200
-# The same for one event of a columnar RecordBatch: a u64 LSN and a u64 offset,
-# in arrays built by appending (CPython over-allocates them by ~1/16).
-COLUMNAR_OVERHEAD_BYTES = 18
-# ... and for each columnar part: the RecordBatch, its two arrays (with their
-# over-allocation) and the planner's (part, bytes) entry. Measured 130-530 B
-# per part (pymalloc and glibc counts); a part can be one event, so it counts.
-PART_OVERHEAD_BYTES = 512
 
 # The close deadline (module docstring) expects the next run to take this
 # many times the slowest of the last RECENT_BATCHES runs: room for the next
@@ -108,339 +79,9 @@ PART_OVERHEAD_BYTES = 512
 RECENT_BATCHES = 8
 RUN_TIME_MARGIN = 1.25
 
-Ranges = dict[int, tuple[int, int]]
-T = TypeVar("T")
-_payload = itemgetter(3)
-
-# Delivered rows come in parts: columnar batches from WAL replay (CatchUp) and
-# from the ring (Normal: the consumer packs each in-order run, see ``pack``);
-# record lists are accepted too. Pending rows stay columnar because a Record
-# per event costs ~0.2 KiB of heap beyond its payload and, being a tuple
-# subclass, is never untracked by the cyclic GC: a million of them pending made
-# replay 3-5x slower. A ~130-byte event costs 330 B as a Record, 150 B packed.
-Part = list[Record] | RecordBatch
-
-
-def part_bytes(part: Part) -> int:
-    """Memory a pending part holds (what the pending budget counts)."""
-    if isinstance(part, RecordBatch):
-        return len(part.data) + COLUMNAR_OVERHEAD_BYTES * len(part) + PART_OVERHEAD_BYTES
-    return sum(map(len, map(_payload, part))) + RECORD_OVERHEAD_BYTES * len(part)
-
-
-def first_lsn(part: Part) -> int:
-    return part.lsns[0] if isinstance(part, RecordBatch) else part[0].lsn
-
-
-def last_lsn(part: Part) -> int:
-    return part.lsns[-1] if isinstance(part, RecordBatch) else part[-1].lsn
-
-
-_lsn = itemgetter(0)
-
-
-def pack(records: Sequence[Record]) -> RecordBatch:
-    """Records of one core with consecutive sequences, as one columnar part.
-
-    The consumer packs what it takes from the ring (~80 ns per event), so a
-    pending event costs its payload plus ``COLUMNAR_OVERHEAD_BYTES`` instead of
-    a Record's ``RECORD_OVERHEAD_BYTES``, and the Records die young, leaving
-    no long-lived small objects to pin pymalloc's arenas.
-    """
-    payloads = list(map(_payload, records))
-    first = records[0]
-    return RecordBatch(
-        first.core,
-        array("Q", map(_lsn, records)),
-        first.seq,
-        array("Q", accumulate(map(len, payloads), initial=0)),
-        b"".join(payloads),
-    )
-
-
-# Replayed parts under this many events are joined with their neighbours
-# (``join_small_parts``); bigger ones already spread PART_OVERHEAD_BYTES thin.
-SMALL_PART_EVENTS = 256
-
-
-def join_small_parts(parts: Sequence[RecordBatch]) -> list[RecordBatch]:
-    """Runs of small parts whose sequences continue each other, as one part each.
-
-    WAL replay yields one part per frame section: with small frames (one
-    request of a few events per group commit) that is an object and
-    ``PART_OVERHEAD_BYTES`` of budget per event or two. Joining costs ~40 ns
-    per joined event; parts of ``SMALL_PART_EVENTS`` or more pass as they are.
-    A sequence gap (sequences restart with the process) ends a run.
-    """
-    out: list[RecordBatch] = []
-    run: list[RecordBatch] = []
-    for part in parts:
-        if run and (
-            len(part) >= SMALL_PART_EVENTS
-            or part.first_seq != run[-1].first_seq + len(run[-1])
-            or part.core != run[-1].core
-        ):
-            out.append(_join(run))
-            run = []
-        if len(part) >= SMALL_PART_EVENTS:
-            out.append(part)
-        else:
-            run.append(part)
-    if run:
-        out.append(_join(run))
-    return out
-
-
-def _join(run: list[RecordBatch]) -> RecordBatch:
-    if len(run) == 1:
-        return run[0]
-    lsns = array("Q")
-    offsets = array("Q", (0,))
-    base = 0
-    for part in run:
-        lsns.extend(part.lsns)
-        offsets.extend(map(base.__add__, part.offsets[1:]))
-        base += len(part.data)
-    first = run[0]
-    return RecordBatch(first.core, lsns, first.first_seq, offsets, b"".join(p.data for p in run))
-
-
-def split_part(part: Part, k: int) -> tuple[Part, Part]:
-    """The first ``k`` events and the rest."""
-    if not isinstance(part, RecordBatch):
-        return part[:k], part[k:]
-    offs = part.offsets
-    cut = offs[k]
-    head = RecordBatch(part.core, part.lsns[:k], part.first_seq, offs[: k + 1], part.data[:cut])
-    tail = RecordBatch(
-        part.core,
-        part.lsns[k:],
-        part.first_seq + k,
-        array("Q", map(cut.__rsub__, offs[k:])),
-        part.data[cut:],
-    )
-    return head, tail
-
-
-class Rows(Sequence[Record]):
-    """A slice's rows, in LSN order: a lazy ``Sequence[Record]`` over parts.
-
-    Iterating makes the Record objects; :meth:`parts` hands the columnar
-    batches (Arrow layout) to executors that can use them without that.
-    """
-
-    __slots__ = ("_ends", "_parts")
-
-    def __init__(self, parts: Sequence[Part] = ()) -> None:
-        self._parts = list(parts)
-        self._ends = list(accumulate(map(len, self._parts)))
-
-    def parts(self) -> list[Part]:
-        return list(self._parts)
-
-    def __len__(self) -> int:
-        return self._ends[-1] if self._ends else 0
-
-    def __iter__(self) -> Iterator[Record]:
-        for part in self._parts:
-            yield from (part.records() if isinstance(part, RecordBatch) else part)
-
-    @overload
-    def __getitem__(self, index: int) -> Record: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[Record]: ...
-
-    def __getitem__(self, index: int | slice) -> Record | Sequence[Record]:
-        if isinstance(index, slice):
-            return list(self)[index]
-        n = len(self)
-        i = index + n if index < 0 else index
-        if not 0 <= i < n:
-            raise IndexError(f"row {index} out of range ({n} rows)")
-        k = bisect_right(self._ends, i)
-        part = self._parts[k]
-        j = i - (self._ends[k - 1] if k else 0)
-        if isinstance(part, RecordBatch):
-            return Record(part.lsns[j], part.core, part.first_seq + j, part.payload(j))
-        return part[j]
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
-            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"Rows({len(self)} rows in {len(self._parts)} parts)"
-
-
-async def uncancellable(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to completion even if the caller is cancelled.
-
-    File steps (write + fsync + rename) run in worker threads that a cancel
-    cannot stop; the lock they hold must stay held until the thread is done,
-    or a later step (a flush at shutdown, ``close``) would race the orphan.
-    """
-    task = asyncio.ensure_future(coro)
-    task.add_done_callback(_retrieve)
-    return await asyncio.shield(task)
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    # A caller cancelled mid-step logs its own cancel; a failure after that
-    # has nobody to raise to, so log it here instead of "never retrieved".
-    if not task.cancelled() and task.exception() is not None:
-        log.error("file_step_failed", error=repr(task.exception()))
-
-
-async def wait_event(event: asyncio.Event, seconds: float) -> bool:
-    """Wait for ``event`` at most ``seconds``; True if it was set."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(seconds):
-            await event.wait()
-    return event.is_set()
-
-
-class PlanLogError(DaemonError):
-    """The plan log is damaged or could not be made durable (fatal)."""
-
 
 class PlanMismatchError(DaemonError):
     """A re-run batch's rows read back from the WAL do not match its plan."""
-
-
-def _line(doc: Mapping[str, Any]) -> bytes:
-    body = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
-    return b"%08x %s\n" % (zlib.crc32(body), body)
-
-
-def _parse(line: bytes) -> dict[str, Any] | None:
-    """A checked entry, or None if the line is torn or fails its checksum."""
-    if len(line) < 10 or not line.endswith(b"\n") or line[8:9] != b" ":
-        return None
-    body = line[9:-1]
-    try:
-        if int(line[:8], 16) != zlib.crc32(body):
-            return None
-        doc = json.loads(body)
-    except ValueError:
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-class PlanLog:
-    """Append-only, fsynced record of planned batches. Methods block: call them
-    from a worker thread (the planner does)."""
-
-    def __init__(self, path: Path, wal_id: str, cores: int) -> None:
-        self.path = path
-        self.wal_id = wal_id
-        self.cores = cores
-        self._fd: int | None = None
-        self.entries = 0  # plan lines currently in the file
-
-    def _header(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "wal_id": self.wal_id, "cores": self.cores}
-
-    def open(self) -> dict[int, Ranges]:
-        """Read every plan, check identity, cut a torn tail, open for appends."""
-        plans: dict[int, Ranges] = {}
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            atomic_write(self.path, _line(self._header()))
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-            return plans
-        lines = data.splitlines(keepends=True)
-        good = 0  # bytes of valid prefix
-        for i, line in enumerate(lines):
-            doc = _parse(line)
-            if doc is None:
-                if i == len(lines) - 1:
-                    log.warning(
-                        "plan_log_torn_tail", path=str(self.path), offset=good, bytes=len(line)
-                    )
-                    break
-                raise PlanLogError(
-                    f"{self.path} @ offset {good}: damaged entry ({len(line)} bytes) before "
-                    "the end of the file. Batches planned there cannot be re-run safely; "
-                    "restore the data_dir from a backup"
-                )
-            if i == 0:
-                self._check_header(doc)
-            else:
-                try:
-                    bid = int(doc["batch_id"])
-                    ranges = {int(c): (int(r[0]), int(r[1])) for c, r in doc["slices"].items()}
-                except (KeyError, TypeError, ValueError, IndexError) as exc:
-                    raise PlanLogError(f"{self.path} @ offset {good}: bad entry: {exc}") from exc
-                plans[bid] = ranges
-            good += len(line)
-        if good == 0:
-            # Only a torn header: the file was being created when the process died.
-            atomic_write(self.path, _line(self._header()))
-        elif good != len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
-                os.fsync(f.fileno())
-        self.entries = len(plans)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        return plans
-
-    def _check_header(self, doc: dict[str, Any]) -> None:
-        if doc.get("format") != FORMAT:
-            raise PlanLogError(f"{self.path}: not a plan log (format {doc.get('format')!r})")
-        if doc.get("wal_id") != self.wal_id:
-            raise IdentityMismatchError(
-                f"{self.path} belongs to WAL {doc.get('wal_id')}, but the WAL in use has id "
-                f"{self.wal_id}: the WAL directory was replaced or re-created. Restore the "
-                "matching WAL directory, or move the plan log and watermarks.json aside to "
-                "process the new WAL from its start"
-            )
-        if doc.get("cores") != self.cores:
-            raise IdentityMismatchError(
-                f"{self.path} was written with daemon.cores = {doc.get('cores')}, but the "
-                f"configuration now says {self.cores}; the core count is fixed for the life "
-                f"of a data_dir: set daemon.cores = {doc.get('cores')} again, or use a new "
-                "data_dir"
-            )
-
-    def append(self, batch_id: int, ranges: Ranges) -> None:
-        """Write one plan and fsync it. An fsync failure is fatal (invariant 10)."""
-        if self._fd is None:
-            raise PlanLogError(f"{self.path}: plan log is not open")
-        line = _line({"batch_id": batch_id, "slices": {str(c): list(r) for c, r in ranges.items()}})
-        try:
-            view = memoryview(line)
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
-            os.fsync(self._fd)
-        except OSError as exc:
-            raise PlanLogError(
-                f"{self.path}: cannot make plan of batch {batch_id} durable ({exc.strerror}); "
-                "stopping, as a failed fsync cannot be retried safely"
-            ) from exc
-        self.entries += 1
-
-    def rewrite(self, keep: Mapping[int, Ranges]) -> None:
-        """Replace the file atomically with the header and ``keep`` only."""
-        data = _line(self._header()) + b"".join(
-            _line({"batch_id": b, "slices": {str(c): list(r) for c, r in keep[b].items()}})
-            for b in sorted(keep)
-        )
-        atomic_write(self.path, data)
-        old, self._fd = self._fd, os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        if old is not None:
-            os.close(old)
-        self.entries = len(keep)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 class _Reaper:

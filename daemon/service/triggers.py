@@ -3,13 +3,15 @@
 ``triggers/`` does not import the daemon, so the daemon hands it what it
 needs: the data dir, the metrics, and an ``emit`` that turns derived events
 into WAL appends (the same path as producer events: durable before they are
-dispatched, sharded by (collection, key)).
+dispatched, sharded by (collection, key)). This module takes those as
+parameters and does not import :mod:`daemon.service.app`, which calls it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -20,7 +22,9 @@ from daemon.shard import core_of
 from triggers.engine import TriggerEngine
 
 if TYPE_CHECKING:
-    from daemon.app import Daemon
+    from daemon.config import Config
+    from daemon.service.metrics import Metrics
+    from wal import Wal
 
 log = structlog.get_logger("eventplane.triggers")
 
@@ -29,11 +33,13 @@ def _json_or_none(value: Any) -> bytes | None:
     return None if value is None else msgspec.json.encode(value)
 
 
-def build_trigger_stage(daemon: Daemon) -> TriggerEngine:
-    cfg = daemon.cfg
+def build_trigger_stage(
+    cfg: Config, wal_of: Callable[[], Wal | None], metrics: Metrics
+) -> TriggerEngine:
+    """The ``"triggers"`` batch stage; ``wal_of()`` is the open WAL, or None before it opens."""
 
     async def emit(derived: list[dict[str, Any]]) -> None:
-        wal = daemon.wal
+        wal = wal_of()
         if wal is None:  # emit runs inside batches, which start after the WAL opened
             raise RuntimeError("emit before the WAL opened")
         now = time.time_ns()
@@ -59,23 +65,25 @@ def build_trigger_stage(daemon: Daemon) -> TriggerEngine:
         cfg.triggers,
         data_dir=cfg.data_dir,
         emit=emit,
-        metrics=daemon.metrics,
+        metrics=metrics,
         dlq_max_entries=cfg.dlq.max_entries,
     )
 
 
-async def validate_when_spark_ready(daemon: Daemon, engine: TriggerEngine) -> None:
-    """Startup check: Spark analyses every ``when``; errors stop the daemon.
+async def validate_when_spark_ready(
+    executor: Any, engine: TriggerEngine, fail: Callable[[str], None]
+) -> None:
+    """Startup check: Spark analyses every ``when``; errors go to ``fail`` (stop the daemon).
 
-    Spark starts in the background, so this runs as soon as it is ready; no
-    batch reaches the engine before the executor is ready either.
+    ``executor`` is the Spark executor (triggers always run on Spark): Spark
+    starts in the background, so this runs as soon as it is ready; no batch
+    reaches the engine before the executor is ready either.
     """
-    executor: Any = daemon.executor
     await executor.wait_ready()
     errors = await asyncio.to_thread(engine.validate, executor.session)
     if errors:
         for message in errors:
             log.error("trigger_invalid", error=message)
-        daemon.fail(f"{len(errors)} invalid trigger(s): " + "; ".join(errors))
+        fail(f"{len(errors)} invalid trigger(s): " + "; ".join(errors))
     else:
         log.info("triggers_validated", triggers=sorted(engine.triggers))

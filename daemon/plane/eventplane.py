@@ -31,20 +31,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
-from daemon.consumer import Consumer, WalReader, read_range
 from daemon.errors import ConsumerFailedError, DaemonError, LsnRegressionError
-from daemon.planner import FILENAME as PLANS_FILENAME
-from daemon.planner import PlanLog, Planner, uncancellable, wait_event
-from daemon.ring import RingSet
-from daemon.watermarks import FILENAME as WATERMARKS_FILENAME
-from daemon.watermarks import Watermarks, WatermarkSnapshot, WatermarkStore
+from daemon.plane.consumer import Consumer, WalReader, read_range
+from daemon.plane.planlog import FILENAME as PLANS_FILENAME
+from daemon.plane.planlog import PlanLog
+from daemon.plane.planner import Planner
+from daemon.plane.ring import RingSet
+from daemon.plane.tasks import uncancellable, wait_event
+from daemon.plane.watermarks import FILENAME as WATERMARKS_FILENAME
+from daemon.plane.watermarks import Watermarks, WatermarkSnapshot, WatermarkStore
 from wal.reader import RecordBatch
 from wal.record import Record
 
 if TYPE_CHECKING:
-    from daemon.batch import Executor, MicroBatch
     from daemon.config import Config
-    from daemon.metrics import Metrics
+    from daemon.plane.batch import Executor, MicroBatch
+    from daemon.service.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from daemon.cdc import committed_files, read_ledger
 from daemon.config import CdcStream, Config
+from daemon.spark.cdc import committed_files, read_ledger
 
 COLUMNS = ("lsn", "batch_id", "core", "collection", "op", "key", "new", "old", "ingest_ts")
 MAX_CELL = 60  # characters per cell before "..."; JSON documents can be long
@@ -103,7 +103,7 @@ def main(
         return 0
     owned = session is None
     if owned:
-        from daemon.spark import build_session
+        from daemon.spark.session import build_session
 
         session = build_session("local[1]", "eventplane-cdc-show", False, "ERROR", {})
     try:
