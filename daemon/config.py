@@ -169,6 +169,17 @@ class DlqConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HealthConfig:
+    # A stage (a CDC stream, the triggers, a handler) or the micro-batch path
+    # that has failed, or been held, for this long without a commit is
+    # stalled: /healthz, /v1/status, `eventplane status` and metrics say so.
+    stall_after_s: float = 60.0
+    # Failed attempts in a row to (re)build the Spark session before the
+    # systemd watchdog is withheld, so that systemd restarts the process.
+    session_restart_attempts: int = 5
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: LogLevel = "info"
     format: LogFormat = "auto"
@@ -186,6 +197,7 @@ class Config:
     cdc: CdcConfig = CdcConfig()
     triggers: tuple[TriggerSpec, ...] = ()
     dlq: DlqConfig = DlqConfig()
+    health: HealthConfig = HealthConfig()
     log: LogConfig = LogConfig()
     source: Path | None = None
 
@@ -381,6 +393,10 @@ _MICROBATCH: dict[str, Checker] = {
     "build_max_bytes": _int(64 * KiB),
 }
 _DLQ: dict[str, Checker] = {"max_entries": _int(1)}
+_HEALTH: dict[str, Checker] = {
+    "stall_after_s": _float(0.0),
+    "session_restart_attempts": _int(1),
+}
 _LOG: dict[str, Checker] = {
     "level": _choice("debug", "info", "warning", "error"),
     "format": _choice("auto", "json", "console"),
@@ -553,6 +569,7 @@ def parse(raw: Mapping[str, Any], source: Path | None = None) -> Config:
         "spark": (_SPARK, SparkConfig),
         "microbatch": (_MICROBATCH, MicrobatchConfig),
         "dlq": (_DLQ, DlqConfig),
+        "health": (_HEALTH, HealthConfig),
         "log": (_LOG, LogConfig),
     }
     built: dict[str, Any] = {}

@@ -39,3 +39,25 @@ class ExecutorError(DaemonError):
     """A micro-batch failed to execute; retried with backoff."""
 
     retriable = True
+
+
+# Longest error text kept for status, logs and health (Java traces are long).
+ERROR_TEXT_CHARS = 600
+
+
+def error_text(exc: BaseException | str, limit: int = ERROR_TEXT_CHARS) -> str:
+    """One line a person can read for ``exc``: its type and message, for a Java
+    error the Spark exception and its root cause instead of a stack trace."""
+    if isinstance(exc, str):
+        return exc[:limit]
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    head = lines[0]
+    if head.startswith("An error occurred while calling") and len(lines) > 1:
+        head = lines[1].lstrip(": ")  # py4j: the Java exception is the next line
+    causes = [ln.removeprefix("Caused by: ") for ln in lines if ln.startswith("Caused by: ")]
+    if causes and causes[-1] not in head:
+        head = f"{head} (root cause: {causes[-1]})"
+    text = f"{type(exc).__name__}: {head}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

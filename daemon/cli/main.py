@@ -8,6 +8,7 @@ Exit codes: 0 success, 1 failure the command reports, 2 usage or config error.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="eventplane",
         description="Durable change-event plane: WAL, per-core consumers, Spark triggers, CDC.",
     )
+    parser.add_argument("--version", action="version", version=f"eventplane {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", help="run the daemon in the foreground")
@@ -97,6 +99,15 @@ def _load_for_client(args: argparse.Namespace) -> configmod.Config:
     return _load(args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eventplane")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -106,6 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`eventplane status --json | head`): stop quietly.
+        # Point stdout at /dev/null so the interpreter's final flush cannot fail too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -125,6 +125,9 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
     if doc.get("draining"):
         flags.append("draining")
     lines.append(f"eventplane  {', '.join(flags)}" + (f"  ({url})" if url else ""))
+    problems = doc.get("problems")
+    for problem in problems if isinstance(problems, list) else []:
+        lines.append(f"problem     {_obj(problem).get('message', problem)}")
 
     wal = _obj(doc.get("wal"))
     lines.append(
@@ -142,6 +145,12 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
         f"triggers    DLQ {_count(dlq.get('entries'))} entries  "
         f"retry queue {_count(retry.get('depth'))}"
     )
+
+    stages = doc.get("stages")
+    if isinstance(stages, list) and stages:
+        lines.append("")
+        stage_rows = [_stage_row(_obj(st), now) for st in stages]
+        lines.extend(_table(("stage", "batch", "behind", "state"), stage_rows, right=(1, 2)))
 
     cores = doc.get("cores")
     if isinstance(cores, list) and cores:
@@ -193,6 +202,23 @@ def _core_row(c: Mapping[str, Any]) -> tuple[str, ...]:
         _percent(fill),
         str(c.get("backpressure", "-")),
         _catchup(c.get("catchup")),
+    )
+
+
+def _stage_row(st: Mapping[str, Any], now: float) -> tuple[str, ...]:
+    if st.get("failing"):
+        since = st.get("failing_for_s")
+        state = "STALLED" if st.get("stalled") else "failing"
+        if isinstance(since, int | float):
+            state += f" for {_duration(since)}"
+        state += f", attempt {st.get('attempts', '-')}: {st.get('last_error')}"
+    else:
+        state = "ok"
+    return (
+        str(st.get("name", "-")),
+        _int(st.get("batch_id")),
+        _count(st.get("behind_batches")),
+        state,
     )
 
 

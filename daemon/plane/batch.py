@@ -7,7 +7,7 @@ crash has the same id and the same rows (Spark's offset-log rule).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,19 +40,26 @@ class MicroBatch:
 
 
 class Executor(Protocol):
-    """Runs a planned micro-batch. Returning means every effect is committed.
+    """Runs a planned micro-batch for some of its stages.
 
     Called on the event loop; implementations move blocking work (py4j) to a
-    worker thread. Raising means the batch did not commit; the planner retries
-    it with backoff and the same id and rows. ``ready`` tells consumers when
-    batches can be handed over (Spark starts in the background).
+    worker thread. ``execute(batch, stages)`` runs the named stages (all of
+    them when ``stages`` is None) and returns the stages that failed, each
+    with its error: every stage not in that mapping has committed its effects
+    (invariant 6). Raising means nothing of the batch can be trusted to have
+    committed; the planner retries it with backoff and the same id and rows.
+    ``ready`` tells the planner when batches can be handed over (Spark starts
+    in the background). An executor may name its stages (``stage_names()``,
+    see ``daemon.plane.stages``); one that does not is a single stage.
     """
 
     async def start(self) -> None: ...
 
     def ready(self) -> bool: ...
 
-    async def execute(self, batch: MicroBatch) -> None: ...
+    async def execute(
+        self, batch: MicroBatch, stages: Collection[str] | None = None
+    ) -> Mapping[str, BaseException] | None: ...
 
     async def stop(self) -> None: ...
 
@@ -99,7 +106,9 @@ class NullExecutor:
     def ready(self) -> bool:
         return True
 
-    async def execute(self, batch: MicroBatch) -> None:
+    async def execute(
+        self, batch: MicroBatch, stages: Collection[str] | None = None
+    ) -> Mapping[str, BaseException] | None:
         return None
 
     async def stop(self) -> None:

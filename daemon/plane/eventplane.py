@@ -45,7 +45,7 @@ from wal.record import Record
 
 if TYPE_CHECKING:
     from daemon.config import Config
-    from daemon.plane.batch import Executor, MicroBatch
+    from daemon.plane.batch import Executor
     from daemon.service.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -189,6 +189,7 @@ class EventPlane:
             on_commit=self._on_commit,
             sleep=self._sleep,
             clock=self._clock,
+            stall_after_s=cfg.health.stall_after_s,
         )
         self._reader = concurrent.futures.ThreadPoolExecutor(
             max_workers=REPLAY_THREADS, thread_name_prefix="eventplane-replay"
@@ -410,7 +411,7 @@ class EventPlane:
         if removed:
             log.info("wal_retention", below_lsn=floor + 1, removed_segments=removed)
 
-    def _on_commit(self, batch: MicroBatch) -> None:
+    def _on_commit(self) -> None:
         wm = self.watermarks
         if wm is None:
             return
@@ -481,6 +482,7 @@ class EventPlane:
             "last_batch": dict(planner.last_batch) if planner and planner.last_batch else None,
             "executor_ready": self.executor.ready(),
             "expected_run_s": round(planner.expected_run_s(), 4) if planner else 0.0,
+            "stages": planner.stages.report(planner.live_id) if planner else [],
             "cores": cores,
             "failure": str(self._failure) if self._failure else None,
         }

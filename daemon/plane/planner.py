@@ -27,9 +27,13 @@ Batch protocol (Spark's offset-log rule):
 1. Close one slice per core and give the batch the next id.
 2. Append ``batch_id -> {core: (first_lsn, last_lsn)}`` to the plan log and
    fsync it, *before* anything runs.
-3. ``await executor.execute(batch)``; on failure retry with exponential
-   backoff, same id and same rows, forever (a batch is never dropped).
-4. Commit: advance the watermarks of the batch's cores.
+3. ``await executor.execute(batch, stages)`` for the stages level with the
+   batch (``daemon.plane.stages``); if it fails as a whole (or every stage fails),
+   retry with exponential backoff, same id and same rows, forever (a batch
+   is never dropped). A stage that fails on its own falls behind: it re-runs
+   the batch later from its plan, and the others go on (invariant 6).
+4. Commit: each stage's progress moves for the batches it committed; the
+   watermarks of the batch's cores move once every stage committed it.
 
 While batch N runs (step 3), an executor that prepares (``Preparer``) gets
 batch N+1 early: once N+1 is due, it goes through steps 1-2 and
@@ -56,10 +60,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from daemon.errors import DaemonError, LsnRegressionError
+from daemon.errors import DaemonError, LsnRegressionError, error_text
 from daemon.plane.batch import Executor, MicroBatch, Preparer, Slice
 from daemon.plane.parts import Part, Rows, first_lsn, last_lsn, part_bytes, split_part
-from daemon.plane.planlog import PlanLog, Ranges
+from daemon.plane.planlog import PlanLog, PlanLogError, Ranges
+from daemon.plane.stages import WHOLE_BATCH, StageTracker, stage_names
 from daemon.plane.tasks import uncancellable, wait_event
 
 if TYPE_CHECKING:
@@ -161,9 +166,10 @@ class Planner:
         metrics: Metrics,
         plans: Mapping[int, Ranges],
         load_slice: SliceLoader,
-        on_commit: Callable[[MicroBatch], None] | None = None,
+        on_commit: Callable[[], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
+        stall_after_s: float = 60.0,
     ) -> None:
         self.cores = cores
         self.cfg = cfg
@@ -196,6 +202,18 @@ class Planner:
         self._run_times: deque[float] = deque(maxlen=RECENT_BATCHES)
         self._file_lock = asyncio.Lock()
         self.last_batch: dict[str, Any] | None = None
+        # Per-stage progress (invariant 6): who runs which batch, who is behind.
+        self.stages = StageTracker(
+            watermarks, cfg, metrics, stall_after_s=stall_after_s, clock=clock
+        )
+        # An executor that names no stages runs every batch as one stage.
+        self._named_stages = callable(getattr(executor, "stage_names", None))
+        # The newest batch whose live run is over: stages below it are behind.
+        self._live_id = watermarks.batch_id
+        self._sync_stages(watermarks.batch_id + 1)
+        # Planner clock when the live path began failing or waiting for the
+        # executor with a batch in hand (health: a stall); None while it flows.
+        self._blocked_since: float | None = None
 
     # ------------------------------------------------------------------
     # Consumer side (event loop only)
@@ -256,10 +274,12 @@ class Planner:
         return self._pending[core].inflight
 
     def owes(self, core: int) -> bool:
-        """True while the core has rows that are delivered but not committed."""
+        """True while the core has rows that are delivered but not committed by
+        every stage (pending, running, or planned and not done everywhere)."""
         if self._pending[core].rows or any(core in r for r in self._open.values()):
             return True
-        return any(core in self._logged[b] for b in self._recovered)
+        done = self.watermarks.batch_id
+        return any(core in r for b, r in self._logged.items() if b > done)
 
     def plan_floor(self, persisted_batch_id: int) -> int | None:
         """Lowest LSN - 1 that a plan above ``persisted_batch_id`` still needs."""
@@ -286,19 +306,27 @@ class Planner:
         self._wake.set()
 
     async def run(self) -> None:
-        # Re-run planned batches that did not commit before the restart, in order.
+        # Re-run planned batches that did not commit before the restart, in order,
+        # each for the stages that had not committed it.
         while self._recovered and not self._stopping:
             bid = self._recovered[0]
             started = self._clock()
-            batch = await self._reload(bid, self._logged[bid])
-            await self._execute(batch)
-            self._commit(batch, started)
+            self._sync_stages(bid)
+            if self.stages.participants(bid):
+                batch = await self._reload(bid, self._logged[bid])
+                await self._execute(batch)
+                self._commit(batch, started)
+                del batch
+            else:
+                self._live_done(bid)
             self._recovered.pop(0)
         held = False
         ahead: MicroBatch | None = None
         while not self._stopping:
             if ahead is not None:
-                # Closed, planned and prepared while the previous batch ran.
+                # Closed, planned and prepared while the previous batch ran;
+                # stages behind get a turn first, as between any two batches.
+                await self._run_behind(live_waiting=True)
                 batch, ahead = ahead, None
             else:
                 if not await self._wait_due():
@@ -307,11 +335,17 @@ class Planner:
                     if not held:
                         log.info("microbatch_held", reason="executor not ready")
                         held = True
+                    self._blocked_since = self._blocked_since or self._clock()
                     await self._sleep(min(self.cfg.interval_ms / 1000, 0.1))
                     continue
                 if held:
                     log.info("microbatch_resumed")
                     held = False
+                    self._blocked_since = None
+                # Stages behind the live batches, between two live batches.
+                await self._run_behind()
+                if not (self._due_by_size() or self._deadline_passed()):
+                    continue
                 closed = await self._close_and_plan()
                 if closed is None:
                     continue
@@ -322,6 +356,96 @@ class Planner:
             self._reaper.give(batch)
             del batch
         # A batch closed ahead stays planned: a restart re-runs it from the plan log.
+
+    def _deadline_passed(self) -> bool:
+        due = self.close_due()
+        return due is not None and due <= self._clock()
+
+    def _sync_stages(self, batch_id: int) -> tuple[str, ...]:
+        return self.stages.sync(stage_names(self.executor), batch_id)
+
+    async def _run_behind(self, live_waiting: bool = False) -> None:
+        """Stages behind the live batches re-run the plans they missed, oldest
+        first, while their backoff allows and no live batch is due.
+
+        At least one behind batch runs per call when one is due, so a stage
+        that recovered catches up even under steady load: the live batches it
+        waits for grow meanwhile (their deadline is per row, not per batch),
+        so there are fewer of them to catch up with.
+        """
+        ran = False
+        while not self._stopping and self.executor.ready():
+            if ran and (live_waiting or self._due_by_size() or self._deadline_passed()):
+                return
+            todo = self.stages.due(self._live_id)
+            if todo is None:
+                return
+            bid, names = todo
+            ranges = self._logged.get(bid)
+            if ranges is None:  # pragma: no cover - plans stay until every stage is past them
+                raise PlanLogError(f"stages {names} need batch {bid}, but its plan is gone")
+            batch = await self._load(bid, ranges)
+            with structlog.contextvars.bound_contextvars(batch_id=bid):
+                try:
+                    failures = await self._call(batch, names)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    failures = dict.fromkeys(names, exc)
+            self._record(bid, names, failures)
+            log.info(
+                "stage_caught_up_batch",
+                batch_id=bid,
+                stages=[n for n in names if n not in failures],
+                failed=sorted(failures),
+                behind=max(self._live_id - bid, 0),
+            )
+            self._advance()
+            self._reaper.give(batch)
+            del batch
+            ran = True
+
+    async def _call(self, batch: MicroBatch, names: Sequence[str]) -> dict[str, BaseException]:
+        """Run ``batch`` for ``names``; the stages that failed on their own.
+        Raises when the batch failed as a whole."""
+        if not self._named_stages or tuple(names) == (WHOLE_BATCH,):
+            await self.executor.execute(batch)
+            return {}
+        failures = await self.executor.execute(batch, names)
+        return dict(failures or {})
+
+    def _record(
+        self,
+        batch_id: int,
+        names: Sequence[str],
+        failures: Mapping[str, Any],
+        quiet: bool = False,
+    ) -> None:
+        for name in names:
+            if name in failures:
+                self.stages.failed(name, batch_id, failures[name], quiet=quiet)
+            else:
+                self.stages.succeeded(name, batch_id)
+
+    def _advance(self) -> None:
+        """Move the watermarks over every batch that all stages have committed."""
+        floor = min(self.stages.floor(), self._live_id)
+        wm = self.watermarks
+        moved = False
+        while wm.batch_id < floor:
+            bid = wm.batch_id + 1
+            ranges = self._logged.get(bid)
+            if ranges is None:  # pragma: no cover - every planned id is logged
+                raise PlanLogError(f"batch {bid} is committed by every stage but has no plan")
+            wm.commit_ranges(bid, ranges)
+            moved = True
+        self.stages.publish(self._live_id)
+        if moved and self._on_commit is not None:
+            self._on_commit()
+
+    def _live_done(self, batch_id: int) -> None:
+        self._live_id = max(self._live_id, batch_id)
+        self._advance()
 
     async def run_once(self) -> MicroBatch | None:
         """Steps 1-4 for one batch; None when nothing is pending."""
@@ -399,11 +523,15 @@ class Planner:
             self._logged[batch.batch_id] = batch.ranges()
 
     async def _wait_due(self) -> bool:
-        """Wait until a batch is due. False when stopping."""
+        """Wait until a batch is due, or a stage behind may try again. False when
+        stopping."""
         while not self._stopping:
             if self._due_by_size():
                 return True
             due = self.close_due()
+            behind = self.stages.next_due(self._live_id)
+            if behind is not None:
+                due = behind if due is None else min(due, behind)
             self._wake.clear()
             if due is None:
                 await self._wake.wait()  # the first delivered row sets it
@@ -476,6 +604,13 @@ class Planner:
         return taken
 
     async def _reload(self, batch_id: int, ranges: Ranges) -> MicroBatch:
+        """Rebuild a planned batch from the WAL for a re-run after a restart."""
+        batch = await self._load(batch_id, ranges)
+        self._open[batch_id] = dict(ranges)
+        log.info("microbatch_rerun", batch_id=batch_id, rows=batch.rows, cores=sorted(ranges))
+        return batch
+
+    async def _load(self, batch_id: int, ranges: Ranges) -> MicroBatch:
         """Rebuild a planned batch from the WAL: same id, same rows."""
         slices: dict[int, Slice] = {}
         for core, (first, last) in sorted(ranges.items()):
@@ -487,10 +622,7 @@ class Planner:
                     f"returned {got}; the WAL and the plan log do not belong together"
                 )
             slices[core] = Slice(core, first, last, rows)
-        batch = MicroBatch(batch_id, slices)
-        self._open[batch_id] = dict(ranges)
-        log.info("microbatch_rerun", batch_id=batch_id, rows=batch.rows, cores=sorted(ranges))
-        return batch
+        return MicroBatch(batch_id, slices)
 
     async def _execute(self, batch: MicroBatch) -> None:
         # The executor's and the stages' log lines carry the batch id too.
@@ -498,8 +630,16 @@ class Planner:
             await self._execute_with_retries(batch)
 
     async def _execute_with_retries(self, batch: MicroBatch) -> None:
+        """Step 3 on the live path: the batch for every stage level with it.
+
+        A stage that fails on its own is recorded and left behind (it re-runs
+        the batch later, ``_run_behind``); when the batch fails as a whole, or
+        every stage fails, nothing of it committed and it is retried whole.
+        """
         delay = self.cfg.retry_initial_ms / 1000
         attempt = 0
+        self._sync_stages(batch.batch_id)
+        names = self.stages.participants(batch.batch_id)
         info: dict[str, Any] = {
             "batch_id": batch.batch_id,
             "rows": batch.rows,
@@ -508,39 +648,70 @@ class Planner:
             "attempts": 0,
             "error": None,
             "duration_s": None,
+            "stages": names,
+            "failed_stages": [],
         }
         self.last_batch = info
+        if not names:  # every stage is behind: they take this batch from its plan
+            info["state"] = "deferred"
+            return
         while True:
             while not self.executor.ready():
                 info["state"] = "held"
+                self._blocked_since = self._blocked_since or self._clock()
                 await self._sleep(min(self.cfg.interval_ms / 1000, 0.1))
             attempt += 1
             info["attempts"] = attempt
             info["state"] = "running"
             attempt_started = self._clock()
             try:
-                await self.executor.execute(batch)
+                failures = await self._call(batch, names)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                failures = dict.fromkeys(names, exc)
+            # Failed whole: every stage was asked and every one failed (Spark
+            # down, say). Then nothing moves; the batch is retried whole, and
+            # logged once, below. Otherwise a stage that failed falls behind
+            # and the others, ahead or behind, go on (invariant 6).
+            failed_whole = bool(failures) and set(failures) >= set(self.stages.names)
+            self._record(batch.batch_id, names, failures, quiet=failed_whole)
+            if failed_whole:
+                first = next(iter(failures.values()))
                 self.metrics.batch_outcomes.labels(outcome="failed").inc()
+                self._blocked_since = self._blocked_since or self._clock()
                 info["state"] = "retrying"
-                info["error"] = f"{type(exc).__name__}: {exc}"
+                info["error"] = error_text(first)
                 log.warning(
                     "microbatch_failed",
                     batch_id=batch.batch_id,
                     attempt=attempt,
                     error=info["error"],
+                    stages=names,
                     retry_in_s=delay,
                 )
                 await self._sleep(delay)
                 delay = min(delay * 2, self.cfg.retry_max_ms / 1000)
                 continue
+            self._blocked_since = None
+            info["failed_stages"] = sorted(failures)
             self._run_times.append(self._clock() - attempt_started)
             return
 
+    @property
+    def live_id(self) -> int:
+        """The newest batch whose live run is over."""
+        return self._live_id
+
+    def blocked_for_s(self) -> float:
+        """How long the live path has been failing or waiting for the executor
+        with a batch due (0 while batches flow)."""
+        since = self._blocked_since
+        return 0.0 if since is None else max(self._clock() - since, 0.0)
+
     def _commit(self, batch: MicroBatch, started: float) -> None:
-        self.watermarks.commit(batch)
+        """Step 4: the live run of ``batch`` is over; free its memory, move the
+        watermarks as far as every stage has committed."""
         self._open.pop(batch.batch_id, None)
         for core, nbytes in self._open_bytes.pop(batch.batch_id, {}).items():
             self._pending[core].inflight -= nbytes
@@ -553,11 +724,13 @@ class Planner:
         m.batch_rows.inc(batch.rows)
         m.batch_outcomes.labels(outcome="committed").inc()
         m.batch_last_id.set(batch.batch_id)
+        m.batch_last_commit_time.set(time.time())
         if self.last_batch is not None and self.last_batch["batch_id"] == batch.batch_id:
-            self.last_batch.update(state="committed", duration_s=round(elapsed, 6))
+            if self.last_batch["state"] != "deferred":
+                self.last_batch["state"] = "committed"
+            self.last_batch.update(duration_s=round(elapsed, 6), committed_at=time.time())
         log.debug("microbatch_committed", batch_id=batch.batch_id, rows=batch.rows)
-        if self._on_commit is not None:
-            self._on_commit(batch)
+        self._live_done(batch.batch_id)
 
     # ------------------------------------------------------------------
     # Plan log upkeep (called after watermarks were persisted)

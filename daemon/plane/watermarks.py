@@ -7,11 +7,15 @@ highest LSN the plane has seen (the heartbeat), so WAL retention keeps moving.
 The file is replaced atomically (temp file, fsync, rename, directory fsync)
 and carries the WAL's id and the ``cores`` count (invariant 13)::
 
-    {"format": "eventplane-watermarks", "version": 1, "wal_id": "...",
-     "cores": 4, "batch_id": 17, "lsns": [120, 118, 0, 119], "crc32": ...}
+    {"format": "eventplane-watermarks", "version": 2, "wal_id": "...",
+     "cores": 4, "batch_id": 17, "lsns": [120, 118, 0, 119],
+     "stages": {"cdc:all": 19, "triggers": 17}, "crc32": ...}
 
-``batch_id`` is the id of the last committed batch: plans above it are re-run
-after a restart. ``crc32`` covers the canonical JSON of every other field.
+``batch_id`` is the id of the last batch that every stage committed: plans
+above it are re-run after a restart, each for the stages whose own progress
+(``stages``: stage name -> last batch it committed) is below it (invariant
+6). ``crc32`` covers the canonical JSON of every other field. Version 1 files
+(no ``stages``) are read as every stage at ``batch_id``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +35,9 @@ if TYPE_CHECKING:
     from daemon.service.metrics import Metrics
 
 FORMAT = "eventplane-watermarks"
-VERSION = 1
+VERSION = 2
+# Versions this build reads: 1 had no per-stage progress.
+READ_VERSIONS = (1, 2)
 FILENAME = "watermarks.json"
 
 
@@ -44,21 +51,26 @@ class WatermarkSnapshot:
     cores: int
     batch_id: int
     lsns: tuple[int, ...]
+    # Stage name -> the last batch that stage committed (>= batch_id).
+    stages: tuple[tuple[str, int], ...] = ()
 
     def floor(self) -> int:
         """The lowest watermark: everything at or below it is committed on every core."""
         return min(self.lsns) if self.lsns else 0
 
 
-def _body(s: WatermarkSnapshot) -> dict[str, Any]:
-    return {
+def _body(s: WatermarkSnapshot, version: int = VERSION) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": version,
         "wal_id": s.wal_id,
         "cores": s.cores,
         "batch_id": s.batch_id,
         "lsns": list(s.lsns),
     }
+    if version >= 2:
+        body["stages"] = dict(s.stages)
+    return body
 
 
 def _crc(body: dict[str, Any]) -> int:
@@ -115,20 +127,22 @@ class WatermarkStore:
         try:
             doc = json.loads(raw)
             crc = doc.pop("crc32")
-            if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-                raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
+            version = doc.get("version")
+            if doc.get("format") != FORMAT or version not in READ_VERSIONS:
+                raise ValueError(f"format {doc.get('format')!r} version {version!r}")
             snap = WatermarkSnapshot(
                 str(doc["wal_id"]),
                 int(doc["cores"]),
                 int(doc["batch_id"]),
                 tuple(int(x) for x in doc["lsns"]),
+                tuple(sorted((str(k), int(v)) for k, v in doc.get("stages", {}).items())),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise WatermarkFileError(
                 f"{self.path}: not a valid watermarks file ({exc}); restore it from a backup, "
                 "or move it aside to replay every core from the start of the WAL"
             ) from exc
-        if crc != _crc(_body(snap)) or len(snap.lsns) != snap.cores:
+        if crc != _crc(_body(snap, version)) or len(snap.lsns) != snap.cores:
             raise WatermarkFileError(
                 f"{self.path}: checksum mismatch ({len(raw)} bytes); the file is damaged. "
                 "Restore it from a backup, or move it aside to replay every core from the "
@@ -160,10 +174,11 @@ class WatermarkStore:
 class Watermarks:
     """The in-memory committed watermarks, and what was last persisted.
 
-    Only committed effects move a watermark (invariant 6): :meth:`commit` after
-    the executor returned, :meth:`advance` for the idle heartbeat. Retention
-    uses :attr:`persisted`, never the in-memory values, so a crash before the
-    next flush can always re-run the batches that the file does not cover.
+    Only committed effects move a watermark (invariant 6): :meth:`commit` once
+    every stage committed a batch, :meth:`advance` for the idle heartbeat,
+    :meth:`stage_done` for one stage's own progress. Retention uses
+    :attr:`persisted`, never the in-memory values, so a crash before the next
+    flush can always re-run the batches that the file does not cover.
     """
 
     def __init__(self, loaded: WatermarkSnapshot, metrics: Metrics | None = None) -> None:
@@ -171,6 +186,8 @@ class Watermarks:
         self.cores = loaded.cores
         self.lsns = list(loaded.lsns)
         self.batch_id = loaded.batch_id
+        # Stage name -> last batch it committed; never below ``batch_id``.
+        self.stages: dict[str, int] = {n: max(b, loaded.batch_id) for n, b in loaded.stages}
         self.persisted = loaded
         self._metrics = metrics
         for core, lsn in enumerate(self.lsns):
@@ -178,28 +195,52 @@ class Watermarks:
 
     @property
     def dirty(self) -> bool:
-        p = self.persisted
-        return p.batch_id != self.batch_id or p.lsns != tuple(self.lsns)
+        return self.persisted != self.snapshot()
 
     def snapshot(self) -> WatermarkSnapshot:
-        return WatermarkSnapshot(self.wal_id, self.cores, self.batch_id, tuple(self.lsns))
+        return WatermarkSnapshot(
+            self.wal_id,
+            self.cores,
+            self.batch_id,
+            tuple(self.lsns),
+            tuple(sorted(self.stages.items())),
+        )
+
+    def stage_done(self, stage: str, batch_id: int) -> None:
+        """``stage`` committed ``batch_id`` (batches of one stage commit in id order)."""
+        last = self.stages.get(stage, self.batch_id)
+        if batch_id <= last:
+            raise LsnRegressionError(
+                f"stage {stage!r} committed batch {batch_id} after batch {last}; "
+                "a stage commits batches in id order"
+            )
+        self.stages[stage] = batch_id
+
+    def forget_stages(self, keep: set[str]) -> None:
+        """Drop the progress of stages that are no longer configured."""
+        for name in [n for n in self.stages if n not in keep]:
+            del self.stages[name]
 
     def commit(self, batch: MicroBatch) -> None:
-        """Advance every core of a committed batch to its slice's last LSN."""
-        if batch.batch_id <= self.batch_id:
+        """Advance every core of a batch every stage committed to its slice's last LSN."""
+        self.commit_ranges(batch.batch_id, batch.ranges())
+
+    def commit_ranges(self, batch_id: int, ranges: Mapping[int, tuple[int, int]]) -> None:
+        """:meth:`commit` by the batch's plan: core -> (first LSN, last LSN)."""
+        if batch_id <= self.batch_id:
             raise LsnRegressionError(
-                f"batch {batch.batch_id} committed after batch {self.batch_id}; batch ids must grow"
+                f"batch {batch_id} committed after batch {self.batch_id}; batch ids must grow"
             )
-        for core, s in batch.slices.items():
-            if s.last_lsn <= self.lsns[core]:
+        for core, (_, last) in ranges.items():
+            if last <= self.lsns[core]:
                 raise LsnRegressionError(
-                    f"batch {batch.batch_id} would move core {core}'s watermark back from "
-                    f"LSN {self.lsns[core]} to {s.last_lsn}"
+                    f"batch {batch_id} would move core {core}'s watermark back from "
+                    f"LSN {self.lsns[core]} to {last}"
                 )
-        for core, s in batch.slices.items():
-            self.lsns[core] = s.last_lsn
-            self._publish(core, s.last_lsn)
-        self.batch_id = batch.batch_id
+        for core, (_, last) in ranges.items():
+            self.lsns[core] = last
+            self._publish(core, last)
+        self.batch_id = batch_id
 
     def advance(self, core: int, lsn: int) -> bool:
         """Heartbeat: move an idle core forward (never back). True if it moved."""

@@ -4,10 +4,12 @@ Probes and scrapes, kept off the ingest listener so that a flood of events
 never delays a health check, and so the two can bind different interfaces.
 
 - ``GET /metrics``: the daemon's Prometheus registry, text exposition format.
-- ``GET /healthz``: 200 while the process is alive and its event loop is
-  responsive. A ticker task on the loop measures how late its wake-ups are;
-  if the last tick is older than :data:`STALL_S` the loop was stuck (a
-  blocking call) and the answer is 503 with the measured stall.
+- ``GET /healthz``: 200 while the daemon is healthy: its event loop is
+  responsive and nothing is stalled. A ticker task on the loop measures how
+  late its wake-ups are; if the last tick is older than :data:`STALL_S` the
+  loop was stuck (a blocking call) and the answer is 503 with the measured
+  stall. A stalled stage or micro-batch path (the injected ``problems()``,
+  see ``Daemon.problems``) is a 503 too, with one entry per problem.
 - ``GET /readyz``: 200 once the daemon is ready and not draining, else 503.
 - ``GET /v1/status``: the injected ``status()`` document as JSON (the schema
   is the daemon's; ``eventplane status`` renders it).
@@ -61,12 +63,14 @@ class AdminServer:
         status: Callable[[], dict[str, Any]],
         ready: Callable[[], bool],
         *,
+        problems: Callable[[], list[dict[str, Any]]] | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self._listen = cfg.admin.listen
         self._metrics = metrics
         self._status = status
         self._ready = ready
+        self._problems = problems
         self._clock = clock
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -156,6 +160,21 @@ class AdminServer:
                     "message": f"the event loop did not run for {stall:.1f} s (limit {STALL_S:g} s)"
                     if ticker_alive
                     else "the loop-responsiveness ticker is not running",
+                    "loop_stall_s": round(stall, 3),
+                },
+            )
+        try:
+            problems = self._problems() if self._problems is not None else []
+        except Exception as exc:
+            log.exception("admin.health_failed")
+            problems = [{"part": "admin", "message": f"health check failed: {exc}"}]
+        if problems:
+            return _json(
+                503,
+                {
+                    "status": "unhealthy",
+                    "message": "; ".join(str(p.get("message")) for p in problems),
+                    "problems": problems,
                     "loop_stall_s": round(stall, 3),
                 },
             )

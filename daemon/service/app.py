@@ -7,7 +7,10 @@ Reading :meth:`Daemon.serve` tells the whole story:
    background, bind the admin and ingest listeners, tell systemd READY=1.
 2. main_loop — until asked to exit: apply SIGHUP reloads, and fail-stop if
    a component failed (systemd restarts us). A watchdog task on the same
-   loop pings systemd and refreshes STATUS= only while the daemon is healthy.
+   loop pings systemd and refreshes STATUS= while a restart would not help
+   (``needs_restart``); a stalled stage makes the daemon unhealthy
+   (``problems``) without withholding the pings: restarting does not bring a
+   receiver or a full disk back.
 3. shutdown — under one monotonic budget: ingest answers 503 and finishes
    in-flight requests (their group commit completes), the running micro-batch
    finishes, watermarks are flushed, Spark stops, the WAL closes.
@@ -160,14 +163,18 @@ class Daemon:
         await self.plane.start()
 
         # Step 4. Listeners: admin first so /healthz answers while ingest binds.
-        self.admin = AdminServer(cfg, self.metrics, status=self.status, ready=self.ready)
+        self.admin = AdminServer(
+            cfg, self.metrics, status=self.status, ready=self.ready, problems=self.problems
+        )
         await self.admin.start()
         self.ingest = IngestServer(cfg, self.wal, self.metrics, lag=self.plane.max_lag)
         await self.ingest.start()
 
         self.started = True
         self.notifier.ready()
-        self._watchdog = Watchdog(self.notifier, healthy=self.healthy, status=self.status_line)
+        self._watchdog = Watchdog(
+            self.notifier, healthy=lambda: not self.needs_restart(), status=self.status_line
+        )
         self._watchdog.start()
         log.info(
             "eventplane.ready",
@@ -318,17 +325,77 @@ class Daemon:
         return self.started and not self.should_exit
 
     def healthy(self) -> bool:
-        return (
-            self.started
-            and self.exit_code == EXIT_OK
-            and self.plane is not None
-            and self.plane.failure is None
-        )
+        """True once started, while nothing is stalled or failed (``problems``)."""
+        return self.started and not self.problems()
+
+    def needs_restart(self) -> bool:
+        """True when only a restart can cure the daemon: a component failed
+        (fail-stop), or the Spark session cannot be rebuilt. The watchdog is
+        withheld then, so systemd restarts the service (invariant 14)."""
+        if not self.started:
+            return False
+        if self.exit_code != EXIT_OK or self.plane is None or self.plane.failure is not None:
+            return True
+        check = getattr(self.executor, "needs_restart", None)
+        return bool(check()) if callable(check) else False
+
+    def problems(self) -> list[dict[str, Any]]:
+        """What makes the daemon unhealthy, one entry per stalled part (empty: healthy).
+
+        A part is stalled when it has failed, or been held, for longer than
+        ``health.stall_after_s`` without a commit in between: a stage (a CDC
+        stream, the triggers, a handler) failing on its own, or the
+        micro-batch path as a whole (Spark down, every stage failing).
+        """
+        out: list[dict[str, Any]] = []
+        plane = self.plane
+        failure = plane.failure if plane is not None else None
+        if failure is not None or self.exit_code != EXIT_OK:
+            return [{"part": "daemon", "message": f"a component failed: {failure or 'see log'}"}]
+        planner = plane.planner if plane is not None else None
+        if planner is None:
+            return out
+        limit = self.cfg.health.stall_after_s
+        blocked = planner.blocked_for_s()
+        if blocked > limit:
+            last = planner.last_batch or {}
+            spark = getattr(self.executor, "status", None)
+            error = last.get("error") or (spark().get("session_error") if callable(spark) else None)
+            state = last.get("state") or "held"
+            out.append(
+                {
+                    "part": "microbatch",
+                    "stalled_for_s": round(blocked, 3),
+                    "error": error,
+                    "message": f"micro-batches have not committed for {blocked:.0f} s "
+                    f"(batch {last.get('batch_id')} {state}; limit {limit:g} s)"
+                    + (f": {error}" if error else ""),
+                }
+            )
+        for stage in planner.stages.report(planner.live_id):
+            if stage["stalled"]:
+                out.append(
+                    {
+                        "part": f"stage {stage['name']}",
+                        "stage": stage["name"],
+                        "stalled_for_s": stage["failing_for_s"],
+                        "since": stage["failing_since"],
+                        "behind_batches": stage["behind_batches"],
+                        "error": stage["last_error"],
+                        "message": f"stage {stage['name']} has failed for "
+                        f"{stage['failing_for_s']:.0f} s and is {stage['behind_batches']} "
+                        f"batch(es) behind (limit {limit:g} s): {stage['last_error']}",
+                    }
+                )
+        return out
 
     def status(self) -> dict[str, Any]:
         wal = self.wal
+        problems = self.problems()
         out: dict[str, Any] = {
-            "healthy": self.healthy(),
+            "healthy": self.started and not problems,
+            "problems": problems,
+            "needs_restart": self.needs_restart(),
             "ready": self.ready(),
             "draining": self.should_exit,
             "wal": None

@@ -219,6 +219,38 @@ class Metrics:
             registry=r,
         )
 
+        # Stages: each CDC stream, the triggers, each handler (per-stage progress)
+        self.stage_batch_id = Gauge(
+            p + "stage_committed_batch_id",
+            "Id of the last micro-batch the stage committed.",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_lag_batches = Gauge(
+            p + "stage_lag_batches",
+            "Micro-batches the stage is behind the newest one (0: keeping up).",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_failures = Counter(
+            p + "stage_failures_total",
+            "Failed attempts of a stage on a micro-batch (each is retried with backoff).",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_failing_seconds = Gauge(
+            p + "stage_failing_seconds",
+            "How long the stage has been failing without a commit in between (0: healthy).",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_stalled = Gauge(
+            p + "stage_stalled",
+            "1 while the stage is stalled: failing for longer than health.stall_after_s.",
+            ["stage"],
+            registry=r,
+        )
+
         # Triggers
         self.trigger_fires = Counter(
             p + "trigger_fires_total",
@@ -271,7 +303,8 @@ class Metrics:
         self.up_seconds.set_to_current_time()
         self.healthy = Gauge(
             p + "healthy",
-            "Whether the daemon is healthy (1: systemd watchdog pings are sent) or not (0).",
+            "Whether the daemon is healthy (1) or not (0): a stage stalled or a component "
+            "failed; `eventplane status` and /healthz say which.",
             registry=r,
         )
         self.ready = Gauge(

@@ -23,10 +23,16 @@
   4. each ``BatchStage.run_in_spark`` (triggers) computes its result;
   5. each ``[[cdc.handlers]]`` function gets ``(df, batch_id)``.
 
-  Back on the loop, each stage's ``finish`` completes its effects. ``execute``
-  returns only when all of it is done (invariant 6); any failure raises, so
-  the planner retries the batch with the same id and rows (and counts it in
-  ``eventplane_microbatch_outcomes_total``); ``status()`` shows it.
+  Back on the loop, each stage's ``finish`` completes its effects. Steps 3-5
+  are stages (``stage_names()``: ``cdc:<stream>``, the BatchStage's name,
+  ``handler:<pkg.mod:func>``), and ``execute(batch, stages)`` runs only the
+  ones asked for. A stage that fails does not stop the others: ``execute``
+  returns the failed stages with their errors once every other one is done
+  (invariant 6), and the planner re-runs the batch for the failed ones later
+  (``daemon.plane.stages``). A failure of steps 1-2, or of every stage asked for,
+  fails the whole batch: it raises, and the planner retries it with the same
+  id and rows (and counts it in ``eventplane_microbatch_outcomes_total``);
+  ``status()`` shows it.
 - ``stop()`` waits for the batch in flight, closes the streams and stops the
   session it built.
 """
@@ -40,7 +46,7 @@ import enum
 import importlib
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +105,18 @@ class _Outcome:
     commits: list[CommitResult]
     stage_results: list[tuple[BatchStage, Any]]
     spark_seconds: float
+    failures: dict[str, BaseException] = field(default_factory=dict)
+    ran: int = 0  # stages asked for that exist
+
+
+def sink_stage(sink: CdcSink) -> str:
+    """The stage name of a CDC stream."""
+    return f"cdc:{sink.name}"
+
+
+def handler_stage(ref: str) -> str:
+    """The stage name of a ``[[cdc.handlers]]`` function."""
+    return f"handler:{ref}"
 
 
 @dataclass(slots=True)
@@ -174,6 +192,14 @@ class SparkExecutor:
     def sinks(self) -> Sequence[CdcSink]:
         return tuple(self._sinks)
 
+    def stage_names(self) -> list[str]:
+        """Every stage of a batch, in the order they run (``daemon.plane.stages``)."""
+        return [
+            *(sink_stage(s) for s in self._sinks),
+            *(st.name for st in self._stages),
+            *(handler_stage(ref) for ref, _ in self._handlers),
+        ]
+
     def _default_factory(self) -> Any:
         s = self.cfg.spark
         return sparkmod.build_session(s.master, s.app_name, s.ui, s.log_level, s.conf, s.remote)
@@ -205,18 +231,29 @@ class SparkExecutor:
     def ready(self) -> bool:
         return self._status.state is State.READY
 
+    def needs_restart(self) -> bool:
+        """The session failed to build ``health.session_restart_attempts`` times in a
+        row: only a new process (a fresh JVM, environment, classpath) may help."""
+        st = self._status
+        limit = self.cfg.health.session_restart_attempts
+        return st.session_error is not None and st.session_attempts >= limit
+
     async def wait_ready(self) -> None:
         """Return once batches can run (tests, and callers that prefer to wait)."""
         await self._ready.wait()
         if self._status.state is not State.READY:
             raise ExecutorError("the Spark executor stopped before it became ready")
 
-    async def execute(self, batch: MicroBatch) -> None:
+    async def execute(
+        self, batch: MicroBatch, stages: Collection[str] | None = None
+    ) -> dict[str, BaseException]:
+        """Run ``batch`` for ``stages`` (all when None); the stages that failed."""
         if self._status.state in (State.STOPPING, State.STOPPED):
             raise ExecutorError(f"batch {batch.batch_id}: the Spark executor is stopped")
         await self.wait_ready()  # consumers hold their batches until Spark is up
+        wanted = set(self.stage_names() if stages is None else stages)
         async with self._lock:
-            await self._execute_locked(batch)
+            return await self._execute_locked(batch, wanted)
 
     def prepare(self, batch: MicroBatch) -> None:
         """Start writing ``batch``'s inbox file while the batch before it runs in Spark.
@@ -406,16 +443,28 @@ class SparkExecutor:
 
     # -- one batch -----------------------------------------------------------
 
-    async def _execute_locked(self, batch: MicroBatch) -> None:
+    async def _execute_locked(
+        self, batch: MicroBatch, wanted: set[str]
+    ) -> dict[str, BaseException]:
         started = time.monotonic()
         bound = log.bind(batch_id=batch.batch_id)
         loop = asyncio.get_running_loop()
         ctx = contextvars.copy_context()
         try:
-            outcome = await loop.run_in_executor(self._pool, ctx.run, self._run_in_spark, batch)
+            outcome = await loop.run_in_executor(
+                self._pool, ctx.run, self._run_in_spark, batch, wanted
+            )
             for stage, result in outcome.stage_results:
-                await stage.finish(batch, result)
+                try:
+                    await stage.finish(batch, result)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as stage_exc:
+                    outcome.failures[stage.name] = stage_exc
             crash_point("executor.after_commit")
+            if outcome.failures and len(outcome.failures) == outcome.ran:
+                # Nothing of the batch committed: it fails whole, as one error.
+                raise next(iter(outcome.failures.values()))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -428,6 +477,8 @@ class SparkExecutor:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         seconds = time.monotonic() - started
+        for name, failure in outcome.failures.items():
+            self._record_failure(batch, failure, name)
         self._record_success(batch, outcome, seconds)
         bound.debug(
             "microbatch_committed",
@@ -435,14 +486,23 @@ class SparkExecutor:
             seconds=round(seconds, 4),
             spark_seconds=round(outcome.spark_seconds, 4),
             streams={c.stream: ("noop" if c.noop else c.rows) for c in outcome.commits},
+            failed_stages=sorted(outcome.failures),
         )
+        return outcome.failures
 
-    def _run_in_spark(self, batch: MicroBatch) -> _Outcome:
-        """Steps 1-5 of the module docstring. Runs in the worker thread."""
+    def _run_in_spark(self, batch: MicroBatch, wanted: set[str]) -> _Outcome:
+        """Steps 1-5 of the module docstring for the ``wanted`` stages. Runs in the
+        worker thread. Steps 1-2 raise; a stage's failure is its own."""
         started = time.monotonic()
         spark = self._session
         if spark is None:
             raise ExecutorError("no SparkSession (the executor was stopped)")
+        sinks = [s for s in self._sinks if sink_stage(s) in wanted]
+        stages = [st for st in self._stages if st.name in wanted]
+        handlers = [(ref, f) for ref, f in self._handlers if handler_stage(ref) in wanted]
+        failures: dict[str, BaseException] = {}
+        commits: list[CommitResult] = []
+        results: list[tuple[BatchStage, Any]] = []
         cached = False
         try:
             prepared = self._take_prepared(batch)
@@ -454,24 +514,37 @@ class SparkExecutor:
             else:
                 file, nrows, counts = prepared
                 df = frame._contract_frame(frame._read_inbox(spark, file))
-            todo = [(sink, self._rows_for(sink, counts)) for sink in self._sinks]
+            todo = [(sink, self._rows_for(sink, counts)) for sink in sinks]
             pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
-            readers = len(pending) + len(self._stages) + len(self._handlers)
+            readers = len(pending) + len(stages) + len(handlers)
             if readers > 1:
                 df, cached = df.persist(), True
-            commits = [sink.commit(df, batch, rows) for sink, rows in todo]
-            results = [(st, st.run_in_spark(spark, df, batch)) for st in self._stages]
-            if self._handlers:
+            # Steps 3-5: each stage on its own; one failing holds back only itself.
+            for sink, rows in todo:
+                try:
+                    commits.append(sink.commit(df, batch, rows))
+                except Exception as exc:
+                    failures[sink_stage(sink)] = exc
+            for st in stages:
+                try:
+                    results.append((st, st.run_in_spark(spark, df, batch)))
+                except Exception as exc:
+                    failures[st.name] = exc
+            if handlers:
                 contract = df.select(*CDC_COLUMNS)
-                for _, func in self._handlers:
-                    func(contract, batch.batch_id)
+                for ref, func in handlers:
+                    try:
+                        func(contract, batch.batch_id)
+                    except Exception as exc:
+                        failures[handler_stage(ref)] = exc
         finally:
             if cached:
                 df.unpersist(blocking=False)
             if self._inbox is not None:
                 for f in self._inbox.glob(f"b{batch.batch_id:012d}-*.parquet"):
                     f.unlink(missing_ok=True)
-        return _Outcome(nrows, commits, results, time.monotonic() - started)
+        ran = len(sinks) + len(stages) + len(handlers)
+        return _Outcome(nrows, commits, results, time.monotonic() - started, failures, ran)
 
     def _parallelism(self, spark: Any) -> int:
         if self._cores is None:
@@ -496,9 +569,12 @@ class SparkExecutor:
         # The eventplane_microbatch_* series are the planner's: it sees every
         # batch and attempt, whatever executor runs them.
 
-    def _record_failure(self, batch: MicroBatch, exc: BaseException) -> None:
+    def _record_failure(
+        self, batch: MicroBatch, exc: BaseException, stage: str | None = None
+    ) -> None:
         st = self._status
         st.batches_failed += 1
-        st.last_error = f"{type(exc).__name__}: {exc}"[:2000]
+        where = f"stage {stage}: " if stage else ""
+        st.last_error = f"{where}{type(exc).__name__}: {exc}"[:2000]
         st.last_error_batch_id = batch.batch_id
         st.last_error_at = time.time()

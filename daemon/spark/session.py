@@ -17,6 +17,9 @@ always win):
   one writer per collection instead of sorting each batch by collection.
 - UI off and the console progress bar off: a daemon has no terminal and the
   UI port is an attack surface nobody asked for.
+- With a ``local`` master, ``spark.driver.bindAddress`` and
+  ``spark.driver.host`` = ``127.0.0.1``: the embedded Spark's driver and
+  block-manager ports listen on loopback only.
 - Spark's JVM log at ``log_level`` (WARN by default) from the first line on,
   through a generated log4j2 file; the Python side goes through stdlib logging.
 """
@@ -93,6 +96,11 @@ def effective_conf(
             out["spark.driver.extraJavaOptions"] = (
                 f"-Dlog4j2.configurationFile=file:{_log4j2_file(log_level)}"
             )
+        if master.startswith("local"):
+            # Embedded Spark talks to itself only: its driver and block-manager
+            # ports listen on loopback, not on every interface.
+            out["spark.driver.bindAddress"] = "127.0.0.1"
+            out["spark.driver.host"] = "127.0.0.1"
         if master.startswith("local") or master.startswith("spark://"):
             # Python workers (UDFs in trigger `when` or handlers) run this interpreter
             # when executors share the machine; remote clusters set their own.

@@ -126,3 +126,48 @@ def columnar(lsns: list[int], core: int = 0, payload: bytes = b"x") -> RecordBat
     """A WAL-style columnar batch of ``lsns`` (sequence = LSN), same payload each."""
     offsets = array("Q", accumulate([len(payload)] * len(lsns), initial=0))
     return RecordBatch(core, array("Q", lsns), lsns[0] if lsns else 1, offsets, payload * len(lsns))
+
+
+class StagedExecutor(RecordingExecutor):
+    """A recording executor with named stages (``daemon.plane.stages``).
+
+    ``failing`` holds the stages that fail every batch they are given, until
+    removed; ``runs[stage]`` lists the batch ids each stage committed, in order.
+    """
+
+    def __init__(self, names: tuple[str, ...] = ("cdc:a", "cdc:b")) -> None:
+        super().__init__()
+        self.names = names
+        self.failing: set[str] = set()
+        self.runs: dict[str, list[int]] = {n: [] for n in names}
+        self.calls: list[tuple[int, tuple[str, ...]]] = []
+
+    def stage_names(self) -> tuple[str, ...]:
+        return self.names
+
+    async def execute(  # type: ignore[override]
+        self, batch: MicroBatch, stages: Any = None
+    ) -> dict[str, BaseException]:
+        wanted = tuple(self.names if stages is None else stages)
+        self.calls.append((batch.batch_id, wanted))
+        self.attempts.append(batch)
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ExecutorError(f"injected failure of batch {batch.batch_id}")
+        failures: dict[str, BaseException] = {}
+        for name in wanted:
+            if name in self.failing:
+                failures[name] = ExecutorError(f"{name} cannot write batch {batch.batch_id}")
+            else:
+                self.runs[name].append(batch.batch_id)
+        self.committed.append(batch)
+        self.rows_seen += batch.rows
+        self.changed.set()
+        return failures
+
+    async def wait_run(self, stage: str, batch_id: int, within_s: float = 5.0) -> None:
+        """Until ``stage`` has committed ``batch_id``."""
+        async with asyncio.timeout(within_s):
+            while batch_id not in self.runs[stage]:
+                self.changed.clear()
+                await self.changed.wait()

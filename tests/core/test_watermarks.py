@@ -83,3 +83,36 @@ def test_heartbeat_advance_never_moves_back() -> None:
     assert not wm.advance(0, 5)
     assert wm.advance(0, 12)
     assert wm.lsns == [12]
+
+
+def test_stage_progress_is_saved_and_loaded_with_the_watermarks(tmp_path: Path) -> None:
+    store = WatermarkStore(tmp_path / "w.json")
+    snap = WatermarkSnapshot("wal-a", 2, 7, (40, 39), (("cdc:all", 9), ("triggers", 7)))
+    store.save(snap)
+
+    loaded = store.load("wal-a", 2)
+    assert loaded == snap
+    assert Watermarks(loaded).stages == {"cdc:all": 9, "triggers": 7}
+
+
+def test_version_1_file_without_stages_still_loads(tmp_path: Path) -> None:
+    """Files written before per-stage progress: every stage starts at batch_id."""
+    import zlib
+
+    path = tmp_path / "w.json"
+    body = {"format": "eventplane-watermarks", "version": 1, "wal_id": "wal-a", "cores": 2,
+            "batch_id": 7, "lsns": [40, 39]}  # fmt: skip
+    crc = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    path.write_text(json.dumps({**body, "crc32": crc}))
+
+    loaded = WatermarkStore(path).load("wal-a", 2)
+    assert loaded == WatermarkSnapshot("wal-a", 2, 7, (40, 39))
+    assert Watermarks(loaded).stages == {}
+
+
+def test_a_stage_commits_batches_in_id_order_only() -> None:
+    wm = Watermarks(WatermarkSnapshot("w", 1, 3, (10,)))
+    wm.stage_done("cdc:all", 4)
+    with pytest.raises(LsnRegressionError, match="stage 'cdc:all' committed batch 4 after batch 4"):
+        wm.stage_done("cdc:all", 4)
+    assert wm.dirty

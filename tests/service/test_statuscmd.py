@@ -258,3 +258,45 @@ def test_output_stream_is_injectable(server: StatusServer) -> None:
     out = io.StringIO()
     assert statuscmd.main(_args(), _cfg(server.port), out=out) == 0
     assert out.getvalue().startswith("eventplane  healthy")
+
+
+def test_json_piped_into_a_reader_that_stops_early_exits_without_a_traceback(
+    server: StatusServer, tmp_path: Any
+) -> None:
+    """``eventplane status --json | head -c 10``: the closed pipe is not an error trace."""
+    import subprocess
+    import sys
+
+    server.serve(sample_status(padding=["x" * 100] * 2000))  # more than a pipe buffer
+    config = tmp_path / "config.toml"
+    config.write_text(f'[admin]\nlisten = "127.0.0.1:{server.port}"\n')
+    status = f"{sys.executable} -m daemon.cli.main status --json --config {config}"
+    command = f"{status} | head -c 10 >/dev/null"
+    proc = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, check=False
+    )
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1
+
+
+def test_version_flag_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.startswith("eventplane ")
+
+
+def test_problems_and_stages_are_listed_for_an_unhealthy_daemon() -> None:
+    doc = sample_status(
+        healthy=False,
+        problems=[{"part": "stage cdc:all", "message": "stage cdc:all has failed for 61 s"}],
+        stages=[
+            {"name": "cdc:all", "batch_id": 7, "behind_batches": 3, "failing": True,
+             "stalled": True, "failing_for_s": 61.0, "attempts": 4, "last_error": "OSError: full"},
+            {"name": "triggers", "batch_id": 10, "behind_batches": 0, "failing": False},
+        ],
+    )  # fmt: skip
+    text = statuscmd.render(doc, now=NOW)
+    assert "problem     stage cdc:all has failed for 61 s" in text
+    assert "cdc:all       7       3  STALLED for 61 s, attempt 4: OSError: full" in text
+    assert "triggers     10       0  ok" in text

@@ -296,11 +296,12 @@ async def test_overlapping_stream_paths_fail_at_startup(spark: Any, tmp_path: Pa
         await SparkExecutor(cfg, Metrics(), session=spark).start()
 
 
-async def test_handler_failure_fails_the_batch_and_shows_in_status(
+async def test_handler_failure_fails_its_stage_and_shows_in_status(
     executor_factory: Any, metrics: Metrics
 ) -> None:
-    ex = await executor_factory(handlers=["tests.spark.handlers:explode"])
+    ex = await executor_factory(streams=[], handlers=["tests.spark.handlers:explode"])
     batch = make_batches(1, 50)[0]
+    # The handler is the only stage: nothing committed, the batch fails whole.
     with pytest.raises(ExecutorError, match=r"micro-batch 1 .* handler failed on batch 1"):
         await ex.execute(batch)
 
@@ -422,3 +423,37 @@ async def test_stopped_executor_refuses_batches(executor_factory: Any) -> None:
     await ex.stop()
     with pytest.raises(ExecutorError, match="stopped"):
         await ex.execute(make_batches(1, 5)[0])
+
+
+async def test_failing_handler_holds_back_only_itself_the_stream_commits(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory(
+        handlers=["tests.spark.handlers:explode", "tests.spark.handlers:record"]
+    )
+    (batch,) = make_batches(1, 60)
+
+    failures = await ex.execute(batch)
+
+    assert set(failures) == {"handler:tests.spark.handlers:explode"}
+    assert "handler failed on batch 1" in str(failures["handler:tests.spark.handlers:explode"])
+    assert [c[0] for c in handlers.CALLS] == [1]  # the other handler ran
+    assert sorted(r.lsn for r in read_table(spark, tmp_path / "cdc" / "all")) == batch_lsns([batch])
+    assert ex.stage_names() == [
+        "cdc:all",
+        "handler:tests.spark.handlers:explode",
+        "handler:tests.spark.handlers:record",
+    ]
+
+
+async def test_execute_runs_only_the_stages_asked_for(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """A stage behind re-runs a batch alone: the other stream is not written twice."""
+    ex = await executor_factory(streams=[("a", ["*"]), ("b", ["*"])])
+    (batch,) = make_batches(1, 40)
+
+    assert await ex.execute(batch, ["cdc:b"]) == {}
+
+    assert not list((tmp_path / "cdc" / "a").glob("collection=*"))
+    assert sorted(r.lsn for r in read_table(spark, tmp_path / "cdc" / "b")) == batch_lsns([batch])

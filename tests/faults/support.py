@@ -1,0 +1,91 @@
+"""Fault injection for real daemons: size-limited volumes, health polling."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.harness import DaemonProcess
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str = "32m") -> Iterator[Path]:
+    """A size-limited tmpfs at ``path`` (root only: skips the test otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root (CI runs as root)")
+    path.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(volume: Path) -> Path:
+    """Write a file that takes every free byte of ``volume``; returns it."""
+    filler = volume / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for size in (1 << 20, 4096, 1):  # big writes, then the last bytes
+            chunk = b"\0" * size
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, chunk)
+    finally:
+        os.close(fd)
+    return filler
+
+
+def healthz(daemon: DaemonProcess) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(daemon.admin_url + "/healthz", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        exc.close()
+        return exc.code, json.loads(body)
+
+
+def metric(daemon: DaemonProcess, sample: str) -> float | None:
+    """The value of one exposition line starting with ``sample`` (name and labels)."""
+    with urllib.request.urlopen(daemon.admin_url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float, daemon: DaemonProcess) -> Any:
+    """Poll ``check`` until it returns something truthy; fail with the daemon's log."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})\n{daemon.tail(60)}")
+
+
+def stage(status: dict[str, Any], name: str) -> dict[str, Any]:
+    for st in status.get("stages", []):
+        if st["name"] == name:
+            return dict(st)
+    raise KeyError(f"no stage {name!r} in {status.get('stages')}")
