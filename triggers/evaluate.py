@@ -63,11 +63,12 @@ _MESSAGE_MAX = 600
 # error). A trigger failing on more is broken, not unlucky: the rest of its
 # rows in the batch go to the DLQ unevaluated, at the cost of one more job.
 MAX_POISON_ROWS_PER_BATCH = 64
-# Most splitting jobs per culprit trigger per batch, the bound on time. One
-# poison row among n costs ~1.5 log2(n) jobs (27 at 100k rows, 33 at 1M); p
-# adjacent ones ~2 each, so 64 fit; p spread-out ones ~1.5 p log2(n/p) (~10
-# at 100k rows). Jobs took 0.15-0.9 s each on the loaded 2-core test box
-# (docs/triggers.md "Poison rows"): 160 is 25-140 s, once per batch.
+# Most splitting jobs per culprit trigger per batch: the bound on time, which
+# the row cap alone is not. One poison row among n rows costs ~1.5 log2(n)
+# jobs (26-30 measured at 100k rows); p adjacent ones ~2 each, so 64 fit; p
+# spread-out ones ~30 each at 100k rows, so ~5 fit. 160 jobs took 34 s on a
+# 100k-row batch on the 2-core box at load 8-9 (docs/triggers.md, "Poison
+# rows"), against ~2 s for the clean batch: slow, but bounded, once per batch.
 MAX_SPLIT_JOBS_PER_BATCH = 160
 
 
