@@ -25,6 +25,11 @@ Ordering: a trigger's calls for one batch go out one after another in LSN
 order (so per key too). A call that fails is retried later, possibly after
 newer rows of the same trigger were delivered; receivers that care order by
 the ``lsn`` in each row.
+
+Poison rows: a row a trigger's ``when`` fails on (``triggers.evaluate``)
+goes to that trigger's DLQ in ``finish``'s transaction, marked as never
+evaluated; the rest of the batch is delivered. Replayed, such rows are
+evaluated again with Spark before the action sees them (``_retry_one``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
+import operator
 import random
 import threading
 import time
@@ -274,29 +281,45 @@ class TriggerEngine:
             spark, df, triggers, int(batch.batch_id), self._sql_lock, selection=self._selection
         )
         self._selection = result.selection
+        if result.batch_error is not None:
+            log.warning(
+                "trigger_batch_split",
+                batch_id=int(batch.batch_id),
+                error=result.batch_error,
+                culprits=sorted(result.poisoned),
+                jobs=result.isolation_jobs,
+                seconds=round(result.spark_seconds, 3),
+                message="the batch's trigger job failed; the batch was split to isolate the "
+                "failing rows, which go to their trigger's DLQ",
+            )
         return result
 
     async def finish(self, batch: Any, result: Any) -> None:
         """Deliver the batch's matched rows; return once every call is done or durable.
 
-        1. Count fires per trigger.
+        1. Count fires per trigger; rows a trigger failed on (poison) become
+           DLQ rows of that trigger.
         2. Per trigger (triggers concurrently): one call per chunk of
            ``batch_size`` rows, in LSN order; sql actions already ran in Spark.
         3. Failed calls become retry entries (retriable, attempts left) or DLQ
-           rows, all written in one SQLite transaction.
+           rows, all written with the poison rows in one SQLite transaction.
         4. Refresh the gauges and wake the retry loop.
         """
         if not isinstance(result, evaluate.Evaluation):
             raise TypeError(f"finish() expects run_in_spark's Evaluation, got {type(result)!r}")
-        if not result.matched:
+        if not result.matched and not result.poisoned:
             return
         store = self._require_store()
         retries: list[NewRetry] = []
         dead: list[DeadRows] = []
         batch_id = int(batch.batch_id)
-        # Step 1. Count fires per trigger
+        # Step 1. Count fires per trigger; poison rows to the DLQ
         for name, rows in result.matched.items():
             self._metrics.trigger_fires.labels(name).inc(len(rows))
+        now = self._clock()
+        for name, poisoned in result.poisoned.items():
+            capped = name in result.capped
+            dead += self._poisoned(name, poisoned, now, capped=capped, batch_id=batch_id)
         # Step 2. Call each trigger's action, chunk by chunk
         async with asyncio.TaskGroup() as tg:
             for name, rows in result.matched.items():
@@ -429,6 +452,39 @@ class TriggerEngine:
         dead.append(DeadRows(t.name, too_deep, attempts, message, first, now))
         return rowsmod.Chunk.from_docs(t.name, ok) if ok else None
 
+    def _poisoned(
+        self,
+        name: str,
+        poisoned: Sequence[evaluate.PoisonRow],
+        now: float,
+        *,
+        capped: bool = False,
+        **context: Any,
+    ) -> list[DeadRows]:
+        """Rows the trigger could not evaluate: logged, counted, DLQ rows (attempts 0)."""
+        self._metrics.trigger_failures.labels(name, "poison").inc(len(poisoned))
+        log.error(
+            "trigger_rows_poisoned",
+            trigger=name,
+            rows=len(poisoned),
+            lsns=[p.lsn for p in poisoned[:10]],
+            error=poisoned[0].error,
+            capped=capped,
+            message=(
+                f"trigger {name!r} failed on too many rows to isolate them one by one "
+                "(MAX_POISON_ROWS_PER_BATCH or MAX_SPLIT_JOBS_PER_BATCH); the rest of its rows "
+                f"in the batch went to its DLQ unevaluated, {len(poisoned)} in all"
+                if capped
+                else f"trigger {name!r} failed on {len(poisoned)} row(s); they went to its DLQ"
+            )
+            + " (fix the trigger, reload, then `eventplane dlq replay`)",
+            **context,
+        )
+        return [
+            DeadRows(name, [p.doc for p in run], 0, error, now, now)
+            for error, run in itertools.groupby(poisoned, key=operator.attrgetter("error"))
+        ]
+
     def backoff_s(self, t: Trigger, attempts: int) -> float:
         """initial * 2^(attempts-1), capped at max, with equal jitter (never below half)."""
         nominal = min(
@@ -506,32 +562,102 @@ class TriggerEngine:
             await self._retry_one(t, entry)
 
     async def _retry_one(self, t: Trigger, entry: RetryEntry) -> None:
+        """One retry entry: evaluate replayed poison rows again, then call the action.
+
+        1. Rows marked unevaluated (a replayed poison row) get ``when``
+           evaluated again with Spark: the ones that match join the call, the
+           others are done, the ones that still fail go back to the DLQ.
+           Without Spark (or before it checked the set) the entry waits.
+        2. Emit only: rows past the cascade depth go to the DLQ.
+        3. Call the action; success deletes the entry, a failure reschedules
+           it or moves it to the DLQ (an evaluated chunk replaces the entry).
+        """
         store = self._require_store()
         now = self._clock()
         first = entry.first_attempt or now
         dead: list[DeadRows] = []
-        chunk = self._split_depth(t, entry.chunk(), entry.attempts, first, now, dead)
-        if chunk is None:
+        chunk = entry.chunk()
+        # Step 1. Evaluate replayed poison rows again
+        evaluated = any(rowsmod.is_unevaluated(d) for d in chunk.docs)
+        if evaluated:
+            if self._spark is None or not self._validated:
+                log.info("trigger_retry_waits_for_spark", trigger=t.name, entry=entry.id)
+                await self._db(store.reschedule, entry.id, entry.attempts,
+                               now + self.backoff_s(t, 1), entry.last_attempt,
+                               "waiting for Spark to evaluate `when` on replayed rows")  # fmt: skip
+                return
+            try:
+                again = await self._evaluate_again(t, entry, chunk, now, dead)
+            except Exception as err:  # Spark itself failed: an attempt, the rows keep their mark
+                failure = RetriableActionError(
+                    f"cannot evaluate `when` on replayed rows: {evaluate.spark_message(err)}"
+                )
+                log.warning("trigger_retry_evaluation_failed", trigger=t.name, entry=entry.id,
+                            error=str(failure))  # fmt: skip
+                retries: list[NewRetry] = []
+                self._plan(t, entry.chunk(), entry.attempts + 1, first, now, failure, retries, dead)
+                self._evicted(await self._db(store.dead_letter, entry, dead, retries))
+                return
+            if again is None:  # nothing matched; rows that failed again are in `dead`
+                self._evicted(await self._db(store.dead_letter, entry, dead, []))
+                return
+            chunk = again
+        # Step 2. Emit cascade depth
+        remaining = self._split_depth(t, chunk, entry.attempts, first, now, dead)
+        if remaining is None:
             self._evicted(await self._db(store.dead_letter, entry, dead, []))
             return
+        chunk = remaining
+        # Step 3. Call the action
         exc = await self._call(t, chunk, retry_entry=entry.id, attempt=entry.attempts + 1)
         attempts = entry.attempts + 1
         now = self._clock()
         if exc is None:
             log.info("trigger_retry_delivered", trigger=t.name, entry=entry.id, attempts=attempts,
                      first_lsn=chunk.first_lsn, last_lsn=chunk.last_lsn)  # fmt: skip
-            if dead:
+            if dead or evaluated:
                 self._evicted(await self._db(store.dead_letter, entry, dead, []))
             else:
                 await self._db(store.succeeded, entry.id)
             return
-        retries: list[NewRetry] = []
+        retries = []
         self._plan(t, chunk, attempts, first, now, exc, retries, dead)
-        if retries and not dead:
+        if retries and not dead and not evaluated:
             r = retries[0]
             await self._db(store.reschedule, entry.id, attempts, r.next_due, now, r.last_error)
         else:
             self._evicted(await self._db(store.dead_letter, entry, dead, retries))
+
+    async def _evaluate_again(
+        self,
+        t: Trigger,
+        entry: RetryEntry,
+        chunk: rowsmod.Chunk,
+        now: float,
+        dead: list[DeadRows],
+    ) -> rowsmod.Chunk | None:
+        """Step 1 of :meth:`_retry_one`: the chunk to call (None: nothing to call)."""
+        unevaluated = [d for d in chunk.docs if rowsmod.is_unevaluated(d)]
+        known = [d for d in chunk.docs if not rowsmod.is_unevaluated(d)]
+        result = await asyncio.to_thread(evaluate.reevaluate, self._spark, t, unevaluated)
+        matched = result.matched.get(t.name, [])
+        poisoned = result.poisoned.get(t.name, [])
+        if poisoned:
+            dead += self._poisoned(t.name, poisoned, now, capped=t.name in result.capped,
+                                   retry_entry=entry.id)  # fmt: skip
+        self._metrics.trigger_fires.labels(t.name).inc(len(matched))
+        log.info(
+            "trigger_replay_evaluated",
+            trigger=t.name,
+            entry=entry.id,
+            rows=len(unevaluated),
+            matched=len(matched),
+            failed=len(poisoned),
+            not_matched=len(unevaluated) - len(matched) - len(poisoned),
+        )
+        rows = [rowsmod.Row(rowsmod.meta(d).lsn, d) for d in known] + matched
+        rows.sort(key=operator.attrgetter("lsn"))
+        return rowsmod.Chunk.of(t.name, rows) if rows else None
 
     async def _retry_loop(self) -> None:
         """Supervised: CancelledError exits; repeated store failures raise RetryLoopError."""

@@ -42,11 +42,13 @@ class TriggerConfigError(TriggerError):
 
 
 class TriggerEvaluationError(TriggerError):
-    """A trigger's ``when`` (or emit expression) failed at run time in Spark.
+    """Spark itself failed while evaluating the triggers (not an error about a row).
 
-    The batch does not commit; the executor retries it. Fix the trigger and
-    reload (SIGHUP), or set ``enabled = false``: the retried batch then uses
-    the new set.
+    A row that makes a ``when`` or emit expression fail does not raise: it
+    goes to that trigger's DLQ (``triggers.evaluate``, poison rows). This
+    error means the Spark job failed without such a reason (py4j, a stopped
+    session, an internal error): the batch does not commit and the executor
+    retries it.
     """
 
     retriable = True

@@ -12,6 +12,22 @@ A trigger's condition is::
 
 ``CASE`` keeps Spark from evaluating ``when`` on rows of other collections, so
 ``new:amount::double`` cannot fail on an unrelated event's ``amount``.
+
+Poison rows. A ``when`` (or emit expression) can still fail at run time on a
+row of its own collection (an ANSI cast of ``"lots"``). Then, and only then,
+the batch is split (a clean batch costs nothing extra):
+
+1. Each trigger alone, full selection: those that pass are evaluated; the
+   ones that fail are the culprits.
+2. The batch's LSNs, collected once and sorted (the DataFrame is persisted
+   for the splits unless the executor already did).
+3. Per culprit, bisect by LSN range: a passing range is evaluated as usual,
+   a failing one is halved until the failing rows are single rows, at most
+   ``MAX_POISON_ROWS_PER_BATCH`` of them in at most ``MAX_SPLIT_JOBS_PER_BATCH``
+   jobs; past either the rest of the trigger's rows are not evaluated.
+4. Per culprit, one job renders the row documents of its failing and
+   unevaluated rows; they go to the trigger's DLQ marked ``"stage": "when"``
+   (see ``triggers.rows``), so a replay evaluates ``when`` again.
 """
 
 from __future__ import annotations
@@ -26,7 +42,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -43,6 +59,17 @@ _DOC_OPTIONS = {
 }
 MATCHED_VIEW = "matched"
 _MESSAGE_MAX = 600
+# Most rows of one trigger isolated one by one in one batch (each with its own
+# error). A trigger failing on more is broken, not unlucky: the rest of its
+# rows in the batch go to the DLQ unevaluated, at the cost of one more job.
+MAX_POISON_ROWS_PER_BATCH = 64
+# Most splitting jobs per culprit trigger per batch: the bound on time, which
+# the row cap alone is not. One poison row among n rows costs ~1.5 log2(n)
+# jobs (26-30 measured at 100k rows); p adjacent ones ~2 each, so 64 fit; p
+# spread-out ones ~30 each at 100k rows, so ~5 fit. 160 jobs took 34 s on a
+# 100k-row batch on the 2-core box at load 8-9 (docs/triggers.md, "Poison
+# rows"), against ~2 s for the clean batch: slow, but bounded, once per batch.
+MAX_SPLIT_JOBS_PER_BATCH = 160
 
 
 def spark_message(exc: BaseException) -> str:
@@ -58,13 +85,19 @@ def _functions() -> Any:
     return F
 
 
-def condition(t: Trigger) -> Any:
-    """The trigger's boolean Column over the batch DataFrame."""
+def _gate(t: Trigger) -> Any:
+    """The rows the trigger looks at (collection, ops, depth): plain comparisons, never fail."""
     F = _functions()
     gate = (F.col("collection") == F.lit(t.collection)) & F.col("op").isin(list(t.on))
     if not t.fire_on_derived:
         gate = gate & (F.col("depth") == F.lit(0))
-    return F.when(gate, F.coalesce(F.expr(t.when), F.lit(False))).otherwise(F.lit(False))
+    return gate
+
+
+def condition(t: Trigger) -> Any:
+    """The trigger's boolean Column over the batch DataFrame."""
+    F = _functions()
+    return F.when(_gate(t), F.coalesce(F.expr(t.when), F.lit(False))).otherwise(F.lit(False))
 
 
 def _doc_column() -> Any:
@@ -220,16 +253,30 @@ class SqlOutcome:
     seconds: float
 
 
+class PoisonRow(NamedTuple):
+    """A row the trigger could not evaluate: it goes to the trigger's DLQ."""
+
+    lsn: int
+    doc: bytes  # idempotency key first, ``"stage": "when"`` last (rows.unevaluated)
+    error: str
+
+
 @dataclass(slots=True)
 class Evaluation:
     """What ``run_in_spark`` hands to ``finish``: the trigger set it used,
-    each trigger's matched rows in LSN order, and the sql actions' outcomes."""
+    each trigger's matched rows in LSN order, the sql actions' outcomes, and
+    the rows each trigger failed on (poison, for its DLQ)."""
 
     triggers: Mapping[str, Trigger]
     matched: dict[str, list[rowsmod.Row]] = field(default_factory=dict)
     sql: dict[str, SqlOutcome] = field(default_factory=dict)
     spark_seconds: float = 0.0
     selection: Selection | None = None  # the Columns used, for the next batch
+    poisoned: dict[str, list[PoisonRow]] = field(default_factory=dict)  # in LSN order
+    capped: set[str] = field(default_factory=set)  # isolation stopped at a cap (rows, jobs)
+    # Set only when the batch job failed and the batch was split:
+    batch_error: str | None = None  # Spark's message for the failed batch job
+    isolation_jobs: int = 0  # the Spark jobs spent after it
 
 
 class Selection:
@@ -241,7 +288,7 @@ class Selection:
     longer add 10-30 ms to every batch (more on a loaded machine).
     """
 
-    __slots__ = ("active", "filter", "selected", "spark")
+    __slots__ = ("active", "filter", "names", "selected", "spark")
 
     def __init__(self, spark: Any, active: Sequence[Trigger]) -> None:
         F = _functions()
@@ -253,6 +300,13 @@ class Selection:
         for i, (t, cond) in enumerate(zip(active, conds, strict=True)):
             self.selected.append(cond.alias(f"m{i}"))
             self.selected.extend(_emit_columns(t, cond, i))
+        # The select list's names, known without asking Spark (a py4j round trip).
+        self.names = ["lsn", "doc"]
+        for i, t in enumerate(active):
+            self.names.append(f"m{i}")
+            if isinstance(t.action, EmitAction):
+                self.names += [f"{c}{i}" for c, e in (("k", t.action.key), ("n", t.action.new))
+                               if e is not None]  # fmt: skip
 
     def serves(self, spark: Any, active: Sequence[Trigger]) -> bool:
         """Built for this session and these very Trigger objects (a reload makes new ones)."""
@@ -273,7 +327,13 @@ def evaluate(
     selection: Selection | None = None,
 ) -> Evaluation:
     """One Spark job for all enabled triggers; ``selection`` (from an earlier
-    batch) is reused when it was built for the same session and trigger set."""
+    batch) is reused when it was built for the same session and trigger set.
+
+    A row that makes a trigger fail is isolated (module docstring, steps 1-4)
+    and comes back in ``poisoned``; the rest is evaluated as usual. Raises
+    only when Spark itself fails (not an error about a row), for the batch
+    to be retried.
+    """
     started = clock()
     active = [t for t in triggers.values() if t.enabled]
     result = Evaluation(triggers)
@@ -289,9 +349,50 @@ def evaluate(
         # (bench/bench_triggers.py); the heavy column (doc) is one string either way.
         rows = frame.collect()
     except Exception as exc:
-        raise _blame(df, active, batch_id, exc) from exc
+        if not _row_error(exc):
+            raise _blame(exc, batch_id) from exc
+        with _quiet_pyspark_errors():
+            _isolate(spark, df, active, f"batch {batch_id}", exc, result)
+    else:
+        _add_matched(result, active, selection.names, rows)
 
-    names = frame.columns
+    for t in active:
+        if isinstance(t.action, SqlAction) and t.name in result.matched:
+            matched = df.filter(condition(t))
+            if t.name in result.poisoned:
+                # Not the condition again: it fails on the poison rows.
+                matched = frame_from_docs(spark, [r.doc for r in result.matched[t.name]])
+            result.sql[t.name] = run_sql(spark, matched, t, t.action, sql_lock)
+    result.spark_seconds = clock() - started
+    return result
+
+
+def reevaluate(spark: Any, t: Trigger, docs: Sequence[bytes]) -> Evaluation:
+    """Replay of rows dead-lettered before ``when`` answered: evaluate ``t`` over them.
+
+    Rows that match come back in ``matched`` (documents exactly as a batch
+    renders them), rows that still fail in ``poisoned``; the others did not
+    match. Blocking (py4j).
+    """
+    result = Evaluation({t.name: t})
+    df = frame_from_docs(spark, docs)
+    selection = Selection(spark, [t])
+    try:
+        rows = df.filter(selection.filter).select(*selection.selected).collect()
+    except Exception as exc:
+        if not _row_error(exc):
+            raise
+        with _quiet_pyspark_errors():
+            _isolate(spark, df, [t], "the replayed rows", exc, result)
+    else:
+        _add_matched(result, [t], selection.names, rows)
+    return result
+
+
+def _add_matched(
+    result: Evaluation, active: Sequence[Trigger], names: Sequence[str], rows: Sequence[Any]
+) -> None:
+    """Rows of a job over ``Selection(active)`` -> each trigger's matched rows, in LSN order."""
     columns = list(zip(*rows, strict=True)) if rows else [() for _ in names]
     by_name = dict(zip(names, columns, strict=True))
     lsns: Sequence[int] = by_name["lsn"]
@@ -317,31 +418,158 @@ def evaluate(
         if matched:
             result.matched[t.name] = matched
 
-    for t in active:
-        if isinstance(t.action, SqlAction) and t.name in result.matched:
-            result.sql[t.name] = run_sql(spark, df.filter(condition(t)), t, t.action, sql_lock)
-    result.spark_seconds = clock() - started
-    return result
+
+def _row_error(exc: BaseException) -> bool:
+    """An error Spark raised about the data (it has an error condition such as
+    INVALID_VARIANT_CAST), not a failure of Spark itself (py4j, a stopped
+    session, an internal error): only the former is worth splitting the batch."""
+    get = getattr(exc, "getCondition", None)
+    cond = get() if callable(get) else None
+    return isinstance(cond, str) and not cond.startswith("INTERNAL_ERROR")
 
 
-def _blame(df: Any, active: Sequence[Trigger], batch_id: int, exc: Exception) -> Exception:
-    """Find which trigger's expression failed at run time, for a message that names it."""
-    with _quiet_pyspark_errors():
-        return _find_culprit(df, active, batch_id, exc)
-
-
-def _find_culprit(df: Any, active: Sequence[Trigger], batch_id: int, exc: Exception) -> Exception:
-    for t in active:
-        try:
-            df.filter(condition(t)).select(*_emit_columns(t, condition(t), 0)).limit(1).count()
-        except Exception as inner:
-            return TriggerEvaluationError(
-                f"{t.where} failed at run time on batch {batch_id}: {spark_message(inner)}. "
-                f"The batch is retried; fix the trigger (for example try_variant_get or "
-                f"try_cast instead of ::) and reload with SIGHUP, or set enabled = false."
-            )
+def _blame(exc: Exception, batch_id: int) -> Exception:
     return TriggerEvaluationError(f"trigger evaluation failed on batch {batch_id}: "
-                                  f"{spark_message(exc)}")  # fmt: skip
+                                  f"{spark_message(exc)}; the batch is retried")  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Bisection:
+    """One culprit's split of the batch: what passed, what failed, what was left."""
+
+    trigger: Trigger
+    selection: Selection
+    lsns: Sequence[int]  # the batch's distinct LSNs, sorted
+    rows: list[Any] = field(default_factory=list)  # rows of the passing ranges' jobs
+    failed: dict[int, str] = field(default_factory=dict)  # poison LSN -> Spark's message
+    left: list[tuple[int, int]] = field(default_factory=list)  # LSN ranges not evaluated
+    capped: str = ""  # why the rest was left: "" (it was not), "rows" or "jobs"
+    jobs: int = 0
+
+
+def _isolate(
+    spark: Any,
+    df: Any,
+    active: Sequence[Trigger],
+    scope: str,
+    exc: Exception,
+    result: Evaluation,
+) -> None:
+    """Steps 1-4 of the module docstring, after the batch job failed with ``exc``."""
+    result.batch_error = spark_message(exc)
+    # Step 1. Each trigger alone; those that pass are evaluated.
+    culprits: list[tuple[Selection, str]] = []
+    if len(active) == 1:  # alone already: the batch job was its job
+        culprits.append((Selection(spark, active), result.batch_error))
+        active = []
+    for t in active:
+        selection = Selection(spark, [t])
+        result.isolation_jobs += 1
+        try:
+            rows = df.filter(selection.filter).select(*selection.selected).collect()
+        except Exception as inner:
+            if not _row_error(inner):
+                raise TriggerEvaluationError(
+                    f"trigger evaluation failed on {scope}: {spark_message(inner)}"
+                ) from inner
+            culprits.append((selection, spark_message(inner)))
+        else:
+            _add_matched(result, [t], selection.names, rows)
+    if not culprits:
+        return  # every trigger passed alone: the batch job's failure was not about a row
+    cached = not getattr(df, "is_cached", True)
+    if cached:
+        df = df.persist()  # the splits read the batch again and again
+    try:
+        # Step 2. The batch's LSNs, once, sorted
+        result.isolation_jobs += 1
+        lsns = sorted({r[0] for r in df.select("lsn").collect()})
+        for selection, error in culprits:
+            t = selection.active[0]
+            # Step 3. Bisect by LSN range (the whole batch is known to fail)
+            b = _Bisection(t, selection, lsns)
+            if lsns:
+                _bisect(df, b, 0, len(lsns) - 1, known_failing=True)
+            _add_matched(result, [t], selection.names, b.rows)
+            # Step 4. Documents of the failing and unevaluated rows, one job
+            poisoned = _poison_rows(df, b, scope, error)
+            result.isolation_jobs += b.jobs
+            if poisoned:
+                result.poisoned[t.name] = poisoned
+            if b.capped:
+                result.capped.add(t.name)
+    finally:
+        if cached:
+            df.unpersist(blocking=False)
+
+
+def _bisect(df: Any, b: _Bisection, lo: int, hi: int, known_failing: bool) -> bool:
+    """Evaluate ``b.trigger`` on ``b.lsns[lo..hi]``; True if a row there failed.
+
+    ``known_failing``: the parent range failed and its left half passed, so
+    this range fails too and its own job is skipped (it is split at once).
+    """
+    if not b.capped and b.jobs >= MAX_SPLIT_JOBS_PER_BATCH:
+        b.capped = "jobs"
+    if b.capped:
+        b.left.append((b.lsns[lo], b.lsns[hi]))
+        return True
+    if not known_failing or lo == hi:
+        first, last = b.lsns[lo], b.lsns[hi]
+        F = _functions()
+        in_range = F.col("lsn").between(first, last)
+        # CASE: the condition never runs on rows outside the range.
+        cond = F.when(in_range, b.selection.filter).otherwise(F.lit(False))
+        b.jobs += 1
+        try:
+            rows = df.filter(in_range).filter(cond).select(*b.selection.selected).collect()
+        except Exception as exc:
+            if not _row_error(exc):
+                raise
+            if lo == hi:
+                if len(b.failed) >= MAX_POISON_ROWS_PER_BATCH:
+                    b.capped = "rows"
+                    b.left.append((first, last))
+                else:
+                    b.failed[first] = spark_message(exc)
+                return True
+        else:
+            b.rows.extend(rows)
+            return False
+    mid = (lo + hi) // 2
+    left_failed = _bisect(df, b, lo, mid, known_failing=False)
+    right_failed = _bisect(df, b, mid + 1, hi, known_failing=not left_failed)
+    return left_failed or right_failed
+
+
+def _poison_rows(df: Any, b: _Bisection, scope: str, first_error: str) -> list[PoisonRow]:
+    """The failing rows with their own errors, the rows left by the cap with one saying so."""
+    if not b.failed and not b.left:
+        return []
+    F = _functions()
+    t = b.trigger
+    where = F.col("lsn").isin(list(b.failed)) if b.failed else F.lit(False)
+    for first, last in b.left:
+        where = where | F.col("lsn").between(first, last)
+    b.jobs += 1
+    found = df.filter(_gate(t) & where).select("lsn", _doc_column().alias("doc")).collect()
+    why = (
+        f"failed on more than {MAX_POISON_ROWS_PER_BATCH} rows of {scope}"
+        if b.capped == "rows"
+        else f"failed on rows of {scope} that took more than {MAX_SPLIT_JOBS_PER_BATCH} "
+        "Spark jobs to isolate"
+    )
+    left_error = (
+        f"not evaluated: trigger {t.name!r} {why}, so its other rows there were not "
+        f"evaluated either (first error: {first_error}); fix the trigger, reload, then "
+        "`eventplane dlq replay`"
+    )
+    out = []
+    for lsn, doc in sorted(found, key=operator.itemgetter(0)):
+        error = b.failed.get(lsn)
+        message = f"evaluation failed on this row: {error}" if error is not None else left_error
+        out.append(PoisonRow(lsn, rowsmod.unevaluated(t.name, lsn, doc.encode()), message))
+    return out
 
 
 def run_sql(

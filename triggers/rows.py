@@ -13,6 +13,11 @@ re-encoding. A row document::
 
 Rows matched by an ``emit`` trigger with ``key``/``new`` expressions also
 carry ``"emit": {"key": ..., "new": ...}``, the values Spark computed.
+
+Rows a trigger's ``when`` (or emit expressions) failed on go to its DLQ
+without ever being known to match; they carry ``"stage": "when"`` last. A
+replay evaluates ``when`` on them again before any action sees them, and the
+rows that match then are rendered afresh (without the marker).
 """
 
 from __future__ import annotations
@@ -45,6 +50,17 @@ class RowMeta(msgspec.Struct, frozen=True):
 
 _meta_decoder = msgspec.json.Decoder(RowMeta)
 
+# The value of a row document's "stage" member: the trigger's `when` has not
+# given an answer for the row yet.
+STAGE_WHEN = "when"
+
+
+class _Stage(msgspec.Struct, frozen=True):
+    stage: str | None = None  # top-level member only: "stage" inside new/old is data
+
+
+_stage_decoder = msgspec.json.Decoder(_Stage)
+
 
 def idempotency_key(trigger: str, lsn: int) -> str:
     """Invariant 8: every action gets ``"<trigger>:<lsn>"``."""
@@ -59,6 +75,16 @@ def with_key(trigger: str, lsn: int, doc: bytes) -> bytes:
 def with_member(doc: bytes, name: str, value_json: bytes) -> bytes:
     """Append ``"name": value`` to a JSON object."""
     return doc[:-1] + b"," + _encode(name) + b":" + value_json + b"}"
+
+
+def unevaluated(trigger: str, lsn: int, doc: bytes) -> bytes:
+    """A row document (as Spark renders it) for the DLQ of a trigger that failed on it."""
+    return with_member(with_key(trigger, lsn, doc), "stage", _encode(STAGE_WHEN))
+
+
+def is_unevaluated(doc: bytes | str) -> bool:
+    """True for a row its trigger's ``when`` has not been evaluated on (see :func:`unevaluated`)."""
+    return _stage_decoder.decode(doc).stage == STAGE_WHEN
 
 
 def join(docs: Sequence[bytes]) -> bytes:

@@ -14,9 +14,15 @@ Layout (``<data_dir>/triggers/queue.sqlite3``, ``PRAGMA user_version = 1``)::
       last_attempt   REAL     Unix time of the latest attempt (0 if none)
       last_error     TEXT     what the latest attempt got
 
-    dlq  one row per dead-lettered matched row
+    dlq  one row per dead-lettered row (matched, or one its trigger failed on)
       id, trigger, collection, key, op, lsn, attempts, last_error,
       first_attempt, last_attempt, row (the row document)
+
+A row its trigger's ``when`` failed on carries ``"stage": "when"`` in its
+document (``triggers.rows.unevaluated``), attempts 0; replay moves it like any
+other row and the engine evaluates ``when`` again before calling the action.
+The mark lives in the document, so the layout (and version 1 files) stay as
+they are.
 
 Every write is one transaction with ``synchronous = FULL``: when a method
 returns, its effect survives a crash or power loss. That is what lets

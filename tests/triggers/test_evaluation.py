@@ -20,7 +20,7 @@ from tests.triggers.support import (
     sample,
     webhook,
 )
-from triggers import MAX_DEPTH, Spec, TriggerConfigError, TriggerEngine, TriggerEvaluationError
+from triggers import MAX_DEPTH, Spec, TriggerConfigError, TriggerEngine
 
 pytestmark = pytest.mark.spark
 
@@ -221,11 +221,12 @@ async def test_batches_reuse_the_trigger_columns_until_a_reload_replaces_the_set
     assert receiver.all_lsns[8:] == [2]
 
 
-async def test_when_failing_at_run_time_fails_the_batch_naming_the_trigger(
+async def test_when_failing_at_run_time_dead_letters_the_row_of_its_own_collection_only(
     spark: Any, make_engine: Any, receiver: Receiver
 ) -> None:
     """A non-numeric amount in *another* collection never reaches `when` (the
-    CASE gate); in the trigger's own collection it fails the batch, by name."""
+    CASE gate); in the trigger's own collection the row goes to that trigger's
+    DLQ with Spark's error, and the batch goes on (tests/triggers/test_poison.py)."""
     s = Spec(name="users-amount", collection="users", when="new:amount::double > 1",
              action=webhook(receiver.url))  # fmt: skip
     orders_only = Spec(name="orders-amount", collection="orders", when="new:amount::double > 1",
@@ -233,13 +234,14 @@ async def test_when_failing_at_run_time_fails_the_batch_naming_the_trigger(
     engine = await make_engine([orders_only], spark)
     await run_batch(engine, spark, batch_df(spark, mixed_events()))  # "lots" is a users row
     assert receiver.all_lsns == [1, 2, 3, 6, 9]
+    assert engine._store.dlq_list() == []
 
     assert await asyncio.to_thread(engine.reload, [orders_only, s], spark) == []
-    with pytest.raises(TriggerEvaluationError) as info:
-        await run_batch(engine, spark, batch_df(spark, mixed_events(), batch_id=2), batch_id=2)
-    message = str(info.value)
-    assert message.startswith('triggers[1] ("users-amount") failed at run time on batch 2:')
-    assert "INVALID_VARIANT_CAST" in message and "try_variant_get" in message
+    await run_batch(engine, spark, batch_df(spark, mixed_events(), batch_id=2), batch_id=2)
+    assert receiver.all_lsns[5:] == [1, 2, 3, 6, 9]
+    [dead] = engine._store.dlq_list()
+    assert (dead.trigger, dead.lsn, dead.collection) == ("users-amount", 5, "users")
+    assert "INVALID_VARIANT_CAST" in dead.last_error and "try_variant_get" in dead.last_error
 
 
 async def test_emit_cascade_stops_at_depth_16_with_a_clear_log_line(
