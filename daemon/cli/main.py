@@ -125,15 +125,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _run(args: argparse.Namespace) -> int:
+    """``eventplane run``: an invalid file is one ``startup.failed`` event, in the
+    log format the file asks for when that much of it can be read, and exit 2."""
+    from daemon.service import app, logs
+
+    try:
+        cfg = _load(args)
+    except ConfigError as exc:
+        logs.configure("info", _log_format_of(args.config))
+        app.log_startup_failure("the configuration", exc, app.EXIT_CONFIG)
+        return app.EXIT_CONFIG
+    return app.run(cfg)
+
+
+def _log_format_of(path: Path | None) -> str:
+    """``[log] format`` of a config file that failed validation, else ``auto``."""
+    import tomllib
+
+    try:
+        raw = tomllib.loads((path or configmod.default_path()).read_text(encoding="utf-8"))
+        fmt = raw["log"]["format"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "auto"
+    return fmt if fmt in ("auto", "json", "console") else "auto"
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "check-config":
         cfg = _load(args)
         print(f"OK {cfg.source}")
         return 0
     if args.command == "run":
-        from daemon.service import app
-
-        return app.run(_load(args))
+        return _run(args)
     if args.command == "status":
         from daemon.cli import status
 
