@@ -275,6 +275,12 @@ class Daemon:
     # -- wiring helpers -----------------------------------------------------
 
     def _build_executor(self) -> Executor:
+        """Spark when there is work for it (CDC streams, handlers or triggers).
+
+        Without triggers at start no trigger stage is plugged in (an idle one
+        would still make the executor cache each batch for a second reader); a
+        SIGHUP that adds the first triggers plugs one in (``_add_trigger_stage``).
+        """
         cfg = self.cfg
         stages: list[BatchStage] = []
         if cfg.triggers:
@@ -334,24 +340,82 @@ class Daemon:
             self.notifier.ready()
 
     async def _apply_reload(self, configmod: Any) -> None:
+        """Apply ``[[triggers]]`` and ``[log] level`` from the file, or neither.
+
+        1. Load and validate the whole file; an invalid one changes nothing.
+        2. Triggers: the engine checks the new set with Spark and swaps it in
+           between batches, or keeps the old set; a daemon that started
+           without triggers but with Spark gets a trigger stage now. Without
+           Spark at all (no streams, handlers or triggers at start) triggers
+           cannot run until a restart starts it: said, and not applied.
+        3. The log level, then ``reload.done`` with what changed.
+        """
+        from daemon.service.triggers import trigger_changes
+
+        # Step 1. Load the whole file
         try:
             new = await asyncio.to_thread(configmod.load, self.cfg.source)
         except DaemonError as exc:
             log.error("reload.rejected", error=str(exc))
             return
-        logs.set_level(new.log.level)
+        # Step 2. Triggers
+        names = [t.name for t in new.triggers]
+        not_applied: list[str] = []
+        before: dict[str, Any] = dict(self.triggers.triggers) if self.triggers is not None else {}
         if self.triggers is not None:
             errors = await self.triggers.reload_specs(new.triggers)
-            if errors:
-                log.error("reload.triggers_rejected", errors=errors)
-                return
-            self.metrics.init_triggers([t.name for t in new.triggers])
-        elif new.triggers:
-            log.warning(
+        elif new.triggers and isinstance(self.executor, NullExecutor):
+            errors = []
+            not_applied = names
+            log.error(
                 "reload.triggers_need_restart",
-                reason="no triggers were configured at start; restart to add some",
+                triggers=names,
+                message="the daemon started without Spark (no [[cdc.streams]], "
+                "[[cdc.handlers]] or [[triggers]]), and triggers run inside Spark "
+                "micro-batches: restart the daemon to start Spark and apply them",
             )
-        log.info("reload.done", log_level=new.log.level, triggers=len(new.triggers))
+        elif new.triggers:
+            errors = await self._add_trigger_stage(new)
+        else:
+            errors = []
+        if errors:
+            log.error("reload.triggers_rejected", errors=errors)
+            return
+        after: dict[str, Any] = dict(self.triggers.triggers) if self.triggers is not None else {}
+        if not not_applied:
+            self.metrics.init_triggers(names)
+        # Step 3. The log level; what changed
+        logs.set_level(new.log.level)
+        done: dict[str, Any] = {
+            f"triggers_{what}": which for what, which in trigger_changes(before, after).items()
+        }
+        if not_applied:
+            done.update(triggers_not_applied=not_applied, restart_needed=True)
+        log.info("reload.done", log_level=new.log.level, **done)
+
+    async def _add_trigger_stage(self, new: Config) -> list[str]:
+        """The first triggers of a daemon that started without any: a started,
+        checked engine becomes a stage of the Spark executor's next batches.
+
+        With Spark up, Spark analyses the set now (errors reject it); before
+        that, the engine analyses it before its first batch.
+        """
+        from daemon.service.triggers import build_trigger_stage
+        from triggers.spec import compile_specs
+
+        # Only the trigger set is new: data_dir and the rest need a restart anyway.
+        engine = build_trigger_stage(self.cfg, lambda: self.wal, self.metrics, new.triggers)
+        executor: Any = self.executor
+        _, errors = compile_specs(new.triggers)
+        if not errors and executor.ready():
+            errors = await asyncio.to_thread(engine.validate, executor.session)
+        if errors:
+            return errors
+        await engine.start()
+        self.triggers = engine
+        executor.add_stage(engine)
+        log.info("reload.trigger_stage_added", triggers=sorted(engine.triggers))
+        return []
 
     # -- health and status --------------------------------------------------
 
