@@ -37,8 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the daemon in the foreground")
     _add_config(p)
 
-    p = sub.add_parser("check-config", help="validate the config; print OK or every error")
+    p = sub.add_parser(
+        "check-config",
+        help="validate the config (triggers with Spark); print OK or every error",
+    )
     _add_config(p)
+    p.add_argument(
+        "--no-spark",
+        action="store_true",
+        help="skip the Spark analysis of trigger expressions (it starts a JVM: seconds)",
+    )
 
     p = sub.add_parser("status", help="print the daemon's status; non-zero when unhealthy")
     _add_config(p)
@@ -153,9 +161,9 @@ def _log_format_of(path: Path | None) -> str:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "check-config":
-        cfg = _load(args)
-        print(f"OK {cfg.source}")
-        return 0
+        from daemon.cli import checkconfig
+
+        return checkconfig.main(_load(args), spark=not args.no_spark)
     if args.command == "run":
         return _run(args)
     if args.command == "status":
