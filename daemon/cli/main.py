@@ -37,8 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the daemon in the foreground")
     _add_config(p)
 
-    p = sub.add_parser("check-config", help="validate the config; print OK or every error")
+    p = sub.add_parser(
+        "check-config",
+        help="validate the config (triggers with Spark); print OK or every error",
+    )
     _add_config(p)
+    p.add_argument(
+        "--no-spark",
+        action="store_true",
+        help="skip the Spark analysis of trigger expressions (it starts a JVM: seconds)",
+    )
 
     p = sub.add_parser("status", help="print the daemon's status; non-zero when unhealthy")
     _add_config(p)
@@ -125,15 +133,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _run(args: argparse.Namespace) -> int:
+    """``eventplane run``: an invalid file is one ``startup.failed`` event, in the
+    log format the file asks for when that much of it can be read, and exit 2."""
+    from daemon.service import app, logs
+
+    try:
+        cfg = _load(args)
+    except ConfigError as exc:
+        logs.configure("info", _log_format_of(args.config))
+        app.log_startup_failure("the configuration", exc, app.EXIT_CONFIG)
+        return app.EXIT_CONFIG
+    return app.run(cfg)
+
+
+def _log_format_of(path: Path | None) -> str:
+    """``[log] format`` of a config file that failed validation, else ``auto``."""
+    import tomllib
+
+    try:
+        raw = tomllib.loads((path or configmod.default_path()).read_text(encoding="utf-8"))
+        fmt = raw["log"]["format"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "auto"
+    return fmt if fmt in ("auto", "json", "console") else "auto"
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "check-config":
-        cfg = _load(args)
-        print(f"OK {cfg.source}")
-        return 0
-    if args.command == "run":
-        from daemon.service import app
+        from daemon.cli import checkconfig
 
-        return app.run(_load(args))
+        return checkconfig.main(_load(args), spark=not args.no_spark)
+    if args.command == "run":
+        return _run(args)
     if args.command == "status":
         from daemon.cli import status
 

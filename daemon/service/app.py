@@ -19,12 +19,18 @@ Signal handlers only flip state: the first SIGTERM/SIGINT sets
 ``should_exit``, a second sets ``force_exit`` (skip the drain: everything
 acknowledged is in the WAL already). SIGHUP asks for a reload of triggers and
 log level, applied by the main loop between batches.
+
+A start-up failure is one ``startup.failed`` event (the step, the error, what
+to do, the exit code), then the same drain; the process exits with the code
+that event and ``shutdown.done`` name (2 for a configuration error, else 1).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
+import functools
 import gc
 import os
 import signal
@@ -36,7 +42,7 @@ import structlog
 import uvloop
 
 from daemon.config import Config
-from daemon.errors import DaemonError
+from daemon.errors import ConfigError, DaemonError
 from daemon.ingest.server import IngestServer
 from daemon.plane.batch import BatchStage, Executor, NullExecutor
 from daemon.plane.eventplane import EventPlane
@@ -51,9 +57,11 @@ log = structlog.get_logger("eventplane")
 
 # How often the main loop publishes status and checks health.
 TICK_S = 0.5
-# Exit codes: 0 clean stop; 1 a component failed (systemd Restart=on-failure acts).
+# Exit codes: 0 clean stop; 1 a component failed (systemd Restart=on-failure acts);
+# 2 invalid configuration (restarting will not help: fix the file).
 EXIT_OK = 0
 EXIT_FAILED = 1
+EXIT_CONFIG = 2
 
 
 class Daemon:
@@ -75,6 +83,8 @@ class Daemon:
         self.ingest: IngestServer | None = None
         self.admin: AdminServer | None = None
         self.triggers: Any = None
+        # What startup() is doing, for the one line a start-up failure prints.
+        self.startup_step = "configuration"
         self._watchdog: Watchdog | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -111,8 +121,12 @@ class Daemon:
     async def serve(self) -> int:
         try:
             await self.startup()
-        except BaseException:
-            log.exception("startup.failed")
+        except Exception as exc:
+            self.exit_code = EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILED
+            log_startup_failure(self.startup_step, exc, self.exit_code)
+            await self.shutdown(Deadline(self.cfg.daemon.shutdown_timeout_s))
+            return self.exit_code
+        except BaseException:  # cancelled: undo what started, then let it propagate
             await self.shutdown(Deadline(self.cfg.daemon.shutdown_timeout_s))
             raise
         await self.main_loop()
@@ -123,9 +137,11 @@ class Daemon:
         cfg = self.cfg
         t0 = time.monotonic()
         self.metrics.up_seconds.set(time.time())
+        self.startup_step = f"the data dir {cfg.data_dir}"
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
 
         # Step 1. The WAL: recovery of a torn tail happens here.
+        self.startup_step = f"the WAL in {cfg.wal_dir}"
         self.wal = await asyncio.to_thread(
             Wal.open,
             cfg.wal_dir,
@@ -144,9 +160,11 @@ class Daemon:
         )
 
         # Step 2. What runs each micro-batch: Spark only when there is work for it.
+        self.startup_step = "the micro-batch executor (CDC streams, handlers, Spark)"
         self.executor = self._build_executor()
         await self.executor.start()
         if self.triggers is not None:
+            self.startup_step = "the trigger store"
             from daemon.service.triggers import validate_when_spark_ready
 
             await self.triggers.start()
@@ -158,15 +176,18 @@ class Daemon:
             )
 
         # Step 3. Rings, consumers, planner, watermarks. Rings are fed after fsync.
+        self.startup_step = "the event plane (watermarks, batch plans)"
         self.plane = EventPlane(cfg, self.wal, self.executor, self.metrics)
         self.wal.set_listener(self.plane.on_durable)
         await self.plane.start()
 
         # Step 4. Listeners: admin first so /healthz answers while ingest binds.
+        self.startup_step = f"the admin listener ([admin] listen = {cfg.admin.listen})"
         self.admin = AdminServer(
             cfg, self.metrics, status=self.status, ready=self.ready, problems=self.problems
         )
         await self.admin.start()
+        self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"
         self.ingest = IngestServer(cfg, self.wal, self.metrics, lag=self.plane.max_lag)
         await self.ingest.start()
 
@@ -254,6 +275,12 @@ class Daemon:
     # -- wiring helpers -----------------------------------------------------
 
     def _build_executor(self) -> Executor:
+        """Spark when there is work for it (CDC streams, handlers or triggers).
+
+        Without triggers at start no trigger stage is plugged in (an idle one
+        would still make the executor cache each batch for a second reader); a
+        SIGHUP that adds the first triggers plugs one in (``_add_trigger_stage``).
+        """
         cfg = self.cfg
         stages: list[BatchStage] = []
         if cfg.triggers:
@@ -263,11 +290,24 @@ class Daemon:
             stages.append(self.triggers)
         if not (cfg.cdc.streams or cfg.cdc.handlers or stages):
             return NullExecutor()
+        from daemon.spark import session as sparkmod
         from daemon.spark.executor import SparkExecutor
 
         # The WAL id goes into every CDC ledger: a table of another WAL refuses to start.
         wal_id = self.wal.wal_id if self.wal is not None else ""
-        return SparkExecutor(cfg, self.metrics, stages, wal_id=wal_id)
+        s = cfg.spark
+        # The JVM logs in the daemon's format (JSON lines under systemd).
+        factory = functools.partial(
+            sparkmod.build_session,
+            s.master,
+            s.app_name,
+            s.ui,
+            s.log_level,
+            s.conf,
+            s.remote,
+            log_format=logs.current_format(),
+        )
+        return SparkExecutor(cfg, self.metrics, stages, wal_id=wal_id, session_factory=factory)
 
     def _check_retry_loop(self) -> None:
         """The trigger retry loop gives up after repeated failures: fail-stop then."""
@@ -300,24 +340,82 @@ class Daemon:
             self.notifier.ready()
 
     async def _apply_reload(self, configmod: Any) -> None:
+        """Apply ``[[triggers]]`` and ``[log] level`` from the file, or neither.
+
+        1. Load and validate the whole file; an invalid one changes nothing.
+        2. Triggers: the engine checks the new set with Spark and swaps it in
+           between batches, or keeps the old set; a daemon that started
+           without triggers but with Spark gets a trigger stage now. Without
+           Spark at all (no streams, handlers or triggers at start) triggers
+           cannot run until a restart starts it: said, and not applied.
+        3. The log level, then ``reload.done`` with what changed.
+        """
+        from daemon.service.triggers import trigger_changes
+
+        # Step 1. Load the whole file
         try:
             new = await asyncio.to_thread(configmod.load, self.cfg.source)
         except DaemonError as exc:
             log.error("reload.rejected", error=str(exc))
             return
-        logs.set_level(new.log.level)
+        # Step 2. Triggers
+        names = [t.name for t in new.triggers]
+        not_applied: list[str] = []
+        before: dict[str, Any] = dict(self.triggers.triggers) if self.triggers is not None else {}
         if self.triggers is not None:
             errors = await self.triggers.reload_specs(new.triggers)
-            if errors:
-                log.error("reload.triggers_rejected", errors=errors)
-                return
-            self.metrics.init_triggers([t.name for t in new.triggers])
-        elif new.triggers:
-            log.warning(
+        elif new.triggers and isinstance(self.executor, NullExecutor):
+            errors = []
+            not_applied = names
+            log.error(
                 "reload.triggers_need_restart",
-                reason="no triggers were configured at start; restart to add some",
+                triggers=names,
+                message="the daemon started without Spark (no [[cdc.streams]], "
+                "[[cdc.handlers]] or [[triggers]]), and triggers run inside Spark "
+                "micro-batches: restart the daemon to start Spark and apply them",
             )
-        log.info("reload.done", log_level=new.log.level, triggers=len(new.triggers))
+        elif new.triggers:
+            errors = await self._add_trigger_stage(new)
+        else:
+            errors = []
+        if errors:
+            log.error("reload.triggers_rejected", errors=errors)
+            return
+        after: dict[str, Any] = dict(self.triggers.triggers) if self.triggers is not None else {}
+        if not not_applied:
+            self.metrics.init_triggers(names)
+        # Step 3. The log level; what changed
+        logs.set_level(new.log.level)
+        done: dict[str, Any] = {
+            f"triggers_{what}": which for what, which in trigger_changes(before, after).items()
+        }
+        if not_applied:
+            done.update(triggers_not_applied=not_applied, restart_needed=True)
+        log.info("reload.done", log_level=new.log.level, **done)
+
+    async def _add_trigger_stage(self, new: Config) -> list[str]:
+        """The first triggers of a daemon that started without any: a started,
+        checked engine becomes a stage of the Spark executor's next batches.
+
+        With Spark up, Spark analyses the set now (errors reject it); before
+        that, the engine analyses it before its first batch.
+        """
+        from daemon.service.triggers import build_trigger_stage
+        from triggers.spec import compile_specs
+
+        # Only the trigger set is new: data_dir and the rest need a restart anyway.
+        engine = build_trigger_stage(self.cfg, lambda: self.wal, self.metrics, new.triggers)
+        executor: Any = self.executor
+        _, errors = compile_specs(new.triggers)
+        if not errors and executor.ready():
+            errors = await asyncio.to_thread(engine.validate, executor.session)
+        if errors:
+            return errors
+        await engine.start()
+        self.triggers = engine
+        executor.add_stage(engine)
+        log.info("reload.trigger_stage_added", triggers=sorted(engine.triggers))
+        return []
 
     # -- health and status --------------------------------------------------
 
@@ -475,13 +573,68 @@ def tune_malloc() -> None:
         mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
 
 
+# What to do about a start-up failure, by errno (the step names the path or address).
+_ERRNO_HINTS = {
+    errno.EADDRINUSE: "another process listens on that address: stop it or change the "
+    "address in the config (`ss -ltnp` shows who holds it)",
+    errno.EADDRNOTAVAIL: "no interface of this host has that address: change it in the config",
+    errno.EACCES: "the daemon's user may not use it: check the owner and mode (`ls -ld`), "
+    "under systemd ReadWritePaths=, or use a port >= 1024",
+    errno.EPERM: "the daemon's user may not use it: check the owner and mode (`ls -ld`) "
+    "and, under systemd, ReadWritePaths=",
+    errno.EROFS: "the file system is read-only there: under systemd add the path to "
+    "ReadWritePaths=, or point the config at a writable one",
+    errno.ENOSPC: "the disk is full: free space, then start again",
+    errno.EEXIST: "a file is where a directory should be: move it or change the path",
+    errno.ENOTDIR: "a file is where a directory should be: move it or change the path",
+}
+
+
+def startup_hint(exc: BaseException) -> str:
+    """One sentence on what to do about ``exc`` (docs/operating.md, Troubleshooting)."""
+    if isinstance(exc, ConfigError):
+        return "fix the configuration (`eventplane check-config --config PATH` lists every error)"
+    if isinstance(exc, OSError) and exc.errno in _ERRNO_HINTS:
+        return _ERRNO_HINTS[exc.errno]
+    if isinstance(exc, DaemonError):
+        return "see docs/operating.md, Troubleshooting, for this error"
+    if isinstance(exc, OSError):
+        return "check what the step names: that it exists, its type and its permissions"
+    return "unexpected: the exception field has the traceback; please report it"
+
+
+def log_startup_failure(step: str, exc: BaseException, exit_code: int) -> None:
+    """One ``startup.failed`` event: what failed, where, what to do, the exit code.
+
+    Expected failures (configuration, OS errors, the daemon's own errors) carry
+    their message only; anything else also its traceback, as one field.
+    """
+    if isinstance(exc, ConfigError):
+        error = "; ".join(exc.errors)
+    else:
+        error = f"{type(exc).__name__}: {exc}"
+    hint = startup_hint(exc)
+    expected = isinstance(exc, DaemonError | OSError)
+    log.error(
+        "startup.failed",
+        step=step,
+        error=error,
+        hint=hint,
+        exit_code=exit_code,
+        message=f"start-up failed at {step}: {error.splitlines()[0]}; {hint}",
+        exc_info=None if expected else exc,
+    )
+
+
 def run(cfg: Config, daemon_factory: Callable[[Config], Daemon] = Daemon) -> int:
     """Run the daemon until a signal; returns the process exit code."""
     tune_malloc()  # before any thread allocates
     logs.configure(cfg.log.level, cfg.log.format)
+    logs.install_hooks()  # uncaught exceptions and warnings: one event each
     structlog.contextvars.bind_contextvars(pid=os.getpid())
 
     async def main() -> int:
+        asyncio.get_running_loop().set_exception_handler(logs.loop_exception_handler)
         tune_gc()
         daemon = daemon_factory(cfg)
         daemon.install_signal_handlers()
@@ -490,6 +643,12 @@ def run(cfg: Config, daemon_factory: Callable[[Config], Daemon] = Daemon) -> int
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         try:
             return runner.run(main())
-        except DaemonError as exc:
-            log.error("eventplane.failed", error=str(exc), kind=type(exc).__name__)
+        except Exception as exc:
+            # serve() returns a code for start-up failures; this is past them.
+            log.error(
+                "eventplane.failed",
+                error=f"{type(exc).__name__}: {exc}",
+                exit_code=EXIT_FAILED,
+                exc_info=None if isinstance(exc, DaemonError) else exc,
+            )
             return EXIT_FAILED

@@ -6,8 +6,15 @@
 - ``merge_contextvars`` puts ``core``, ``lsn``, ``batch_id`` (bound with
   ``structlog.contextvars.bound_contextvars``) on every event of a task.
 - Timestamps are ISO 8601 UTC.
-- Records from libraries on stdlib ``logging`` (aiohttp, py4j) are rendered
-  by the same renderer to the same stream, at WARNING and above.
+- Records from libraries on stdlib ``logging`` (aiohttp, py4j, pyspark) are
+  rendered by the same renderer to the same stream, at WARNING and above.
+- :func:`install_hooks` (the daemon calls it once) turns what Python would
+  print as plain text into one event each: uncaught exceptions of the main
+  thread (``sys.excepthook``), of other threads (``threading.excepthook``),
+  exceptions nobody could raise (``sys.unraisablehook``), exceptions the event
+  loop caught (:func:`loop_exception_handler`) and warnings
+  (``warnings.showwarning``). A traceback is one ``exception`` field.
+- Event names are ``<area>.<what_happened>`` (docs/operating.md, "Logs").
 
 With ``cache_logger_on_first_use`` a logger freezes, on first use, its
 wrapper class, its processor list object and its output. So that neither a
@@ -23,9 +30,13 @@ SIGHUP nor a test's re-configuration is lost on loggers already in use:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
+import threading
+import warnings
 from collections.abc import MutableMapping
+from types import TracebackType
 from typing import Any, TextIO
 
 import structlog
@@ -52,6 +63,8 @@ _METHOD_LEVELS = {
 _LIBRARY_MIN_LEVEL = logging.WARNING
 
 _level = logging.INFO
+# "json" or "console": what configure() chose (``auto`` resolved).
+_format = "console"
 # The one processor list every structlog logger of the process refers to.
 _PROCESSORS: list[Processor] = []
 # The stdlib root level before configure(), restored by reset().
@@ -105,11 +118,12 @@ def configure(level: str = "info", fmt: str = "auto", *, stream: TextIO | None =
     ``fmt``: ``json``, ``console`` or ``auto`` (console when ``stream`` is a
     terminal). ``stream`` defaults to ``sys.stdout``; tests pass their own.
     """
-    global _level, _root_level_before
+    global _level, _root_level_before, _format
     out = sys.stdout if stream is None else stream
     tty = _isatty(out)
     use_json = fmt == "json" or (fmt == "auto" and not tty)
     _level = LEVELS[level]
+    _format = "json" if use_json else "console"
 
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -166,12 +180,19 @@ def current_level() -> str:
     return next(name for name, value in LEVELS.items() if value == _level)
 
 
+def current_format() -> str:
+    """``json`` or ``console``: what configure() chose (the Spark JVM log follows it)."""
+    return _format
+
+
 def reset() -> None:
     """Undo configure() (for tests): structlog's default processors and output,
     our stdlib handler removed. Loggers cached meanwhile follow, because the
     processor list and the output proxy are changed in place."""
-    global _level, _root_level_before
+    global _level, _root_level_before, _format
+    uninstall_hooks()
     _level = logging.INFO
+    _format = "console"
     _OUTPUT.stream = None
     structlog.reset_defaults()
     _PROCESSORS[:] = structlog.get_config()["processors"]
@@ -187,3 +208,107 @@ def _remove_handler(root: logging.Logger) -> None:
     for h in list(root.handlers):
         if isinstance(h, _Handler):
             root.removeHandler(h)
+
+
+# -- what Python would otherwise print as plain text ----------------------------
+
+_process_log = structlog.get_logger("eventplane.process")
+# The hooks install_hooks() replaced, restored by uninstall_hooks().
+_saved_hooks: dict[str, Any] = {}
+
+
+def _excepthook(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> None:
+    if issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C outside the loop: no traceback
+        return
+    _process_log.critical(
+        "process.uncaught_exception",
+        thread=threading.current_thread().name,
+        error=f"{exc_type.__name__}: {exc}",
+        exc_info=(exc_type, exc, tb),
+    )
+
+
+def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # what threading's default hook ignores too
+        return
+    _process_log.error(
+        "process.thread_exception",
+        thread=args.thread.name if args.thread is not None else None,
+        error=f"{args.exc_type.__name__}: {args.exc_value}",
+        exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+    )
+
+
+def _unraisablehook(args: Any) -> None:
+    # args is sys.UnraisableHookArgs (not importable as a type).
+    exc = args.exc_value
+    _process_log.error(
+        "process.unraisable_exception",
+        message=args.err_msg or "Exception ignored in",
+        object=repr(args.object),
+        error=f"{args.exc_type.__name__}: {exc}",
+        exc_info=(args.exc_type, exc, args.exc_traceback) if exc is not None else None,
+    )
+
+
+def _showwarning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    _process_log.warning(
+        "process.warning",
+        category=category.__name__,
+        message=str(message),
+        filename=filename,
+        lineno=lineno,
+    )
+
+
+def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """``loop.set_exception_handler``: what the loop caught (a task's exception
+    nobody retrieved, a failing callback) as one event."""
+    exc = context.get("exception")
+    where = context.get("task") or context.get("future") or context.get("handle")
+    _process_log.error(
+        "process.loop_exception",
+        message=context.get("message", "unhandled exception in the event loop"),
+        where=repr(where) if where is not None else None,
+        error=f"{type(exc).__name__}: {exc}" if exc is not None else None,
+        exc_info=exc,
+    )
+
+
+def install_hooks() -> None:
+    """Route uncaught exceptions and warnings through structlog (once per process).
+
+    The event loop's handler is per loop: the daemon sets
+    :func:`loop_exception_handler` on its loop itself.
+    """
+    if _saved_hooks:
+        return
+    _saved_hooks.update(
+        excepthook=sys.excepthook,
+        thread_excepthook=threading.excepthook,
+        unraisablehook=sys.unraisablehook,
+        showwarning=warnings.showwarning,
+    )
+    sys.excepthook = _excepthook
+    threading.excepthook = _thread_excepthook
+    sys.unraisablehook = _unraisablehook
+    warnings.showwarning = _showwarning
+
+
+def uninstall_hooks() -> None:
+    """Undo :func:`install_hooks` (reset() calls it, for tests)."""
+    if not _saved_hooks:
+        return
+    sys.excepthook = _saved_hooks.pop("excepthook")
+    threading.excepthook = _saved_hooks.pop("thread_excepthook")
+    sys.unraisablehook = _saved_hooks.pop("unraisablehook")
+    warnings.showwarning = _saved_hooks.pop("showwarning")

@@ -10,8 +10,9 @@ parameters and does not import :mod:`daemon.service.app`, which calls it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -24,6 +25,7 @@ from triggers.engine import TriggerEngine
 if TYPE_CHECKING:
     from daemon.config import Config
     from daemon.service.metrics import Metrics
+    from triggers.spec import Trigger, TriggerSpecLike
     from wal import Wal
 
 log = structlog.get_logger("eventplane.triggers")
@@ -34,9 +36,15 @@ def _json_or_none(value: Any) -> bytes | None:
 
 
 def build_trigger_stage(
-    cfg: Config, wal_of: Callable[[], Wal | None], metrics: Metrics
+    cfg: Config,
+    wal_of: Callable[[], Wal | None],
+    metrics: Metrics,
+    specs: Sequence[TriggerSpecLike] | None = None,
 ) -> TriggerEngine:
-    """The ``"triggers"`` batch stage; ``wal_of()`` is the open WAL, or None before it opens."""
+    """The ``"triggers"`` batch stage; ``wal_of()`` is the open WAL, or None before it opens.
+
+    ``specs``: the trigger set (default ``cfg.triggers``; a reload passes the new one).
+    """
 
     async def emit(derived: list[dict[str, Any]]) -> None:
         wal = wal_of()
@@ -62,7 +70,7 @@ def build_trigger_stage(
             await wal.append(items)
 
     return TriggerEngine(
-        cfg.triggers,
+        cfg.triggers if specs is None else specs,
         data_dir=cfg.data_dir,
         emit=emit,
         metrics=metrics,
@@ -87,3 +95,24 @@ async def validate_when_spark_ready(
         fail(f"{len(errors)} invalid trigger(s): " + "; ".join(errors))
     else:
         log.info("triggers_validated", triggers=sorted(engine.triggers))
+
+
+def trigger_changes(
+    before: Mapping[str, Trigger], after: Mapping[str, Trigger]
+) -> dict[str, list[str]]:
+    """What a reload did to the trigger set, by name: added, removed, changed, unchanged.
+
+    A trigger that only moved in ``[[triggers]]`` is unchanged (its position
+    names it in error messages, nothing else).
+    """
+
+    def same(a: Trigger, b: Trigger) -> bool:
+        return dataclasses.replace(a, index=0) == dataclasses.replace(b, index=0)
+
+    both = sorted(before.keys() & after.keys())
+    return {
+        "added": sorted(after.keys() - before.keys()),
+        "removed": sorted(before.keys() - after.keys()),
+        "changed": [n for n in both if not same(before[n], after[n])],
+        "unchanged": [n for n in both if same(before[n], after[n])],
+    }

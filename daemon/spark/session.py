@@ -21,7 +21,10 @@ always win):
   ``spark.driver.host`` = ``127.0.0.1``: the embedded Spark's driver and
   block-manager ports listen on loopback only.
 - Spark's JVM log at ``log_level`` (WARN by default) from the first line on,
-  through a generated log4j2 file; the Python side goes through stdlib logging.
+  through a generated log4j2 file: JSON lines named like the daemon's own
+  with ``log_format = "json"``, text otherwise. The Python side goes through
+  stdlib logging. Only the JVM's own start-up warning ("WARNING: Using
+  incubator modules", printed before any Java logging exists) stays text.
 """
 
 from __future__ import annotations
@@ -54,25 +57,63 @@ _DAEMON_DEFAULTS: dict[str, str] = {
 }
 
 # log4j2 configuration for the driver JVM: one console appender on stderr
-# (journald keeps it next to the daemon's own lines), the level from config.
+# (journald keeps it next to the daemon's own lines), the level from config,
+# the layout from the daemon's log format (``_LAYOUTS``).
 _LOG4J2 = """\
 rootLogger.level = {level}
 rootLogger.appenderRef.stderr.ref = stderr
 appender.stderr.type = Console
 appender.stderr.name = stderr
 appender.stderr.target = SYSTEM_ERR
-appender.stderr.layout.type = PatternLayout
-appender.stderr.layout.pattern = %d{{yyyy-MM-dd'T'HH:mm:ss.SSSXXX}} %p spark %c{{1}}: %m%n%ex
+{layout}
 # A batch of 100k rows is one multi-MiB Arrow task by design; do not warn per batch.
 logger.tsm.name = org.apache.spark.scheduler.TaskSetManager
 logger.tsm.level = ERROR
 """
 
+# One JSON object per line with the field names of the daemon's structlog lines
+# (daemon.service.logs): ``timestamp`` (ISO 8601 UTC, microseconds), ``level``
+# (Python's names: warning, not WARN), ``event`` (the message), ``logger``
+# (the Java logger), ``thread``, and ``exception``: a Java stack trace as one
+# string, present only when there is one. The jar (log4j-layout-template-json)
+# ships in pyspark/jars next to log4j-core.
+_JSON_EVENT_TEMPLATE = (
+    '{"timestamp": {"$resolver": "timestamp", "pattern": '
+    '{"format": "yyyy-MM-dd\'T\'HH:mm:ss.SSSSSS\'Z\'", "timeZone": "UTC"}}, '
+    '"level": {"$resolver": "pattern", "pattern": '
+    '"%level{TRACE=debug, DEBUG=debug, INFO=info, WARN=warning, ERROR=error, FATAL=critical}", '
+    '"stackTraceEnabled": false}, '
+    '"event": {"$resolver": "message", "stringified": true}, '
+    '"logger": {"$resolver": "logger", "field": "name"}, '
+    '"thread": {"$resolver": "thread", "field": "name"}, '
+    '"exception": {"$resolver": "exception", "field": "stackTrace", '
+    '"stackTrace": {"stringified": true}}}'
+)
 
-def _log4j2_file(level: str) -> Path:
-    """Write (once per level) the log4j2 file the driver JVM starts with."""
-    path = Path(tempfile.gettempdir()) / f"eventplane-log4j2-{level.lower()}.properties"
-    text = _LOG4J2.format(level=level.upper())
+_LAYOUTS = {
+    "console": (
+        "appender.stderr.layout.type = PatternLayout\n"
+        "appender.stderr.layout.pattern = "
+        "%d{yyyy-MM-dd'T'HH:mm:ss.SSSXXX} %p spark %c{1}: %m%n%ex"
+    ),
+    "json": (
+        "appender.stderr.layout.type = JsonTemplateLayout\n"
+        f"appender.stderr.layout.eventTemplate = {_JSON_EVENT_TEMPLATE}"
+    ),
+}
+
+
+def log4j2_text(level: str, log_format: str = "console") -> str:
+    """The driver JVM's log4j2 properties for ``level`` and ``log_format``
+    (``json`` or ``console``)."""
+    return _LOG4J2.format(level=level.upper(), layout=_LAYOUTS[log_format])
+
+
+def _log4j2_file(level: str, log_format: str = "console") -> Path:
+    """Write (once per level and format) the log4j2 file the driver JVM starts with."""
+    name = f"eventplane-log4j2-{level.lower()}-{log_format}.properties"
+    path = Path(tempfile.gettempdir()) / name
+    text = log4j2_text(level, log_format)
     try:
         if path.read_text(encoding="utf-8") == text:
             return path
@@ -85,16 +126,25 @@ def _log4j2_file(level: str) -> Path:
 
 
 def effective_conf(
-    master: str, log_level: str, conf: Mapping[str, str], ui: bool, remote: str = ""
+    master: str,
+    log_level: str,
+    conf: Mapping[str, str],
+    ui: bool,
+    remote: str = "",
+    log_format: str = "console",
 ) -> dict[str, str]:
-    """The conf the builder gets: daemon defaults, then the user's ``[spark.conf]``."""
+    """The conf the builder gets: daemon defaults, then the user's ``[spark.conf]``.
+
+    ``log_format`` (``json`` or ``console``, the daemon's resolved ``[log]
+    format``) picks the JVM log's layout.
+    """
     out = dict(_DAEMON_DEFAULTS)
     if not remote:
         out["spark.ui.enabled"] = "true" if ui else "false"
         out["spark.log.level"] = log_level.upper()
         if "spark.driver.extraJavaOptions" not in conf:
             out["spark.driver.extraJavaOptions"] = (
-                f"-Dlog4j2.configurationFile=file:{_log4j2_file(log_level)}"
+                f"-Dlog4j2.configurationFile=file:{_log4j2_file(log_level, log_format)}"
             )
         if master.startswith("local"):
             # Embedded Spark talks to itself only: its driver and block-manager
@@ -120,17 +170,19 @@ def build_session(
     log_level: str = "WARN",
     conf: Mapping[str, str] | None = None,
     remote: str = "",
+    log_format: str = "console",
 ) -> Any:
     """Create (or join) the process's SparkSession. Blocking; call off the event loop.
 
     ``remote`` (``sc://host:port``) selects Spark Connect and replaces ``master``;
-    the client then needs ``pyspark[connect]``'s gRPC packages.
+    the client then needs ``pyspark[connect]``'s gRPC packages. ``log_format``:
+    the JVM log's layout (``json`` lines or ``console`` text, on stderr).
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_PANDAS3_WARNING, category=FutureWarning)
         from pyspark.sql import SparkSession
 
-        settings = effective_conf(master, log_level, conf or {}, ui, remote)
+        settings = effective_conf(master, log_level, conf or {}, ui, remote, log_format)
         builder = SparkSession.builder.appName(app_name)
         builder = builder.remote(remote) if remote else builder.master(master)
         for key, value in settings.items():

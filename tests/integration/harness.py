@@ -57,6 +57,18 @@ level = "{daemon.get("log_level", "info")}"
     return path
 
 
+def webhook_trigger(name: str, when: str, url: str, collection: str = "orders") -> str:
+    """One ``[[triggers]]`` table (inserts only) calling ``url``."""
+    return f"""
+[[triggers]]
+name = "{name}"
+collection = "{collection}"
+on = ["insert"]
+when = "{when}"
+action = {{ type = "webhook", url = "{url}" }}
+"""
+
+
 @dataclass
 class DaemonProcess:
     """One daemon subprocess; ``argv`` picks the entry (production or recording)."""

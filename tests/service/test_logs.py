@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
 import re
+import sys
+import threading
+import types
+import warnings
+from pathlib import Path
 
 import pytest
 import structlog
 from structlog.testing import capture_logs
 
 from daemon.service import logs
+from daemon.spark import session
 
 pytestmark = pytest.mark.usefixtures("clean_logging")
 
@@ -137,3 +144,121 @@ def test_configure_twice_keeps_one_stdlib_handler() -> None:
     logs.configure("info", "json", stream=io.StringIO())
     ours = [h for h in logging.getLogger().handlers if isinstance(h, logs._Handler)]
     assert len(ours) == 1
+
+
+def test_current_format_resolves_auto() -> None:
+    logs.configure("info", "auto", stream=io.StringIO())
+    assert logs.current_format() == "json"
+    logs.configure("info", "auto", stream=FakeTty())
+    assert logs.current_format() == "console"
+
+
+def _boom() -> None:
+    raise ValueError("bad frame")
+
+
+def test_an_uncaught_exception_is_one_event_with_its_traceback() -> None:
+    out = io.StringIO()
+    logs.configure("info", "json", stream=out)
+    logs.install_hooks()
+    try:
+        _boom()
+    except ValueError as exc:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    (line,) = _lines(out)
+    record = json.loads(line)
+    assert record["event"] == "process.uncaught_exception"
+    assert record["level"] == "critical"
+    assert record["error"] == "ValueError: bad frame"
+    assert record["exception"].startswith("Traceback (most recent call last)")
+    assert "in _boom" in record["exception"]
+
+
+def test_an_exception_that_ends_a_thread_is_one_event() -> None:
+    out = io.StringIO()
+    logs.configure("info", "json", stream=out)
+    logs.install_hooks()
+    t = threading.Thread(target=_boom, name="worker-7")
+    t.start()
+    t.join()
+    (line,) = _lines(out)
+    record = json.loads(line)
+    assert (record["event"], record["thread"]) == ("process.thread_exception", "worker-7")
+    assert "ValueError: bad frame" in record["exception"]
+
+
+def test_a_warning_is_one_event() -> None:
+    out = io.StringIO()
+    logs.configure("info", "json", stream=out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        logs.install_hooks()
+        warnings.warn("old API", DeprecationWarning, stacklevel=1)
+    (line,) = _lines(out)
+    record = json.loads(line)
+    assert record["event"] == "process.warning"
+    assert (record["category"], record["message"]) == ("DeprecationWarning", "old API")
+    assert record["filename"] == __file__ and record["level"] == "warning"
+
+
+async def test_an_exception_only_the_loop_saw_is_one_event() -> None:
+    out = io.StringIO()
+    logs.configure("info", "json", stream=out)
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(logs.loop_exception_handler)
+    try:
+        _boom()
+    except ValueError as exc:
+        error = exc
+    loop.call_exception_handler(
+        {"message": "Task exception was never retrieved", "exception": error}
+    )
+    (line,) = _lines(out)
+    record = json.loads(line)
+    assert record["event"] == "process.loop_exception"
+    assert record["message"] == "Task exception was never retrieved"
+    assert "ValueError: bad frame" in record["exception"]
+
+
+def test_an_unraisable_exception_is_one_event() -> None:
+    out = io.StringIO()
+    logs.configure("info", "json", stream=out)
+    logs.install_hooks()
+    exc = ValueError("in __del__")
+    sys.unraisablehook(
+        types.SimpleNamespace(exc_type=ValueError, exc_value=exc, exc_traceback=None,
+                              err_msg="Exception ignored in", object=_boom)
+    )  # fmt: skip
+    (line,) = _lines(out)
+    record = json.loads(line)
+    assert record["event"] == "process.unraisable_exception"
+    assert record["error"] == "ValueError: in __del__"
+
+
+def test_reset_restores_the_hooks_it_replaced() -> None:
+    before = (sys.excepthook, threading.excepthook, sys.unraisablehook, warnings.showwarning)
+    logs.configure("info", "json", stream=io.StringIO())
+    logs.install_hooks()
+    assert sys.excepthook is not before[0]
+    logs.reset()
+    after = (sys.excepthook, threading.excepthook, sys.unraisablehook, warnings.showwarning)
+    assert after == before
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_the_spark_jvm_logs_in_the_daemon_format(fmt: str) -> None:
+    conf = session.effective_conf("local[1]", "warn", {}, ui=False, log_format=fmt)
+    path = conf["spark.driver.extraJavaOptions"].split("file:", 1)[1]
+    text = Path(path).read_text()
+    assert text == session.log4j2_text("warn", fmt)
+    assert "rootLogger.level = WARN" in text
+    layout = {k.strip(): v.strip() for k, v in (x.split("=", 1) for x in text.splitlines()
+              if x.startswith("appender.stderr.layout."))}  # fmt: skip
+    if fmt == "console":
+        assert layout["appender.stderr.layout.type"] == "PatternLayout"
+        return
+    assert layout["appender.stderr.layout.type"] == "JsonTemplateLayout"
+    template = json.loads(layout["appender.stderr.layout.eventTemplate"])
+    # The daemon's own field names, so one jq filter reads both.
+    assert {"timestamp", "level", "event", "logger", "exception"} <= template.keys()
+    assert template["exception"]["stackTrace"] == {"stringified": True}
