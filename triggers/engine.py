@@ -21,6 +21,14 @@ and every call ``Idempotency-Key: <trigger>:<first_lsn>-<last_lsn>`` so that
 receivers can drop repeats. Stored rows are whole documents, so the retry
 queue never needs the WAL (it adds nothing to the retention floor).
 
+A failing action does not hold the batches: once a trigger's call failed
+with a retriable error (a timeout, a refused connection, a 5xx), the
+trigger's next chunks, in this batch and later ones, are not attempted in
+``finish`` but queued at once (``trigger_calls_deferred``), until one of its
+calls succeeds again (the retry loop keeps trying, off the batch path). So a
+webhook receiver that hangs costs a batch at most one ``timeout_s``, once,
+instead of one per chunk per batch, and the CDC tables keep their pace.
+
 Ordering: a trigger's calls for one batch go out one after another in LSN
 order (so per key too). A call that fails is retried later, possibly after
 newer rows of the same trigger were delivered; receivers that care order by
@@ -126,6 +134,9 @@ class TriggerEngine:
         self._wake = asyncio.Event()
         self._depth = 0
         self._dlq_size = 0
+        # Trigger name -> the retriable error of its last failed call, while its
+        # action is failing: its new chunks skip the first attempt (module doc).
+        self._failing: dict[str, str] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------ properties
@@ -364,14 +375,31 @@ class TriggerEngine:
             for c in chunks:
                 self._plan(t, c, 1, now, now, failure, retries, dead)
             return
+        deferred = 0
         for chunk in chunks:
             first = self._clock()
             remaining = self._split_depth(t, chunk, 0, first, first, dead)
             if remaining is None:
                 continue
+            failing = self._failing.get(t.name)
+            if failing is not None:
+                # The action is failing: queue without a call, due now, so the
+                # retry loop delivers it as soon as the target answers again.
+                message = f"not attempted: the action was failing ({failing})"
+                retries.append(NewRetry(remaining, 0, first, first, 0.0, message))
+                deferred += len(remaining)
+                continue
             exc = await self._call(t, remaining, batch_id=batch_id)
             if exc is not None:
                 self._plan(t, remaining, 1, first, self._clock(), exc, retries, dead)
+        if deferred:
+            log.warning(
+                "trigger_calls_deferred",
+                trigger=t.name,
+                batch_id=batch_id,
+                rows=deferred,
+                reason=self._failing.get(t.name),
+            )
 
     # ------------------------------------------------------------ one call
 
@@ -383,6 +411,8 @@ class TriggerEngine:
         except Exception as exc:
             retriable, _ = actions.classify(exc)
             kind = "retriable" if retriable else "permanent"
+            if retriable:
+                self._failing[t.name] = actions.describe(exc)
             self._metrics.trigger_failures.labels(t.name, kind).inc()
             log.warning(
                 "trigger_action_failed",
@@ -401,6 +431,8 @@ class TriggerEngine:
                 time.perf_counter() - started
             )
         self._metrics.trigger_successes.labels(t.name).inc()
+        if self._failing.pop(t.name, None) is not None:
+            log.info("trigger_action_recovered", trigger=t.name)
         return None
 
     async def _dispatch(self, t: Trigger, chunk: rowsmod.Chunk) -> None:
