@@ -734,6 +734,8 @@ class TriggerEngine:
             "triggers": {
                 "active": sorted(n for n, t in self._triggers.items() if t.enabled),
                 "disabled": sorted(n for n, t in self._triggers.items() if not t.enabled),
+                # Triggers whose action is failing (new chunks queue without a call).
+                "failing": dict(sorted(self._failing.items())),
             },
         }
 
