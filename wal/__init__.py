@@ -6,6 +6,7 @@ from wal.errors import (
     WalCorruptionError,
     WalError,
     WalFatalError,
+    WalFullError,
     WalLockedError,
     WalReadError,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "WalCorruptionError",
     "WalError",
     "WalFatalError",
+    "WalFullError",
     "WalLockedError",
     "WalReadError",
 ]

@@ -23,6 +23,30 @@ class WalFatalError(WalError):
     """A write or fsync failed: the WAL refuses every later append (invariant 10)."""
 
 
+class WalFullError(WalError):
+    """A group's write found its volume full (ENOSPC) or the quota used up (EDQUOT).
+
+    Nothing of the failed appends was stored: the writer cut the partial frame,
+    gave their LSNs back, and takes the next append as usual, so the WAL resumes
+    by itself once space returns. Only a *write* is retried this way; a failed
+    fsync stays fatal (:class:`WalFatalError`, docs/wal.md "A full volume").
+    """
+
+    retriable = True
+
+    def __init__(self, directory: str, nbytes: int, free_bytes: int | None, reason: str) -> None:
+        free = "unknown" if free_bytes is None else f"{free_bytes}"
+        super().__init__(
+            f"the WAL volume of {directory} is full ({reason}): writing {nbytes} bytes failed "
+            f"with {free} bytes free on the volume. Nothing of this request was stored; free "
+            "space on that volume (or raise the quota) and retry: the WAL takes new appends as "
+            "soon as they fit"
+        )
+        self.directory = directory
+        self.nbytes = nbytes
+        self.free_bytes = free_bytes
+
+
 class WalClosedError(WalError):
     """The WAL is closed or closing."""
 

@@ -21,6 +21,19 @@ from wal.segments import Damage, Segment
 
 IDENTITY: Final = "IDENTITY"
 LOCK: Final = "LOCK"
+# A write that found no room: the volume is full (ENOSPC) or the owner's quota
+# is used up (EDQUOT). Only a *write* failing so is undone and retried by the
+# next group; an fsync failing with the same errno is fatal like any other.
+NO_SPACE: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class OutOfSpace(OSError):
+    """A write (never an fsync) failed with ENOSPC or EDQUOT; the cause is the original error.
+
+    Raised only around write calls (:func:`create_segment`, the writer's frame
+    write), so the writer can tell a write that did not fit (roll the group
+    back, ``WalFullError``) from an fsync failing with the same errno (fatal).
+    """
 
 
 def _log() -> Any:
@@ -137,15 +150,42 @@ def cut_torn_tail(directory: Path, damage: Damage) -> Path:
 
 
 def create_segment(directory: Path, wal_id: bytes, number: int, first_lsn: int) -> Segment:
-    """Create a segment holding only its header; file and directory fsynced before return."""
+    """Create a segment holding only its header; file and directory fsynced before return.
+
+    When the volume has no room for the file or its header, raises
+    :class:`OutOfSpace` having removed what it created, so a later call can
+    create the segment again. Every other failure (fsyncs included) propagates
+    as it is and may leave a partial file, which recovery moves aside.
+    """
     path = directory / segment_name(first_lsn)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    header = encode_segment_header(wal_id, number, first_lsn)
     try:
-        header = encode_segment_header(wal_id, number, first_lsn)
-        if os.write(fd, header) != len(header):
-            raise OSError(errno.EIO, f"short write of the segment header of {path.name}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as exc:
+        if exc.errno in NO_SPACE:
+            raise OutOfSpace(exc.errno, exc.strerror, path.name) from exc
+        raise
+    try:
+        try:
+            view = memoryview(header)
+            while view:  # a short write on a filling volume: the next one says ENOSPC
+                n = os.write(fd, view)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"write of the header of {path.name} wrote {n}")
+                view = view[n:]
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
+            os.close(fd)
+            fd = -1
+            # Nothing of the file was ever synced; unlink it durably so that
+            # neither the next rotation nor a recovery finds a partial header.
+            path.unlink()
+            fsync_dir(directory)
+            raise OutOfSpace(exc.errno, exc.strerror, path.name) from exc
         os.fsync(fd)
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     fsync_dir(directory)
     return Segment(path=path, number=number, first_lsn=first_lsn, sealed=False)

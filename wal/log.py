@@ -11,6 +11,11 @@ Threads and ownership:
 Publication order in the writer (what readers rely on): frame bytes written and
 synced -> frame index appended -> ``segment.end`` -> ``head``. A reader that
 sees ``head >= x`` therefore finds LSN ``x`` below the ``end`` it reads next.
+
+Failures: a group whose *write* finds no space (ENOSPC, EDQUOT) is rolled back
+and its appends get :class:`WalFullError`; the WAL goes on. A failed fsync
+(any errno) and every other write error are fatal (invariant 10). See
+:meth:`Wal._roll_back` and docs/wal.md, "A full volume".
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ from wal.errors import (
     WalClosedError,
     WalCorruptionError,
     WalFatalError,
+    WalFullError,
     WalReadError,
 )
 from wal.files import (
     IDENTITY,
+    NO_SPACE,
+    OutOfSpace,
     create_segment,
     cut_torn_tail,
     fsync_dir,
@@ -335,8 +343,10 @@ class Wal:
         """Append ``(core, payload)`` items as one unit; ``(first_lsn, last_lsn)`` once durable.
 
         All items land in one frame: all durable or none. Raises
-        :class:`WalFatalError` after any write/fsync failure (this call's or an
-        earlier one's) and :class:`WalClosedError` once closing.
+        :class:`WalFullError` when the group's write found the volume full
+        (nothing stored; the next call is tried as usual),
+        :class:`WalFatalError` after any other write or any fsync failure (this
+        call's or an earlier one's) and :class:`WalClosedError` once closing.
         """
         loop = asyncio.get_running_loop()
         if self._loop is None or self._loop.is_closed():
@@ -410,7 +420,9 @@ class Wal:
                 group = []
             if self._dirty and self._fsync == "interval":
                 self._sync()
-        except BaseException as exc:  # every failure here is fatal; callers get it typed
+        except BaseException as exc:
+            # Every failure that gets here is fatal; callers get it typed. (A
+            # write that found no space never does: _commit rolls it back.)
             self._fail(exc, group)
 
     def _next_group(self) -> list[_Waiter] | None:
@@ -444,10 +456,15 @@ class Wal:
 
         1. Gather the group's events in LSN order (calls in arrival order).
         2. Encode one frame; rotate first if it would overflow the segment.
-        3. Write it with one pwritev at the segment's end.
+        3. Write it with one pwritev at the segment's end. No space for the
+           segment or the frame: roll the group back and stop here.
         4. fdatasync (fsync = always; interval: when due).
         5. Publish: frame index, segment end, head.
         6. Hand over: listener, then the waiters' results (on the loop).
+
+        Nothing is published before step 5: LSNs are ``head + 1`` onwards and
+        the head moves only there, so a group that stops at step 3 leaves no
+        LSN, index entry, listener call or ``on_group`` call behind.
         """
         # Step 1. Gather.
         if len(group) == 1:
@@ -463,12 +480,23 @@ class Wal:
         # Step 2. Encode (and rotate).
         seg = self._segments[-1]
         frame = encode_frame(seg.number, first, cores, payloads, lens, self._next_seq)
-        if seg.next_lsn > seg.first_lsn and seg.end + frame.size > self._segment_bytes:
-            seg = self._rotate(seg)
-            _restamp(frame.parts, seg.number)
-        # Step 3. Write.
         offset = seg.end
-        _pwrite_all(self._fd, frame.parts, offset, frame.size)
+        tried = frame.size
+        try:
+            if seg.next_lsn > seg.first_lsn and seg.end + frame.size > self._segment_bytes:
+                tried += SEGMENT_HEADER_SIZE
+                seg = self._rotate(seg)
+                _restamp(frame.parts, seg.number)
+                offset = seg.end
+                tried = frame.size
+            # Step 3. Write.
+            _pwrite_all(self._fd, frame.parts, offset, frame.size)
+        except OutOfSpace as exc:
+            # Only the segment's creation and the frame's write raise this: the
+            # seal's fdatasync in _rotate failing with ENOSPC is a plain OSError
+            # and fatal, as is every fsync below.
+            self._roll_back(group, frame.base_seqs, offset, tried, exc)
+            return
         # Step 4. Sync.
         started = time.perf_counter()
         if self._fsync == "always":
@@ -537,6 +565,60 @@ class Wal:
                 )
         for w in group:
             w.settle(on_loop)
+
+    def _roll_back(
+        self,
+        group: list[_Waiter],
+        base_seqs: dict[int, int],
+        offset: int,
+        tried: int,
+        exc: OutOfSpace,
+    ) -> None:
+        """Undo a group whose write found no space; fail its appends with WalFullError.
+
+        Why this one failure is not fatal: nothing of the group was synced or
+        acknowledged, and a failed *write* loses nothing already written (the
+        page cache still holds every earlier byte). A failed *fsync* is another
+        matter: the kernel may have dropped the dirty pages and marked them
+        clean, so a retry could report success for data that is gone
+        (PostgreSQL, 2018). Any fsync failure, ENOSPC included, stays fatal.
+
+        1. Cut the active segment back to ``offset`` (where this group started:
+           a partial frame may be on disk) and fdatasync the cut, so recovery
+           never finds a torn frame and no later, acknowledged frame can sit
+           before stale bytes of this one. With fsync = interval | never this
+           also syncs the earlier written-but-unsynced groups; those were
+           acknowledged already and are kept, only this group is undone.
+           If rotation failed, the old segment ends at ``offset`` already and
+           the partial new file is gone (create_segment); if the frame write
+           failed in a new segment, that segment stays, empty and durable.
+        2. Give back the per-core sequences the frame took. Its LSNs were
+           never taken: they are ``head + 1`` onwards and the head did not
+           move, so the next group gets the same LSNs and sequences.
+        3. Fail every append of the group with its own WalFullError. Later
+           appends are tried as usual: the WAL resumes once space returns.
+
+        A failure in step 1 propagates and is fatal (invariant 10).
+        """
+        # Step 1. Cut and sync.
+        os.ftruncate(self._fd, offset)
+        self._sync()
+        # Step 2. Sequences: encode_frame moved each core's from base to base + count.
+        next_seq = self._next_seq
+        for core, base in base_seqs.items():
+            if base == 1:
+                next_seq.pop(core, None)  # the core had no sequence yet (1 is never stored)
+            else:
+                next_seq[core] = base
+        # Step 3. Fail the group, not the WAL.
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        reason = f"{name}: {exc.strerror}"
+        free = _free_bytes(self.directory)
+        for w in group:
+            w.error = WalFullError(str(self.directory), tried, free, reason)
+            w.error.__cause__ = cause
+            w.settle(None)
 
     def _sync(self) -> None:
         os.fdatasync(self._fd)
@@ -764,15 +846,31 @@ class ReadIterator(chain[T]):
 
 
 def _pwrite_all(fd: int, parts: list[Any], offset: int, size: int) -> None:
-    written = os.pwritev(fd, parts, offset) if len(parts) < 1024 else 0
-    if written == size:
-        return
-    data = memoryview(b"".join(parts))
-    while written < size:
-        n = os.pwrite(fd, data[written:], offset + written)
-        if n <= 0:
-            raise OSError(errno.EIO, f"pwrite wrote {n} bytes at offset {offset + written}")
-        written += n
+    """Write ``parts`` at ``offset``; ENOSPC / EDQUOT raise :class:`OutOfSpace`."""
+    try:
+        written = os.pwritev(fd, parts, offset) if len(parts) < 1024 else 0
+        if written == size:
+            return
+        # A short write (a filling volume, a signal): the next call fails or goes on.
+        data = memoryview(b"".join(parts))
+        while written < size:
+            n = os.pwrite(fd, data[written:], offset + written)
+            if n <= 0:
+                raise OSError(errno.EIO, f"pwrite wrote {n} bytes at offset {offset + written}")
+            written += n
+    except OSError as exc:
+        if exc.errno in NO_SPACE:
+            raise OutOfSpace(exc.errno, exc.strerror) from exc
+        raise
+
+
+def _free_bytes(directory: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on ``directory``'s volume (None: unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _restamp(parts: list[Any], segment_no: int) -> None:

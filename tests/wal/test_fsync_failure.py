@@ -1,5 +1,6 @@
-"""Invariant 10: a failed fdatasync (or write) is never acknowledged, and the WAL refuses every
-later append instead of retrying; what was acknowledged before survives a reopen."""
+"""Invariant 10: a failed fdatasync (whatever its errno) or a failed write other than "no space"
+is never acknowledged, and the WAL refuses every later append instead of retrying; what was
+acknowledged before survives a reopen. A write that finds no space: test_full_volume.py."""
 
 from __future__ import annotations
 
@@ -12,24 +13,13 @@ from unittest import mock
 import pytest
 from structlog.testing import capture_logs
 
-from tests.wal.helpers import OpenWal, events
+from tests.wal.helpers import OpenWal, events, failing_once
 from wal import Wal, WalFatalError
 
 REAL_FDATASYNC = os.fdatasync
 REAL_PWRITEV = os.pwritev
-
-
-def failing_once(real, error: int):  # type: ignore[no-untyped-def]
-    """A side effect that fails the first call with ``error`` and passes later ones through."""
-    calls = []
-
-    def side_effect(*args):  # type: ignore[no-untyped-def]
-        calls.append(args)
-        if len(calls) == 1:
-            raise OSError(error, f"injected {errno.errorcode[error]}")
-        return real(*args)
-
-    return side_effect
+REAL_FSYNC = os.fsync
+REAL_FTRUNCATE = os.ftruncate
 
 
 def test_failed_fdatasync_is_not_acknowledged_and_every_later_append_is_refused(
@@ -72,15 +62,79 @@ async def test_concurrent_appends_sharing_a_failed_fsync_all_fail(open_wal: Open
     assert wal.head_lsn() == 1
 
 
-def test_failed_write_is_fatal_too(open_wal: OpenWal) -> None:
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EDQUOT, errno.EIO], ids=errno.errorcode.get)
+def test_failed_fdatasync_is_fatal_whatever_its_errno(open_wal: OpenWal, error: int) -> None:
+    """ENOSPC from fdatasync is not "the volume is full, retry later": the kernel may
+    have dropped the group's dirty pages already, so it is fatal like EIO."""
     wal = open_wal()
-    with mock.patch.object(os, "pwritev", side_effect=failing_once(REAL_PWRITEV, errno.ENOSPC)):
+    wal.append_blocking([(0, b"acked")])
+    with mock.patch.object(os, "fdatasync", side_effect=failing_once(REAL_FDATASYNC, error)):
+        with pytest.raises(WalFatalError) as info:
+            wal.append_blocking([(0, b"never acked")])
+        assert isinstance(info.value.__cause__, OSError)
+        assert info.value.__cause__.errno == error
+        with pytest.raises(WalFatalError):
+            wal.append_blocking([(0, b"later")])
+    assert wal.head_lsn() == 1
+
+
+def test_failed_write_other_than_no_space_is_fatal_too(open_wal: OpenWal) -> None:
+    wal = open_wal()
+    with mock.patch.object(os, "pwritev", side_effect=failing_once(REAL_PWRITEV, errno.EIO)):
         with pytest.raises(WalFatalError) as info:
             wal.append_blocking(events(3))
-        assert "ENOSPC" in repr(info.value.__cause__) or "No space" in str(info.value.__cause__)
+        assert isinstance(info.value.__cause__, OSError)
+        assert info.value.__cause__.errno == errno.EIO
     with pytest.raises(WalFatalError):
         wal.append_blocking(events(3))
     assert wal.head_lsn() == 0
+
+
+def test_enospc_from_the_seal_fsync_at_rotation_is_fatal(open_wal: OpenWal) -> None:
+    """fsync = interval: the first group is written, not synced; the second rotates,
+    and sealing syncs the first group's segment, which fails with ENOSPC: fatal, as
+    that group's pages may be gone."""
+    wal = open_wal(segment_bytes=4096, fsync="interval", fsync_interval_ms=60_000)
+    wal.append_blocking([(0, b"x" * 3000)])
+    with mock.patch.object(os, "fdatasync", side_effect=failing_once(REAL_FDATASYNC, errno.ENOSPC)):
+        with pytest.raises(WalFatalError):
+            wal.append_blocking([(0, b"y" * 3000)])
+        with pytest.raises(WalFatalError):
+            wal.append_blocking([(0, b"z")])
+    assert wal.segment_count() == 1
+
+
+def test_enospc_from_the_new_segment_fsync_is_fatal(open_wal: OpenWal, wal_dir: Path) -> None:
+    """The new segment's header was written; its fsync said ENOSPC: fatal, not a full volume."""
+    wal = open_wal(segment_bytes=4096)
+    wal.append_blocking([(0, b"x" * 3000)])
+    with (
+        mock.patch.object(os, "fsync", side_effect=failing_once(REAL_FSYNC, errno.ENOSPC)),
+        pytest.raises(WalFatalError),
+    ):
+        wal.append_blocking([(0, b"y" * 3000)])
+    wal.close()
+    with Wal.open(wal_dir, segment_bytes=4096) as again:
+        assert [r.payload for r in again.read(1)] == [b"x" * 3000]
+
+
+def test_failed_rollback_after_a_full_volume_is_fatal(open_wal: OpenWal, wal_dir: Path) -> None:
+    """The write found no space, and cutting the partial frame failed too: fatal."""
+    wal = open_wal()
+    wal.append_blocking([(0, b"acked")])
+    with (
+        mock.patch.object(os, "pwritev", side_effect=failing_once(REAL_PWRITEV, errno.ENOSPC)),
+        mock.patch.object(os, "ftruncate", side_effect=failing_once(REAL_FTRUNCATE, errno.EIO)),
+    ):
+        with pytest.raises(WalFatalError) as info:
+            wal.append_blocking([(0, b"never acked")])
+        assert isinstance(info.value.__cause__, OSError)
+        assert info.value.__cause__.errno == errno.EIO
+    with pytest.raises(WalFatalError):
+        wal.append_blocking([(0, b"later")])
+    wal.close()
+    with Wal.open(wal_dir) as again:
+        assert [r.payload for r in again.read(1)] == [b"acked"]
 
 
 def test_failed_interval_fsync_refuses_later_appends(open_wal: OpenWal) -> None:
