@@ -61,7 +61,7 @@ import structlog
 
 from triggers import actions, evaluate
 from triggers import rows as rowsmod
-from triggers.errors import RetriableActionError, RetryLoopError, StoreError, TriggerConfigError
+from triggers.errors import RetriableActionError, StoreError, TriggerConfigError
 from triggers.metrics import NullMetrics, TriggerMetrics
 from triggers.spec import (
     MAX_DEPTH,
@@ -83,9 +83,9 @@ RETRY_PASS_LIMIT = 256
 # How often an idle loop looks at the store: `eventplane dlq replay` writes
 # from another process and cannot wake us.
 RETRY_POLL_S = 1.0
-# Consecutive failed passes (store errors, not action failures) before the
-# loop gives up and the daemon's supervisor takes over.
-MAX_LOOP_FAILURES = 5
+# Longest wait between two failing retry passes (store errors, not action
+# failures): the loop retries for as long as the store fails.
+RETRY_LOOP_BACKOFF_MAX_S = 30.0
 # 2**62 times any backoff is far above any max_backoff; avoids float overflow.
 _MAX_EXPONENT = 62
 
@@ -137,6 +137,9 @@ class TriggerEngine:
         # Trigger name -> the retriable error of its last failed call, while its
         # action is failing: its new chunks skip the first attempt (module doc).
         self._failing: dict[str, str] = {}
+        # (monotonic time of the first failed pass, the last error) while the
+        # retry loop's passes fail; None while they work.
+        self.loop_failing: tuple[float, str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------ properties
@@ -152,7 +155,7 @@ class TriggerEngine:
 
     @property
     def retry_task(self) -> asyncio.Task[None] | None:
-        """The supervised retry loop; it ends with ``RetryLoopError`` if it gives up."""
+        """The supervised retry loop: it ends only when cancelled (or on a bug)."""
         return self._retry_task
 
     # ------------------------------------------------------------ validation
@@ -692,25 +695,30 @@ class TriggerEngine:
         return rowsmod.Chunk.of(t.name, rows) if rows else None
 
     async def _retry_loop(self) -> None:
-        """Supervised: CancelledError exits; repeated store failures raise RetryLoopError."""
+        """Supervised: CancelledError exits. A failing pass (the store's volume is
+        full, say) is retried with backoff for as long as it fails: a restart
+        would not free the disk. ``status()`` and the daemon's health show it."""
         failures = 0
         while True:
             self._wake.clear()
             try:
                 await self.deliver_due()
+                if failures:
+                    log.info("trigger_retry_pass_recovered", failed_passes=failures)
                 failures = 0
+                self.loop_failing = None
                 delay = await self._next_wait()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 failures += 1
-                log.exception("trigger_retry_pass_failed", consecutive=failures)
-                if failures >= MAX_LOOP_FAILURES:
-                    raise RetryLoopError(
-                        f"the trigger retry loop failed {failures} times in a row "
-                        f"(last: {exc!r}); stopping so the service restarts"
-                    ) from exc
-                delay = min(self._poll_s * 2**failures, 30.0)
+                if self.loop_failing is None:
+                    self.loop_failing = (time.monotonic(), f"{type(exc).__name__}: {exc}")
+                    log.exception("trigger_retry_pass_failed", consecutive=failures)
+                else:
+                    self.loop_failing = (self.loop_failing[0], f"{type(exc).__name__}: {exc}")
+                    log.error("trigger_retry_pass_failed", consecutive=failures, error=repr(exc))
+                delay = min(self._poll_s * 2**failures, RETRY_LOOP_BACKOFF_MAX_S)
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=delay)
@@ -736,6 +744,12 @@ class TriggerEngine:
                 "disabled": sorted(n for n, t in self._triggers.items() if not t.enabled),
                 # Triggers whose action is failing (new chunks queue without a call).
                 "failing": dict(sorted(self._failing.items())),
+            },
+            "retry_loop": None
+            if self.loop_failing is None
+            else {
+                "failing_for_s": round(time.monotonic() - self.loop_failing[0], 3),
+                "error": self.loop_failing[1],
             },
         }
 

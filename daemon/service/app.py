@@ -384,6 +384,18 @@ class Daemon:
                     + (f": {error}" if error else ""),
                 }
             )
+        looping = getattr(self.triggers, "loop_failing", None)
+        if looping is not None and time.monotonic() - looping[0] > limit:
+            failing_for = time.monotonic() - looping[0]
+            out.append(
+                {
+                    "part": "trigger retry queue",
+                    "stalled_for_s": round(failing_for, 3),
+                    "error": looping[1],
+                    "message": f"the trigger retry queue has failed for {failing_for:.0f} s "
+                    f"(limit {limit:g} s); queued actions wait: {looping[1]}",
+                }
+            )
         for stage in planner.stages.report(planner.live_id):
             if stage["stalled"]:
                 out.append(

@@ -339,3 +339,35 @@ async def test_hanging_receiver_costs_one_timeout_then_batches_queue_without_wai
 
     await engine.finish(batch(3), hand_evaluation(engine, {"hook": [event(9)]}))
     assert receiver.accepted()[-1].lsns == [9]  # attempted in finish again
+
+
+async def test_retry_loop_keeps_retrying_a_failing_store_and_recovers_by_itself(
+    make_engine: Any, receiver: Receiver
+) -> None:
+    """A full store volume fails the loop's passes: it neither stops nor makes the
+    daemon restart (that would not free the disk); status shows it; it recovers."""
+    import sqlite3
+    import time
+    from unittest import mock
+
+    from triggers.store import TriggerStore
+
+    s = spec(receiver.url, retry=Retry(max_attempts=3, initial_backoff_ms=20, max_backoff_ms=20))
+    engine = await make_engine([s], retry_loop=True, clock=time.time, poll_s=0.01)
+    full = sqlite3.OperationalError("database or disk is full")
+    with mock.patch.object(TriggerStore, "due", autospec=True, side_effect=full):
+        for _ in range(200):
+            if engine.loop_failing is not None and engine.status()["retry_loop"]:
+                break
+            await asyncio.sleep(0.01)
+        assert "disk is full" in engine.status()["retry_loop"]["error"]
+        await asyncio.sleep(0.2)  # several failed passes
+        assert engine.retry_task is not None and not engine.retry_task.done()
+    receiver.script = [Reply(500)]
+    await engine.finish(batch(), hand_evaluation(engine, {"hook": [event(1)]}))
+    for _ in range(300):
+        if receiver.accepted() and engine.status()["retry_loop"] is None:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.status()["retry_loop"] is None
+    assert [r.status for r in receiver.requests] == [500, 200]
