@@ -246,10 +246,14 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _ndjson(first: int, count: int) -> tuple[bytes, list[tuple[str, str]]]:
+def _ndjson(first: int, count: int, poison_every: int = 0) -> tuple[bytes, list[tuple[str, str]]]:
+    """NDJSON of events ``first..``; with ``poison_every``, every such event's
+    ``amount`` is a string a ``new:amount::double`` cast rejects (bench_faults)."""
     lines, keys = [], []
     for i in range(first, first + count):
         collection, op, key, new, old = _event(i)
+        if poison_every and i % poison_every == 0:
+            new = b'{"amount":"lots","qty":0,"status":"paid","sku":"sku-poison"}'
         old_text = (old or b"null").decode()
         lines.append(
             f'{{"collection":"{collection}","op":"{op}","key":"{key}",'
@@ -271,7 +275,9 @@ class Daemon:
         return self.log.read_text(errors="replace")[-3000:]
 
 
-def start_daemon(root: Path, master: str, interval_ms: int, max_rows: int) -> Daemon:
+def start_daemon(
+    root: Path, master: str, interval_ms: int, max_rows: int, extra: str = ""
+) -> Daemon:
     import subprocess
     import urllib.request
 
@@ -304,6 +310,7 @@ format = "json"
 name = "all"
 collections = "*"
 path = "cdc"
+{extra}
 """)
     log = root / "daemon.log"
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
@@ -385,13 +392,15 @@ async def e2e_throughput(
     return time.perf_counter() - started, acked
 
 
-async def e2e_latency(d: Daemon, first_event: int, rate: int, seconds: float) -> list[float]:
+async def e2e_latency(
+    d: Daemon, first_event: int, rate: int, seconds: float, poison_every: int = 0
+) -> list[float]:
     """Ingest-to-visible latency of each request, in seconds (open loop at ``rate``)."""
     import aiohttp
 
     n_req = max(1, int(rate * seconds / LATENCY_REQUEST_EVENTS))
     requests = [
-        _ndjson(first_event + i * LATENCY_REQUEST_EVENTS, LATENCY_REQUEST_EVENTS)
+        _ndjson(first_event + i * LATENCY_REQUEST_EVENTS, LATENCY_REQUEST_EVENTS, poison_every)
         for i in range(n_req)
     ]
     period = LATENCY_REQUEST_EVENTS / rate

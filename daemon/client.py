@@ -10,7 +10,7 @@ per request).
 - A refusal raises a typed :class:`IngestError` carrying the HTTP status, the
   server's error word and message, and the full JSON body (a 422 has
   ``errors``: index, field, reason per problem).
-- 429 and 503 are retried after the server's ``Retry-After`` (bounded by
+- 429, 503 and 507 are retried after the server's ``Retry-After`` (bounded by
   ``max_retries`` and ``max_wait_s``); a connection that could not be opened
   is retried with backoff ``connect_retries`` times, since nothing was sent.
   A connection lost *after* the request went out raises
@@ -103,6 +103,12 @@ class UnavailableError(IngestError):
     retriable = True
 
 
+class InsufficientStorageError(IngestError):
+    """507: the WAL's volume is full; nothing was stored; retry after ``retry_after``."""
+
+    retriable = True
+
+
 class IngestConnectionError(IngestError):
     """No HTTP answer. ``maybe_sent`` says whether the request may have arrived."""
 
@@ -119,6 +125,7 @@ _BY_STATUS: dict[int, type[IngestError]] = {
     422: InvalidEventsError,
     429: OverloadedError,
     503: UnavailableError,
+    507: InsufficientStorageError,
 }
 
 
@@ -230,7 +237,7 @@ class IngestClient:
         return await self.send_ndjson(encode_events(events))
 
     async def send_ndjson(self, body: bytes) -> Ack:
-        """Post an NDJSON body as one atomic request, retrying 429/503 as told."""
+        """Post an NDJSON body as one atomic request, retrying 429/503/507 as told."""
         attempt = 0
         while True:
             attempt += 1

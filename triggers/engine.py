@@ -21,6 +21,14 @@ and every call ``Idempotency-Key: <trigger>:<first_lsn>-<last_lsn>`` so that
 receivers can drop repeats. Stored rows are whole documents, so the retry
 queue never needs the WAL (it adds nothing to the retention floor).
 
+A failing action does not hold the batches: once a trigger's call failed
+with a retriable error (a timeout, a refused connection, a 5xx), the
+trigger's next chunks, in this batch and later ones, are not attempted in
+``finish`` but queued at once (``trigger_calls_deferred``), until one of its
+calls succeeds again (the retry loop keeps trying, off the batch path). So a
+webhook receiver that hangs costs a batch at most one ``timeout_s``, once,
+instead of one per chunk per batch, and the CDC tables keep their pace.
+
 Ordering: a trigger's calls for one batch go out one after another in LSN
 order (so per key too). A call that fails is retried later, possibly after
 newer rows of the same trigger were delivered; receivers that care order by
@@ -53,7 +61,7 @@ import structlog
 
 from triggers import actions, evaluate
 from triggers import rows as rowsmod
-from triggers.errors import RetriableActionError, RetryLoopError, StoreError, TriggerConfigError
+from triggers.errors import RetriableActionError, StoreError, TriggerConfigError
 from triggers.metrics import NullMetrics, TriggerMetrics
 from triggers.spec import (
     MAX_DEPTH,
@@ -75,9 +83,9 @@ RETRY_PASS_LIMIT = 256
 # How often an idle loop looks at the store: `eventplane dlq replay` writes
 # from another process and cannot wake us.
 RETRY_POLL_S = 1.0
-# Consecutive failed passes (store errors, not action failures) before the
-# loop gives up and the daemon's supervisor takes over.
-MAX_LOOP_FAILURES = 5
+# Longest wait between two failing retry passes (store errors, not action
+# failures): the loop retries for as long as the store fails.
+RETRY_LOOP_BACKOFF_MAX_S = 30.0
 # 2**62 times any backoff is far above any max_backoff; avoids float overflow.
 _MAX_EXPONENT = 62
 
@@ -126,6 +134,12 @@ class TriggerEngine:
         self._wake = asyncio.Event()
         self._depth = 0
         self._dlq_size = 0
+        # Trigger name -> the retriable error of its last failed call, while its
+        # action is failing: its new chunks skip the first attempt (module doc).
+        self._failing: dict[str, str] = {}
+        # (monotonic time of the first failed pass, the last error) while the
+        # retry loop's passes fail; None while they work.
+        self.loop_failing: tuple[float, str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------ properties
@@ -141,7 +155,7 @@ class TriggerEngine:
 
     @property
     def retry_task(self) -> asyncio.Task[None] | None:
-        """The supervised retry loop; it ends with ``RetryLoopError`` if it gives up."""
+        """The supervised retry loop: it ends only when cancelled (or on a bug)."""
         return self._retry_task
 
     # ------------------------------------------------------------ validation
@@ -364,14 +378,31 @@ class TriggerEngine:
             for c in chunks:
                 self._plan(t, c, 1, now, now, failure, retries, dead)
             return
+        deferred = 0
         for chunk in chunks:
             first = self._clock()
             remaining = self._split_depth(t, chunk, 0, first, first, dead)
             if remaining is None:
                 continue
+            failing = self._failing.get(t.name)
+            if failing is not None:
+                # The action is failing: queue without a call, due now, so the
+                # retry loop delivers it as soon as the target answers again.
+                message = f"not attempted: the action was failing ({failing})"
+                retries.append(NewRetry(remaining, 0, first, first, 0.0, message))
+                deferred += len(remaining)
+                continue
             exc = await self._call(t, remaining, batch_id=batch_id)
             if exc is not None:
                 self._plan(t, remaining, 1, first, self._clock(), exc, retries, dead)
+        if deferred:
+            log.warning(
+                "trigger_calls_deferred",
+                trigger=t.name,
+                batch_id=batch_id,
+                rows=deferred,
+                reason=self._failing.get(t.name),
+            )
 
     # ------------------------------------------------------------ one call
 
@@ -383,6 +414,8 @@ class TriggerEngine:
         except Exception as exc:
             retriable, _ = actions.classify(exc)
             kind = "retriable" if retriable else "permanent"
+            if retriable:
+                self._failing[t.name] = actions.describe(exc)
             self._metrics.trigger_failures.labels(t.name, kind).inc()
             log.warning(
                 "trigger_action_failed",
@@ -401,6 +434,8 @@ class TriggerEngine:
                 time.perf_counter() - started
             )
         self._metrics.trigger_successes.labels(t.name).inc()
+        if self._failing.pop(t.name, None) is not None:
+            log.info("trigger_action_recovered", trigger=t.name)
         return None
 
     async def _dispatch(self, t: Trigger, chunk: rowsmod.Chunk) -> None:
@@ -660,25 +695,30 @@ class TriggerEngine:
         return rowsmod.Chunk.of(t.name, rows) if rows else None
 
     async def _retry_loop(self) -> None:
-        """Supervised: CancelledError exits; repeated store failures raise RetryLoopError."""
+        """Supervised: CancelledError exits. A failing pass (the store's volume is
+        full, say) is retried with backoff for as long as it fails: a restart
+        would not free the disk. ``status()`` and the daemon's health show it."""
         failures = 0
         while True:
             self._wake.clear()
             try:
                 await self.deliver_due()
+                if failures:
+                    log.info("trigger_retry_pass_recovered", failed_passes=failures)
                 failures = 0
+                self.loop_failing = None
                 delay = await self._next_wait()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 failures += 1
-                log.exception("trigger_retry_pass_failed", consecutive=failures)
-                if failures >= MAX_LOOP_FAILURES:
-                    raise RetryLoopError(
-                        f"the trigger retry loop failed {failures} times in a row "
-                        f"(last: {exc!r}); stopping so the service restarts"
-                    ) from exc
-                delay = min(self._poll_s * 2**failures, 30.0)
+                if self.loop_failing is None:
+                    self.loop_failing = (time.monotonic(), f"{type(exc).__name__}: {exc}")
+                    log.exception("trigger_retry_pass_failed", consecutive=failures)
+                else:
+                    self.loop_failing = (self.loop_failing[0], f"{type(exc).__name__}: {exc}")
+                    log.error("trigger_retry_pass_failed", consecutive=failures, error=repr(exc))
+                delay = min(self._poll_s * 2**failures, RETRY_LOOP_BACKOFF_MAX_S)
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=delay)
@@ -702,6 +742,14 @@ class TriggerEngine:
             "triggers": {
                 "active": sorted(n for n, t in self._triggers.items() if t.enabled),
                 "disabled": sorted(n for n, t in self._triggers.items() if not t.enabled),
+                # Triggers whose action is failing (new chunks queue without a call).
+                "failing": dict(sorted(self._failing.items())),
+            },
+            "retry_loop": None
+            if self.loop_failing is None
+            else {
+                "failing_for_s": round(time.monotonic() - self.loop_failing[0], 3),
+                "error": self.loop_failing[1],
             },
         }
 

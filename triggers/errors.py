@@ -56,7 +56,3 @@ class TriggerEvaluationError(TriggerError):
 
 class StoreError(TriggerError):
     """The retry/DLQ store cannot be opened or has an unknown layout."""
-
-
-class RetryLoopError(TriggerError):
-    """The background retry loop failed repeatedly and stopped."""

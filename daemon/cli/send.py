@@ -7,7 +7,7 @@ stderr when it is a terminal; a one-line summary goes to stdout at the end.
 On a refusal it stops at once and exits 1 with the server's message, the
 stdin line numbers it refers to, and what was acknowledged before it, so the
 rest can be sent again with ``tail -n +LINE``. An acknowledged batch is never
-sent twice: retries happen only for 429/503 (the server stored nothing) and
+sent twice: retries happen only for 429/503/507 (the server stored nothing) and
 for connections that never opened.
 """
 
@@ -29,7 +29,7 @@ EXIT_USAGE = 2
 PROGRESS_EVERY_S = 0.25
 # A refusal lists at most this many per-event problems.
 SHOWN_ERRORS = 10
-# 429/503 retries: the daemon says how long to wait; this many times at most.
+# 429/503/507 retries: the daemon says how long to wait; this many times at most.
 MAX_RETRIES = 20
 # A daemon that does not accept connections: retry briefly (0.5 s, then 1 s), then say so.
 CONNECT_RETRIES = 2

@@ -145,6 +145,9 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
         f"triggers    DLQ {_count(dlq.get('entries'))} entries  "
         f"retry queue {_count(retry.get('depth'))}"
     )
+    failing = _obj(_obj(doc.get("triggers")).get("failing"))
+    for name, error in failing.items():
+        lines.append(f"            trigger {name} failing: {error}")
 
     stages = doc.get("stages")
     if isinstance(stages, list) and stages:

@@ -15,7 +15,8 @@ WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
    and the slow path that explains a refusal are :mod:`daemon.ingest.validate`.
 4. Shard and encode each event (:class:`daemon.events.StoredEvent`, one
    ``ingest_ts_ns`` per request; 413 for an event over ``max_event_bytes``).
-5. One ``wal.append`` for all events; 503 if the WAL is failed or closed.
+5. One ``wal.append`` for all events; 507 if the WAL's volume is full (nothing
+   was written; retry once space is freed), 503 if the WAL is failed or closed.
 6. 200 ``{"accepted": n, "first_lsn": a, "last_lsn": b}``.
 
 Slow clients cannot hold the daemon: headers must arrive within
@@ -58,7 +59,7 @@ from daemon.ingest.validate import (
 )
 from daemon.service.metrics import Metrics
 from daemon.shard import collection_seed
-from wal.errors import WalClosedError, WalFatalError
+from wal.errors import WalClosedError, WalFatalError, WalFullError
 
 log = structlog.get_logger("eventplane.ingest")
 
@@ -223,6 +224,9 @@ class IngestServer:
         self._scratch = bytearray()  # _encode's msgpack buffer (event loop only)
         self._draining = False
         self._wal_errors_logged: set[type[Exception]] = set()
+        # While the WAL's volume is full: (Unix time of the first 507, bytes the
+        # last refused append needed, the error); None once an append fits.
+        self.wal_full: tuple[float, int, str] | None = None
         self._refusing = 0
         self._runner: web.AppRunner | None = None
         self._site: _CappedSite | None = None
@@ -451,6 +455,19 @@ class IngestServer:
                 # Step 5. One append: atomic, consecutive LSNs, returns after fdatasync.
                 try:
                     first, last = await self._wal.append(items)
+                except WalFullError as exc:
+                    # Nothing of the request was written; the WAL takes appends
+                    # again as soon as they fit (docs/wal.md, "A full volume").
+                    if self.wal_full is None:
+                        log.error("ingest.wal_full", error=str(exc), free_bytes=exc.free_bytes)
+                    since = self.wal_full[0] if self.wal_full else time.time()
+                    self.wal_full = (since, exc.nbytes, str(exc))
+                    raise Rejection(
+                        507,
+                        "wal_full",
+                        f"{exc}; nothing from this request was acknowledged",
+                        retry_after=self._cfg.retry_after_s,
+                    ) from exc
                 except (WalFatalError, WalClosedError) as exc:
                     if type(exc) not in self._wal_errors_logged:  # once per kind, not per request
                         self._wal_errors_logged.add(type(exc))
@@ -477,6 +494,9 @@ class IngestServer:
             self._requests_counter(499).inc()
             raise
         # Step 6. The ack.
+        if self.wal_full is not None:
+            log.info("ingest.wal_space_back", full_s=round(time.time() - self.wal_full[0], 3))
+            self.wal_full = None
         n = len(items)
         self._m_ok.inc()
         self._m_events.inc(n)

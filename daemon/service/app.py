@@ -450,6 +450,18 @@ class Daemon:
         failure = plane.failure if plane is not None else None
         if failure is not None or self.exit_code != EXIT_OK:
             return [{"part": "daemon", "message": f"a component failed: {failure or 'see log'}"}]
+        full = self.ingest.wal_full if self.ingest is not None else None
+        if full is not None and not self._wal_has_room(full[1]):
+            since, _, full_error = full
+            out.append(
+                {
+                    "part": "wal",
+                    "since": since,
+                    "error": full_error,
+                    "message": f"the WAL volume is full: ingest answers 507 "
+                    f"(for {time.time() - since:.0f} s): {full_error}",
+                }
+            )
         planner = plane.planner if plane is not None else None
         if planner is None:
             return out
@@ -470,6 +482,18 @@ class Daemon:
                     + (f": {error}" if error else ""),
                 }
             )
+        looping = getattr(self.triggers, "loop_failing", None)
+        if looping is not None and time.monotonic() - looping[0] > limit:
+            failing_for = time.monotonic() - looping[0]
+            out.append(
+                {
+                    "part": "trigger retry queue",
+                    "stalled_for_s": round(failing_for, 3),
+                    "error": looping[1],
+                    "message": f"the trigger retry queue has failed for {failing_for:.0f} s "
+                    f"(limit {limit:g} s); queued actions wait: {looping[1]}",
+                }
+            )
         for stage in planner.stages.report(planner.live_id):
             if stage["stalled"]:
                 out.append(
@@ -486,6 +510,15 @@ class Daemon:
                     }
                 )
         return out
+
+    def _wal_has_room(self, needed: int) -> bool:
+        """Space came back on the WAL's volume for the append that was refused
+        (the next request clears the state; health should not wait for it)."""
+        try:
+            st = os.statvfs(self.cfg.wal_dir)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize > needed
 
     def status(self) -> dict[str, Any]:
         wal = self.wal

@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 from structlog.testing import capture_logs
 
-from daemon.cli import main as cli
+from daemon.cli.main import main as cli
 from tests.triggers.support import (
     FakeClock,
     Receiver,
@@ -116,10 +116,10 @@ async def test_over_the_cap_the_culprits_rows_land_in_the_dlq_unevaluated_and_no
     spark: Any, make_engine: Any, receiver: Receiver
 ) -> None:
     """1. The cap is 2 poison rows per trigger per batch; the batch has 5.
-    2. Rows before the third poison row were evaluated: the good ones are
+    2. The rows whose casts pass (no suspects) are evaluated in one job and
        delivered; the first two poison rows are in the DLQ with their error.
-    3. From the third poison row on, every row of the trigger is in the DLQ,
-       unevaluated, saying so; delivered + DLQ = all of the trigger's rows.
+    3. The other suspects are in the DLQ, unevaluated, saying so; delivered +
+       DLQ = all of the trigger's rows.
     4. Another trigger on the same rows gets all of its rows."""
     specs = [
         Spec(name="any", collection="orders", when="new:amount::double > 1",
@@ -140,9 +140,9 @@ async def test_over_the_cap_the_culprits_rows_land_in_the_dlq_unevaluated_and_no
     assert {d.trigger for d in dead} == {"any"}
     assert sorted(delivered["any"] + [d.lsn for d in dead]) == list(range(1, 31))
     assert [d.lsn for d in dead if d.last_error.startswith("evaluation failed")] == [3, 9]
-    assert delivered["any"] == [lsn for lsn in range(1, 14) if lsn not in (3, 9)]
+    assert delivered["any"] == [lsn for lsn in range(1, 31) if lsn not in poison]
     unevaluated = [d for d in dead if d.lsn not in (3, 9)]
-    assert [d.lsn for d in unevaluated] == list(range(14, 31))  # from the third poison row on
+    assert [d.lsn for d in unevaluated] == [14, 21, 27]  # the suspects past the cap
     assert all(
         "not evaluated: trigger 'any' failed on more than 2 rows of batch 4" in d.last_error
         for d in unevaluated
@@ -274,3 +274,38 @@ async def test_a_spark_failure_that_is_not_about_a_row_still_fails_the_batch(
     ):
         engine.run_in_spark(spark, df, batch())
     assert engine._store.dlq_list() == []
+
+
+async def test_a_poison_cast_in_a_large_batch_is_isolated_in_a_handful_of_jobs(
+    spark: Any, make_engine: Any, receiver: Receiver
+) -> None:
+    """The TRY-cast pass names the suspect rows at once: one poison row among
+    2000 costs a few jobs, not a bisection of the whole batch (~1.5 log2(n))."""
+    engine = await make_engine(
+        [Spec(name="big", collection="orders", when=BIG, action=webhook(receiver.url))], spark
+    )
+    before = spark_jobs(spark)
+    result = await run_batch(engine, spark, batch_df(spark, orders(2000, {1234})))
+    jobs = spark_jobs(spark) - before
+
+    assert [p.lsn for p in result.poisoned["big"]] == [1234]
+    large = [lsn for lsn in range(2, 2001, 2) if lsn != 1234]
+    assert sorted(receiver.all_lsns) == large  # every large order, none lost
+    assert jobs <= 6, jobs  # batch, suspects, the others, the suspect, its document
+
+
+async def test_a_row_failing_otherwise_than_a_cast_is_still_isolated(
+    spark: Any, make_engine: Any, receiver: Receiver
+) -> None:
+    """A division by zero (ANSI) is no cast: no suspects, the other rows are
+    bisected by LSN range, and the failing row still lands in the DLQ alone."""
+    when = "100 / (new:amount::int - 10) > 1"  # amount 10: division by zero
+    engine = await make_engine(
+        [Spec(name="ratio", collection="orders", when=when, action=webhook(receiver.url))], spark
+    )
+    events = [event(lsn, new={"amount": 10 if lsn == 7 else 20}) for lsn in range(1, 13)]
+    result = await run_batch(engine, spark, batch_df(spark, events))
+
+    assert [p.lsn for p in result.poisoned["ratio"]] == [7]
+    assert "DIVIDE_BY_ZERO" in result.poisoned["ratio"][0].error
+    assert sorted(receiver.all_lsns) == [lsn for lsn in range(1, 13) if lsn != 7]

@@ -291,3 +291,83 @@ def test_permanent_error_is_exported_for_python_actions() -> None:
     assert PermanentError.retriable is False
     with pytest.raises(PermanentError):
         raise PermanentError("x")
+
+
+async def test_hanging_receiver_costs_one_timeout_then_batches_queue_without_waiting(
+    make_engine: Any, receiver: Receiver, clock: FakeClock
+) -> None:
+    """1. The receiver hangs: the first chunk times out (one timeout_s).
+    2. The batch's other chunks, and the next batch's, are queued without a
+       call, so finish returns at once and the CDC tables are not held.
+    3. The receiver answers again: the retry loop delivers every row once and
+       the next batch is attempted in finish again."""
+    receiver.default = Reply(200, delay_s=2.0)
+    s = Spec(
+        name="hook", collection="orders", batch_size=2,
+        action=webhook(receiver.url, timeout_s=0.2),
+        retry=Retry(max_attempts=5, initial_backoff_ms=100, max_backoff_ms=100),
+    )  # fmt: skip
+    engine = await make_engine([s])
+
+    with capture_logs() as logs:
+        started = asyncio.get_running_loop().time()
+        await engine.finish(
+            batch(1), hand_evaluation(engine, {"hook": [event(i) for i in range(1, 7)]})
+        )
+        await engine.finish(
+            batch(2), hand_evaluation(engine, {"hook": [event(i) for i in range(7, 9)]})
+        )
+        took = asyncio.get_running_loop().time() - started
+
+    assert len(receiver.requests) == 1  # one timed-out call, nothing else waited on
+    assert took < 1.5
+    deferred = [e for e in logs if e["event"] == "trigger_calls_deferred"]
+    assert [(e["batch_id"], e["rows"]) for e in deferred] == [(1, 4), (2, 2)]
+    store: TriggerStore = engine._store
+    assert sorted(
+        lsn for e in store.pending() for lsn in range(e.first_lsn, e.last_lsn + 1)
+    ) == list(range(1, 9))
+
+    receiver.default = Reply(200)
+    clock.advance(1.0)
+    while await engine.deliver_due():
+        clock.advance(1.0)
+    assert store.pending() == [] and store.dlq_size() == 0
+    # After the timed-out call (which the receiver may still have processed: at
+    # least once), every row went out exactly once more.
+    assert sorted(lsn for r in receiver.requests[1:] for lsn in r.lsns) == list(range(1, 9))
+
+    await engine.finish(batch(3), hand_evaluation(engine, {"hook": [event(9)]}))
+    assert receiver.accepted()[-1].lsns == [9]  # attempted in finish again
+
+
+async def test_retry_loop_keeps_retrying_a_failing_store_and_recovers_by_itself(
+    make_engine: Any, receiver: Receiver
+) -> None:
+    """A full store volume fails the loop's passes: it neither stops nor makes the
+    daemon restart (that would not free the disk); status shows it; it recovers."""
+    import sqlite3
+    import time
+    from unittest import mock
+
+    from triggers.store import TriggerStore
+
+    s = spec(receiver.url, retry=Retry(max_attempts=3, initial_backoff_ms=20, max_backoff_ms=20))
+    engine = await make_engine([s], retry_loop=True, clock=time.time, poll_s=0.01)
+    full = sqlite3.OperationalError("database or disk is full")
+    with mock.patch.object(TriggerStore, "due", autospec=True, side_effect=full):
+        for _ in range(200):
+            if engine.loop_failing is not None and engine.status()["retry_loop"]:
+                break
+            await asyncio.sleep(0.01)
+        assert "disk is full" in engine.status()["retry_loop"]["error"]
+        await asyncio.sleep(0.2)  # several failed passes
+        assert engine.retry_task is not None and not engine.retry_task.done()
+    receiver.script = [Reply(500)]
+    await engine.finish(batch(), hand_evaluation(engine, {"hook": [event(1)]}))
+    for _ in range(300):
+        if receiver.accepted() and engine.status()["retry_loop"] is None:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.status()["retry_loop"] is None
+    assert [r.status for r in receiver.requests] == [500, 200]
