@@ -23,8 +23,9 @@ always win):
 - Spark's JVM log at ``log_level`` (WARN by default) from the first line on,
   through a generated log4j2 file: JSON lines named like the daemon's own
   with ``log_format = "json"``, text otherwise. The Python side goes through
-  stdlib logging. Only the JVM's own start-up warning ("WARNING: Using
-  incubator modules", printed before any Java logging exists) stays text.
+  stdlib logging. In JSON mode the JVM's stderr is piped through this
+  process, so what the JVM prints before log4j exists ("WARNING: Using
+  incubator modules") becomes a ``spark.jvm_output`` event too.
 """
 
 from __future__ import annotations
@@ -183,6 +184,8 @@ def build_session(
         from pyspark.sql import SparkSession
 
         settings = effective_conf(master, log_level, conf or {}, ui, remote, log_format)
+        if log_format == "json" and not remote:
+            _launch_jvm_with_json_stderr(master, app_name, settings)
         builder = SparkSession.builder.appName(app_name)
         builder = builder.remote(remote) if remote else builder.master(master)
         for key, value in settings.items():
@@ -192,6 +195,64 @@ def build_session(
             session.sparkContext.setLogLevel(log_level.upper())
         prime_pyspark_imports()
         return session
+
+
+def _launch_jvm_with_json_stderr(master: str, app_name: str, settings: Mapping[str, str]) -> None:
+    """Start the driver JVM with its stderr piped through this process, so that
+    every line it writes is one JSON object in ``log.format = "json"``.
+
+    The JVM's log4j lines are JSON already (``_LOG4J2_JSON``); what the JVM
+    prints before log4j exists (``WARNING: Using incubator modules``, which
+    Spark's launcher always causes) becomes a ``spark.jvm_output`` event. The
+    gateway is PySpark's own (``launch_gateway``), started with the same conf
+    the builder would give it; ``getOrCreate`` then uses it. Nothing to do if
+    a gateway runs already.
+    """
+    import subprocess
+    import threading
+
+    from pyspark import SparkConf
+    from pyspark.core.context import SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    with SparkContext._lock:
+        if SparkContext._gateway is not None:
+            return
+        conf = SparkConf(loadDefaults=False).setMaster(master).setAppName(app_name)
+        for key, value in settings.items():
+            conf.set(key, value)
+        launch: Any = launch_gateway  # untyped in PySpark
+        gateway = launch(conf, popen_kwargs={"stderr": subprocess.PIPE})
+        SparkContext._gateway = gateway
+        SparkContext._jvm = gateway.jvm
+    pump = threading.Thread(
+        target=_pump_jvm_stderr, args=(gateway.proc.stderr,), name="spark-stderr", daemon=True
+    )
+    pump.start()
+
+
+def _pump_jvm_stderr(stream: Any) -> None:
+    """Copy the JVM's stderr to ours line by line; a line that is not a JSON
+    object is logged as one (the pipe must never fill: the JVM would block)."""
+    import json
+
+    import structlog
+
+    log = structlog.get_logger("eventplane.spark")
+    out = sys.stderr
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace").rstrip("\n")
+        if not line:
+            continue
+        try:
+            is_json = isinstance(json.loads(line), dict)
+        except ValueError:
+            is_json = False
+        if is_json:
+            out.write(line + "\n")
+            out.flush()
+        else:
+            log.warning("spark.jvm_output", line=line)
 
 
 def prime_pyspark_imports() -> None:

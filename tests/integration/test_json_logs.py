@@ -24,10 +24,10 @@ from tests.integration.noisy_handler import MARK
 from tests.integration.test_cdc_crash import _wait_spark_ready
 from tests.integration.test_triggers_daemon import Receiver, _wait_for
 
-# Printed by the JVM itself (module system start-up, before any Java logging
-# exists) because Spark's launcher adds --add-modules=jdk.incubator.vector; no
-# JVM option turns it off. The only line of the process that is not JSON.
-JVM_TEXT_LINES = {"WARNING: Using incubator modules: jdk.incubator.vector"}
+# Every line is JSON: even what the JVM prints before its logging exists
+# ("WARNING: Using incubator modules") reaches us through a pipe and is logged
+# as a ``spark.jvm_output`` event (daemon/spark/session.py).
+JVM_TEXT_LINES: set[str] = set()
 KEYS = {"timestamp", "level", "event"}
 
 
@@ -111,6 +111,9 @@ def test_every_line_of_a_spark_daemon_is_one_json_object(tmp_path: Path) -> None
     assert thread["exception"].startswith("Traceback (most recent call last)")
     events = [r["event"] for r in records]
     assert "spark_session_ready" in events and "shutdown.done" in events
+    # What the JVM printed before its logging existed arrives as an event too.
+    jvm_text = [r["line"] for r in records if r["event"] == "spark.jvm_output"]
+    assert any("incubator modules" in line for line in jvm_text), jvm_text
 
 
 def _run(config: Path, **kw: Any) -> subprocess.CompletedProcess[str]:
