@@ -186,6 +186,10 @@ class Planner:
         # Plans still in the file, id -> ranges; pruned once the persisted
         # watermarks cover them.
         self._logged: dict[int, Ranges] = dict(plans)
+        # core -> the highest last LSN of any slice planned for it (``owes``).
+        self._planned_high: dict[int, int] = {}
+        for ranges in plans.values():
+            self._note_planned(ranges)
         self._recovered = sorted(b for b in plans if b > watermarks.batch_id)
         self._next_id = max([watermarks.batch_id, *plans]) + 1
         # Batches closed (or reloaded) and not yet committed, id -> ranges: the
@@ -278,8 +282,14 @@ class Planner:
         every stage (pending, running, or planned and not done everywhere)."""
         if self._pending[core].rows or any(core in r for r in self._open.values()):
             return True
-        done = self.watermarks.batch_id
-        return any(core in r for b, r in self._logged.items() if b > done)
+        # Plans of one core have growing LSNs: it owes while its newest planned
+        # slice ends above its watermark (O(1): a stage behind keeps plans).
+        return self._planned_high.get(core, 0) > self.watermarks.lsns[core]
+
+    def _note_planned(self, ranges: Ranges) -> None:
+        for core, (_, last) in ranges.items():
+            if last > self._planned_high.get(core, 0):
+                self._planned_high[core] = last
 
     def plan_floor(self, persisted_batch_id: int) -> int | None:
         """Lowest LSN - 1 that a plan above ``persisted_batch_id`` still needs."""
@@ -521,6 +531,7 @@ class Planner:
         async with self._file_lock:
             await asyncio.to_thread(self.plan_log.append, batch.batch_id, batch.ranges())
             self._logged[batch.batch_id] = batch.ranges()
+            self._note_planned(batch.ranges())
 
     async def _wait_due(self) -> bool:
         """Wait until a batch is due, or a stage behind may try again. False when
