@@ -173,6 +173,20 @@ class TriggerEngine:
         self._validated = not errors
         return errors
 
+    def on_session(self, spark: Any) -> None:
+        """The executor built a new SparkSession (``daemon.plane.batch.SessionAware``).
+
+        Called in the Spark worker thread between batches. After a rebuild the
+        old session's JVM is gone, and with it the batch job's Columns: they
+        are dropped, and the next ``run_in_spark`` analyses the set again on
+        the new session before using it.
+        """
+        if spark is self._spark:
+            return
+        self._spark = spark
+        self._selection = None
+        self._validated = False
+
     def reload(self, specs: Sequence[TriggerSpecLike], spark: Any) -> list[str]:
         """SIGHUP: validate a new set whole; swap it in only if it has no errors.
 

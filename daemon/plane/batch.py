@@ -83,7 +83,8 @@ class BatchStage(Protocol):
     ``run_in_spark`` runs in the Spark worker thread with the batch DataFrame
     (CDC schema of DESIGN.md); its result is passed to ``finish`` on the event
     loop, which returns only when the stage's effects are complete or durably
-    queued (invariant 6). Triggers plug in here.
+    queued (invariant 6). Triggers plug in here. A stage that caches the
+    session, or objects made from it, also implements ``SessionAware``.
     """
 
     name: str
@@ -91,6 +92,20 @@ class BatchStage(Protocol):
     def run_in_spark(self, spark: Any, df: Any, batch: MicroBatch) -> Any: ...
 
     async def finish(self, batch: MicroBatch, result: Any) -> None: ...
+
+
+@runtime_checkable
+class SessionAware(Protocol):
+    """A BatchStage that keeps things tied to one SparkSession (the optional hook).
+
+    The executor calls ``on_session(spark)`` in its worker thread, with no
+    batch running, after every session it builds or is given: at start, and
+    after rebuilding a lost one (the driver JVM died). Anything made from the
+    previous session (Columns, analysed plans, the session itself) must be
+    dropped then: its JVM objects are gone.
+    """
+
+    def on_session(self, spark: Any) -> None: ...
 
 
 class NullExecutor:

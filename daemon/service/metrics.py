@@ -219,6 +219,13 @@ class Metrics:
             registry=r,
         )
 
+        self.spark_session_rebuilds = Counter(
+            p + "spark_session_rebuilds_total",
+            "Spark sessions rebuilt after the previous one was lost "
+            "(its driver JVM died or its SparkContext stopped).",
+            registry=r,
+        )
+
         # Stages: each CDC stream, the triggers, each handler (per-stage progress)
         self.stage_batch_id = Gauge(
             p + "stage_committed_batch_id",

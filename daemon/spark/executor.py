@@ -33,6 +33,17 @@
   fails the whole batch: it raises, and the planner retries it with the same
   id and rows (and counts it in ``eventplane_microbatch_outcomes_total``);
   ``status()`` shows it.
+- A lost session (the driver JVM died, its SparkContext stopped, a Spark
+  Connect server forgot the session) is rebuilt, not retried forever. It is
+  noticed after a batch fails as a whole (``probe_session``, one bounded call
+  in the worker thread) and, for free, before a batch starts
+  (``session_exited``). Then the executor is not ready (the planner holds
+  its batches), PySpark's references to the old session are dropped
+  (``forget_session``) and a new one is built with the start-up backoff;
+  each ``SessionAware`` stage adopts it (``on_session``). The failed batch
+  re-runs with the same id and rows, and the CDC ledgers commit it once.
+  ``needs_restart()`` turns true after ``health.session_restart_attempts``
+  failed builds in a row.
 - ``stop()`` waits for the batch in flight, closes the streams and stops the
   session it built.
 """
@@ -56,7 +67,7 @@ import structlog
 
 from daemon.config import Config
 from daemon.errors import ConfigError, DaemonError, ExecutorError
-from daemon.plane.batch import BatchStage, MicroBatch
+from daemon.plane.batch import BatchStage, MicroBatch, SessionAware
 from daemon.service.metrics import Metrics
 from daemon.spark import frame
 from daemon.spark import session as sparkmod
@@ -122,8 +133,13 @@ def handler_stage(ref: str) -> str:
 @dataclass(slots=True)
 class _Status:
     state: State = State.STARTING
-    session_error: str | None = None
-    session_attempts: int = 0
+    session_error: str | None = None  # the last failed build, until one succeeds
+    session_attempts: int = 0  # builds tried since the session was (last) lost
+    session_failures: int = 0  # failed builds in a row (needs_restart)
+    session_rebuilds: int = 0  # sessions rebuilt after one was lost
+    session_lost: str | None = None  # why the last session was lost
+    session_lost_at: float | None = None
+    last_rebuild_at: float | None = None
     last_batch_id: int | None = None
     last_batch_rows: int | None = None
     last_batch_duration_s: float | None = None
@@ -224,6 +240,7 @@ class SparkExecutor:
         for sink in self._sinks:
             self._status.streams[sink.name] = sink.last_batch_id
         if self._session is not None:
+            await loop.run_in_executor(self._pool, self._adopt, self._session)
             self._mark_ready()
         else:
             self._boot_task = asyncio.create_task(self._boot(), name="spark-session-boot")
@@ -232,11 +249,10 @@ class SparkExecutor:
         return self._status.state is State.READY
 
     def needs_restart(self) -> bool:
-        """The session failed to build ``health.session_restart_attempts`` times in a
-        row: only a new process (a fresh JVM, environment, classpath) may help."""
-        st = self._status
-        limit = self.cfg.health.session_restart_attempts
-        return st.session_error is not None and st.session_attempts >= limit
+        """The session failed to build (or rebuild) ``health.session_restart_attempts``
+        times in a row: only a new process (a fresh JVM, environment, classpath)
+        may help. A successful build resets the count."""
+        return self._status.session_failures >= self.cfg.health.session_restart_attempts
 
     async def wait_ready(self) -> None:
         """Return once batches can run (tests, and callers that prefer to wait)."""
@@ -250,6 +266,16 @@ class SparkExecutor:
         """Run ``batch`` for ``stages`` (all when None); the stages that failed."""
         if self._status.state in (State.STOPPING, State.STOPPED):
             raise ExecutorError(f"batch {batch.batch_id}: the Spark executor is stopped")
+        # Free check first: a JVM that died while no batch ran fails this one at
+        # once (the planner then holds the batch until the new session is up).
+        lost = self._exited()
+        if lost is not None:
+            self._lose(lost)
+            exc = ExecutorError(
+                f"micro-batch {batch.batch_id}: the Spark session was lost ({lost}); rebuilding it"
+            )
+            self._record_failure(batch, exc)
+            raise exc
         await self.wait_ready()  # consumers hold their batches until Spark is up
         wanted = set(self.stage_names() if stages is None else stages)
         async with self._lock:
@@ -321,6 +347,11 @@ class SparkExecutor:
             "spark": {"remote": spark.remote} if spark.remote else {"master": spark.master},
             "session_error": st.session_error,
             "session_attempts": st.session_attempts,
+            "session_failures": st.session_failures,
+            "session_rebuilds": st.session_rebuilds,
+            "session_lost": st.session_lost,
+            "session_lost_at": st.session_lost_at,
+            "last_rebuild_at": st.last_rebuild_at,
             "last_batch_id": st.last_batch_id,
             "last_batch_rows": st.last_batch_rows,
             "last_batch_duration_s": st.last_batch_duration_s,
@@ -384,46 +415,125 @@ class SparkExecutor:
             raise
         return sinks
 
-    async def _boot(self) -> None:
-        """Build the session, retrying with backoff; a routine that only ends by success."""
+    async def _boot(self, lost: Any | None = None) -> None:
+        """Build the session, retrying with backoff; a routine that only ends by success.
+
+        ``lost``: the session this one replaces; PySpark forgets it first.
+        """
         loop = asyncio.get_running_loop()
         mb = self.cfg.microbatch
+        st = self._status
         delay = mb.retry_initial_ms / 1000
+        started = time.monotonic()
+        st.session_attempts = 0
+        if lost is not None:
+            await loop.run_in_executor(self._pool, self._forget, lost)
         while True:
-            self._status.session_attempts += 1
-            started = time.monotonic()
+            st.session_attempts += 1
             try:
                 session = await loop.run_in_executor(self._pool, self._build)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self._status.session_error = f"{type(exc).__name__}: {exc}"
+                st.session_failures += 1
+                st.session_error = f"{type(exc).__name__}: {exc}"
                 log.error(
                     "spark_session_failed",
-                    attempt=self._status.session_attempts,
+                    attempt=st.session_attempts,
+                    failures_in_a_row=st.session_failures,
                     retry_in_s=delay,
-                    error=self._status.session_error,
+                    error=st.session_error,
+                    rebuild=lost is not None,
                 )
                 await self._sleep(delay)
                 delay = min(delay * 2, mb.retry_max_ms / 1000)
                 continue
-            if self._status.state is not State.STARTING:  # stop() raced us
+            if st.state is not State.STARTING:  # stop() raced us
                 return
             self._session = session
-            self._status.session_error = None
+            st.session_error = None
+            st.session_failures = 0
+            seconds = round(time.monotonic() - started, 3)
+            if lost is not None:
+                st.session_rebuilds += 1
+                st.last_rebuild_at = time.time()
+                self.metrics.spark_session_rebuilds.inc()
+                log.info(
+                    "spark_session_rebuilt",
+                    seconds=seconds,
+                    attempts=st.session_attempts,
+                    reason=st.session_lost,
+                    **self.status()["spark"],
+                )
+            else:
+                log.info("spark_session_ready", seconds=seconds, **self.status()["spark"])
             self._mark_ready()
-            log.info(
-                "spark_session_ready",
-                seconds=round(time.monotonic() - started, 3),
-                **self.status()["spark"],
-            )
             return
 
     def _build(self) -> Any:
         """Worker thread: build, and remember the session even if boot is cancelled."""
         session = self._factory()
         self._built = session
+        self._adopt(session)
         return session
+
+    def _adopt(self, session: Any) -> None:
+        """Worker thread, between batches: stages that keep the session take this one."""
+        self._cores = None  # the new session's parallelism is asked again
+        for stage in self._stages:
+            if isinstance(stage, SessionAware):
+                stage.on_session(session)
+
+    # -- a lost session ------------------------------------------------------
+
+    def _connect(self) -> bool:
+        return bool(self.cfg.spark.remote)
+
+    def _exited(self) -> str | None:
+        """Why the session we own is gone, known without asking Spark (or None)."""
+        if not self._owns_session or self._status.state is not State.READY:
+            return None
+        return sparkmod.session_exited(self._session, self._connect())
+
+    def _probe(self) -> str | None:
+        """Worker thread, after a batch failed: why the session is lost (or None)."""
+        try:
+            return sparkmod.probe_session(self._session, self._connect())
+        except Exception:  # a probe that breaks must not hide the batch's own error
+            log.exception("spark_session_probe_failed")
+            return None
+
+    def _forget(self, session: Any) -> None:
+        """Worker thread: drop PySpark's references to a lost session (bounded)."""
+        try:
+            sparkmod.forget_session(session, self._connect())
+        except Exception:  # the build that follows reports what is still wrong
+            log.exception("spark_session_forget_failed")
+
+    async def _check_session(self) -> None:
+        """After a failed batch: rebuild the session if it is lost."""
+        if not self._owns_session or self._status.state is not State.READY:
+            return
+        loop = asyncio.get_running_loop()
+        reason = await loop.run_in_executor(self._pool, self._probe)
+        if reason is not None and self._status.state is State.READY:
+            self._lose(reason)
+
+    def _lose(self, reason: str) -> None:
+        """The session is gone: hold batches and rebuild it in the background."""
+        st = self._status
+        lost, self._session, self._built = self._session, None, None
+        st.state = State.STARTING
+        st.session_lost = reason
+        st.session_lost_at = time.time()
+        self._ready.clear()
+        log.error(
+            "spark_session_lost",
+            reason=reason,
+            rebuilds_before=st.session_rebuilds,
+            **self.status()["spark"],
+        )
+        self._boot_task = asyncio.create_task(self._boot(lost), name="spark-session-rebuild")
 
     def _mark_ready(self) -> None:
         self._status.state = State.READY
@@ -470,6 +580,7 @@ class SparkExecutor:
         except Exception as exc:
             # Logged once, by the planner (microbatch_failed: attempt, retry delay).
             self._record_failure(batch, exc)
+            await self._check_session()
             if isinstance(exc, DaemonError):
                 raise
             raise ExecutorError(
@@ -479,6 +590,8 @@ class SparkExecutor:
         seconds = time.monotonic() - started
         for name, failure in outcome.failures.items():
             self._record_failure(batch, failure, name)
+        if outcome.failures:
+            await self._check_session()
         self._record_success(batch, outcome, seconds)
         bound.debug(
             "microbatch_committed",
@@ -539,8 +652,11 @@ class SparkExecutor:
                         failures[handler_stage(ref)] = exc
         finally:
             if cached:
-                df.unpersist(blocking=False)
-            if self._inbox is not None:
+                try:
+                    df.unpersist(blocking=False)
+                except Exception as exc:  # a dead JVM took the cache with it
+                    log.warning("batch_unpersist_failed", error=f"{type(exc).__name__}: {exc}")
+            if self._inbox is not None:  # even when the JVM died mid-batch
                 for f in self._inbox.glob(f"b{batch.batch_id:012d}-*.parquet"):
                     f.unlink(missing_ok=True)
         ran = len(sinks) + len(stages) + len(handlers)

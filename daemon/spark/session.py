@@ -26,14 +26,25 @@ always win):
   stdlib logging. In JSON mode the JVM's stderr is piped through this
   process, so what the JVM prints before log4j exists ("WARNING: Using
   incubator modules") becomes a ``spark.jvm_output`` event too.
+
+A session can be lost while the daemon runs: the driver JVM dies (OOM killer,
+SIGKILL), its SparkContext stops (a cluster master lost for good), or a Spark
+Connect server restarts and forgets the client's session. ``session_exited``
+(free) and ``probe_session`` (one bounded call) tell, and ``forget_session``
+drops PySpark's process-global references to a lost session so that the next
+``build_session`` starts a new JVM (or a new Connect session) instead of
+returning the dead one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import sys
 import tempfile
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +276,204 @@ def prime_pyspark_imports() -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_PANDAS3_WARNING, category=FutureWarning)
         import pyspark.testing.utils  # noqa: F401
+
+
+# -- a lost session ------------------------------------------------------------
+
+# How long a probe may wait for the driver JVM or the Connect server. A live
+# driver answers ``isStopped()`` in milliseconds even mid-job; one that does
+# not answer within this is hung or gone, and the probe's thread is left
+# behind (a py4j call to a stopped-but-alive JVM never returns by itself).
+PROBE_TIMEOUT_S = 15.0
+# How long a probe that got no answer waits for the JVM process to be seen
+# exiting, so that the reason names the exit.
+EXIT_GRACE_S = 1.0
+# How long ``forget_session`` waits for a still-running JVM to exit once its
+# stdin closed (PySpark's gateway exits on EOF), before it kills it.
+JVM_EXIT_WAIT_S = 10.0
+# Spark Connect errors after which the client's session is gone for good (the
+# server restarted or expired it): only a new session helps.
+CONNECT_SESSION_GONE = (
+    "INVALID_HANDLE.SESSION_NOT_FOUND",
+    "INVALID_HANDLE.SESSION_CHANGED",
+    "INVALID_HANDLE.SESSION_CLOSED",
+)
+
+
+def _gateway_proc(session: Any) -> subprocess.Popen[bytes] | None:
+    """The driver JVM PySpark launched for a classic session (None: not ours)."""
+    sc = getattr(session, "_sc", None)
+    gateway = getattr(sc, "_gateway", None)
+    proc = getattr(gateway, "proc", None)
+    return proc if isinstance(proc, subprocess.Popen) else None
+
+
+def session_exited(session: Any, connect: bool = False) -> str | None:
+    """Why ``session`` can no longer run anything, from what is known without
+    asking Spark (a ``waitpid`` at most; safe on the event loop); None if it
+    may be alive.
+
+    ``connect``: the session is a Spark Connect client (``[spark] remote``).
+    """
+    if connect:
+        if getattr(session, "is_stopped", False):
+            return "the Spark Connect session is closed"
+        return None
+    sc = getattr(session, "_sc", None)
+    if sc is not None and getattr(sc, "_jsc", None) is None:
+        return "the SparkContext was stopped"
+    proc = _gateway_proc(session)
+    if proc is not None and proc.poll() is not None:
+        code = proc.returncode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"the Spark driver JVM (pid {proc.pid}) {how}"
+    return None
+
+
+def _bounded(call: Callable[[], Any], timeout_s: float) -> tuple[bool, Any]:
+    """Run ``call`` in a thread of its own for at most ``timeout_s``.
+
+    ``(True, result)``, ``(False, exception)``, or ``(False, None)`` on a
+    timeout (the thread is a daemon and is left to finish on its own).
+    """
+    out: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            out.append((True, call()))
+        except BaseException as exc:  # reported to the caller, never lost
+            out.append((False, exc))
+
+    thread = threading.Thread(target=run, name="eventplane-spark-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return out[0] if out else (False, None)
+
+
+def probe_session(
+    session: Any, connect: bool = False, timeout_s: float = PROBE_TIMEOUT_S
+) -> str | None:
+    """Why ``session`` is lost, or None if it answers. Blocking for at most
+    ``timeout_s`` (one cheap call to the JVM or the Connect server): call it
+    from a worker thread, after a batch failed.
+
+    Classic sessions (local or cluster master): the driver JVM exited, does
+    not answer ``isStopped()`` (a network error, or no answer in time), or its
+    SparkContext is stopped; a cluster's driver context stops when the master
+    is gone for good. Spark Connect: the client is closed or the server no
+    longer knows the session; a server that is merely unreachable is not a
+    lost session (the batch retries, and reconnects once it is back).
+    """
+    reason = session_exited(session, connect)
+    if reason is not None or session is None:
+        return reason
+    if connect:
+        ok, value = _bounded(lambda: session.version, timeout_s)
+        if getattr(session, "is_stopped", False):
+            return "the Spark Connect session is closed"
+        if not ok and value is not None:
+            text = str(value)
+            gone = next((code for code in CONNECT_SESSION_GONE if code in text), None)
+            if gone is not None:
+                return f"the Spark Connect server no longer knows this session ({gone})"
+        return None
+    jsc = session._sc._jsc
+    ok, value = _bounded(lambda: jsc.sc().isStopped(), timeout_s)
+    if ok:
+        return "the SparkContext was stopped" if value else None
+    proc = _gateway_proc(session)
+    if proc is not None:
+        # A killed JVM refuses connections a moment before it can be reaped:
+        # give it that moment, so the reason names the exit.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(EXIT_GRACE_S)
+        reason = session_exited(session)
+        if reason is not None:
+            return reason
+    if value is None:
+        return f"the Spark driver JVM did not answer within {timeout_s:g} s"
+    return f"the Spark driver JVM does not answer ({type(value).__name__}: {value})"
+
+
+def forget_session(session: Any, connect: bool = False, timeout_s: float = JVM_EXIT_WAIT_S) -> None:
+    """Drop a lost session so that ``build_session`` makes a new one. Blocking
+    (bounded): call it from the worker thread that builds sessions.
+
+    PySpark keeps the session process-wide, and ``getOrCreate`` returns it
+    while those references stand, dead JVM or not:
+
+    - ``SparkContext._gateway`` / ``_jvm``: the py4j gateway; while set,
+      ``SparkContext`` never launches a JVM again. Its connections and its
+      Python-side server are closed; its finalizer thread is told to end.
+    - ``SparkContext._active_spark_context`` and the context's ``_jsc``:
+      ``SparkContext.getOrCreate`` returns the active one.
+    - ``SparkSession._instantiatedSession`` / ``_activeSession`` and
+      ``SQLContext._instantiatedContext``: the builder's default session.
+    - The context's accumulator server (a thread and a socket per context).
+
+    A driver JVM still running (its context stopped, or hung) is stopped the
+    way PySpark's gateway is meant to end: its stdin is closed, and it is
+    killed if it has not exited after ``timeout_s``. Spark Connect: the
+    client's channel is closed without a release call (the server may be
+    gone) and the default and active sessions are cleared.
+    """
+    if connect:
+        _forget_connect(session, timeout_s)
+    else:
+        _forget_classic(session, timeout_s)
+
+
+def _forget_connect(session: Any, timeout_s: float) -> None:
+    from pyspark.sql.connect.session import SparkSession as RemoteSparkSession
+
+    client = getattr(session, "client", None)
+    if client is not None:
+        _bounded(client.close, timeout_s)
+    with RemoteSparkSession._lock:
+        if RemoteSparkSession._default_session is session:
+            RemoteSparkSession._default_session = None
+        if getattr(RemoteSparkSession._active_session, "session", None) is session:
+            RemoteSparkSession._active_session.session = None
+
+
+def _forget_classic(session: Any, timeout_s: float) -> None:
+    from pyspark.core.context import SparkContext
+    from pyspark.sql import SparkSession, SQLContext
+
+    sc = getattr(session, "_sc", None)
+    proc = _gateway_proc(session)
+    with SparkContext._lock:
+        # The globals are the lost session's unless another context took over.
+        ours = SparkContext._active_spark_context in (None, sc)
+        gateway = SparkContext._gateway if ours else None
+        if ours:
+            SparkContext._gateway = None
+            SparkContext._jvm = None
+            SparkContext._active_spark_context = None
+            SQLContext._instantiatedContext = None
+        for attr in ("_instantiatedSession", "_activeSession"):
+            if getattr(getattr(SparkSession, attr), "_sc", None) is sc:
+                setattr(SparkSession, attr, None)
+        if sc is not None:
+            sc._jsc = None
+            server = getattr(sc, "_accumulatorServer", None)
+            if server is not None:
+                sc._accumulatorServer = None
+                _bounded(server.shutdown, timeout_s)
+    if gateway is not None:
+        # close(), not shutdown(): shutdown sends a command to the JVM, and
+        # py4j retries it without end when the JVM is gone.
+        _bounded(gateway.close, timeout_s)
+        deque = getattr(getattr(gateway, "_gateway_client", None), "finalizer_deque", None)
+        if deque is not None:  # py4j's ClientServer: one finalizer thread per gateway
+            from py4j.clientserver import SHUTDOWN_FINALIZER_WORKER
+
+            deque.appendleft(SHUTDOWN_FINALIZER_WORKER)
+    if proc is not None and proc.poll() is None:
+        if proc.stdin is not None:
+            proc.stdin.close()  # PySpark's gateway server exits at EOF on stdin
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)

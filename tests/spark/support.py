@@ -111,3 +111,19 @@ def read_table(spark: Any, path: Path) -> list[Any]:
         "ingest_ts",
         "batch_id",
     ).collect()
+
+
+class SharedSession:
+    """The shared test session behind a session factory: a session the executor
+    "built" and owns, whose stop() must not end the shared one. Detection sees
+    the real session through it; ``forget_session`` on it would end the real
+    one, so tests that lose it patch that."""
+
+    def __init__(self, spark: Any) -> None:
+        self._spark = spark
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._spark, name)
+
+    def stop(self) -> None:
+        pass

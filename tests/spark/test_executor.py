@@ -25,7 +25,13 @@ from daemon.spark.frame import (
     write_batch_file,
 )
 from tests.spark import handlers
-from tests.spark.support import batch_lsns, make_batches, make_config, read_table
+from tests.spark.support import (
+    SharedSession,
+    batch_lsns,
+    make_batches,
+    make_config,
+    read_table,
+)
 
 pytestmark = pytest.mark.spark
 
@@ -333,19 +339,6 @@ async def test_status_reports_the_last_committed_batch_and_batch_metrics_are_the
     assert "eventplane_microbatch_duration_seconds_count 0.0" in text
 
 
-class _SharedSession:
-    """The shared test session behind a factory; stop() must not end it."""
-
-    def __init__(self, spark: Any) -> None:
-        self._spark = spark
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._spark, name)
-
-    def stop(self) -> None:
-        pass
-
-
 async def test_batches_wait_for_the_session_built_in_the_background(
     spark: Any, tmp_path: Path
 ) -> None:
@@ -355,7 +348,7 @@ async def test_batches_wait_for_the_session_built_in_the_background(
 
     def factory() -> Any:
         release.wait(30)
-        return _SharedSession(spark)
+        return SharedSession(spark)
 
     ex = SparkExecutor(make_config(tmp_path), Metrics(), session_factory=factory)
     started = time.monotonic()
@@ -383,7 +376,7 @@ async def test_session_build_failures_retry_with_backoff_and_show_in_status(
         attempts.append(time.monotonic())
         if len(attempts) < 3:
             raise RuntimeError("Java gateway process exited before sending its port number")
-        return _SharedSession(spark)
+        return SharedSession(spark)
 
     async def fake_sleep(s: float) -> None:
         sleeps.append(s)
