@@ -7,14 +7,15 @@ the change durable (file fsync, then directory fsync) before it returns.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import structlog
 
+from wal import lockfile
 from wal.errors import WalCorruptionError, WalLockedError
 from wal.format import encode_segment_header, segment_name
 from wal.segments import Damage, Segment
@@ -49,20 +50,19 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def lock_directory(directory: Path) -> int:
-    """Exclusive advisory lock on ``directory/LOCK``; released with the fd or the process."""
-    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+def lock_directory(directory: Path, holder: Mapping[str, str] | None = None) -> int:
+    """Exclusive advisory lock on ``directory/LOCK``; released with the fd or the process.
+
+    The file then names the holder (pid, host, since, plus ``holder``), and a
+    refusal quotes it (``wal.lockfile``); the lock alone fences.
+    """
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise WalLockedError(
-                f"{directory} is in use by another process or Wal (lock on {directory / LOCK}); "
-                "stop the daemon before opening or repairing this WAL"
-            ) from exc
-        raise
-    return fd
+        return lockfile.take(directory / LOCK, holder)
+    except lockfile.LockHeld as exc:
+        raise WalLockedError(
+            f"{directory} is in use by another process or Wal: its lock {exc}; "
+            "stop that process before opening or repairing this WAL"
+        ) from None
 
 
 def read_identity(directory: Path) -> bytes | None:

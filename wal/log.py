@@ -29,7 +29,7 @@ import time
 import uuid
 from array import array
 from bisect import bisect_right
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from itertools import chain, count, repeat
 from operator import itemgetter
 from pathlib import Path
@@ -198,8 +198,13 @@ class Wal:
         fsync: FsyncMode = "always",
         fsync_interval_ms: int = 100,
         max_group_bytes: int = 8 * MiB,
+        holder: Mapping[str, str] | None = None,
     ) -> Wal:
         """Open (or create) the WAL in ``directory`` and recover it.
+
+        ``holder`` goes into the lock file beside the pid, host and time
+        (the daemon passes its ``data_dir`` and config path), so that a second
+        open, refused with :class:`WalLockedError`, can name this one.
 
         1. Create the directory if needed and take its lock.
         2. Read IDENTITY, or create a new WAL (segment 1, then IDENTITY).
@@ -220,7 +225,7 @@ class Wal:
         directory.mkdir(parents=True, exist_ok=True)
         if created:
             fsync_dir(directory.parent)
-        lock_fd = lock_directory(directory)
+        lock_fd = lock_directory(directory, holder)
         try:
             # Step 2. Identity.
             wal_id = read_identity(directory)

@@ -232,7 +232,7 @@ def repair(directory: Path, out: TextIO, assume_yes: bool) -> int:
         print(f"no WAL at {directory}: the directory does not exist", file=out)
         return EXIT_NO_WAL
     try:
-        lock_fd = lock_directory(directory)
+        lock_fd = lock_directory(directory, {"command": "eventplane wal repair"})
     except WalLockedError as exc:
         print(f"refusing to repair: {exc}", file=out)
         return EXIT_DAMAGED

@@ -140,8 +140,12 @@ class Daemon:
         self.startup_step = f"the data dir {cfg.data_dir}"
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
 
-        # Step 1. The WAL: recovery of a torn tail happens here.
+        # Step 1. The WAL: recovery of a torn tail happens here. Its lock file
+        # names us, so a second daemon on this data_dir is told who holds it.
         self.startup_step = f"the WAL in {cfg.wal_dir}"
+        holder = {"data_dir": str(cfg.data_dir)}
+        if cfg.source is not None:
+            holder["config"] = str(cfg.source)
         self.wal = await asyncio.to_thread(
             Wal.open,
             cfg.wal_dir,
@@ -149,6 +153,7 @@ class Daemon:
             fsync=cfg.wal.fsync,
             fsync_interval_ms=cfg.wal.fsync_interval_ms,
             max_group_bytes=cfg.wal.max_group_bytes,
+            holder=holder,
         )
         self.wal.on_group = self._observe_group
         log.info(

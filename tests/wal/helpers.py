@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from wal import Wal
 
 OpenWal = Callable[..., Wal]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def events(n: int, cores: int = 4, tag: str = "e") -> list[tuple[int, bytes]]:
@@ -27,3 +33,24 @@ def failing_once(real: Callable[..., Any], error: int) -> Callable[..., Any]:
         return real(*args)
 
     return side_effect
+
+
+@contextmanager
+def ready_child(module: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """``python -m module *args`` once it printed ``ready`` (it holds a lock); killed at exit."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        text=True,
+    )
+    assert child.stdout is not None
+    try:
+        assert child.stdout.readline() == "ready\n", f"{module} did not get ready"
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
