@@ -6,7 +6,7 @@ Layout of a stream's ``path``::
     <path>/_eventplane/ledger.json          committed batches (the commit record)
     <path>/_eventplane/pending/b<id>.json   commit intent: staged file -> final file
     <path>/_eventplane/staging/b<id>/       where Spark writes a batch (invisible)
-    <path>/_eventplane/lock                 flock: one writer per stream
+    <path>/_eventplane/lock                 flock: one writer per stream; names the holder
 
 Readers (``spark.read.parquet(path)``, pyarrow, DuckDB) skip every path
 component that starts with ``_`` or ``.``, so only published files are seen.
@@ -49,7 +49,6 @@ names are in ``CRASH_POINTS``. Crash tests aim at each step with them.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -67,6 +66,7 @@ import structlog
 from daemon.config import CdcStream
 from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
 from daemon.plane.batch import MicroBatch
+from wal import lockfile
 
 log = structlog.get_logger("eventplane.cdc")
 
@@ -337,7 +337,13 @@ class CdcSink:
     """
 
     def __init__(
-        self, stream: CdcStream, *, wal_id: str, cores: int, keep_batches: int = KEEP_BATCHES
+        self,
+        stream: CdcStream,
+        *,
+        wal_id: str,
+        cores: int,
+        keep_batches: int = KEEP_BATCHES,
+        data_dir: Path | None = None,
     ) -> None:
         self.stream = stream
         self.path = Path(stream.path)
@@ -345,6 +351,7 @@ class CdcSink:
         self.wal_id = wal_id
         self.cores = cores
         self.keep_batches = keep_batches
+        self.data_dir = data_dir  # the writing daemon's, named in the lock file
         self._ledger: Ledger | None = None
         self._lock_fd: int | None = None
 
@@ -396,16 +403,18 @@ class CdcSink:
             self._lock_fd = None
 
     def _lock(self) -> None:
-        fd = os.open(self.meta / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        # The lock file names this daemon (pid, host, since, data_dir, WAL id),
+        # so a second writer is told who holds the stream; the flock fences.
+        holder = {"stream": self.name, "wal_id": self.wal_id}
+        if self.data_dir is not None:
+            holder["data_dir"] = str(self.data_dir)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+            self._lock_fd = lockfile.take(self.meta / "lock", holder)
+        except lockfile.LockHeld as exc:
             raise CdcStreamLockedError(
-                f"stream {self.name!r}: {self.path} is locked by another process "
-                f"(another eventplane daemon writes it); stop that one or use another path"
+                f"stream {self.name!r}: {self.path} is locked by another process (another "
+                f"eventplane daemon writes it): its lock {exc}; stop that one or use another path"
             ) from None
-        self._lock_fd = fd
 
     def _load_or_create_ledger(self) -> Ledger:
         ledger = read_ledger(self.path)

@@ -406,7 +406,9 @@ class SparkExecutor:
         sinks: list[CdcSink] = []
         try:
             for s in self.cfg.cdc.streams:
-                sink = CdcSink(s, wal_id=self.wal_id, cores=self.cfg.daemon.cores)
+                sink = CdcSink(
+                    s, wal_id=self.wal_id, cores=self.cfg.daemon.cores, data_dir=self.cfg.data_dir
+                )
                 sink.open()
                 sinks.append(sink)
         except BaseException:
