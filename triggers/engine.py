@@ -18,8 +18,10 @@ action call of the batch succeeded or sits in SQLite (retry queue or DLQ,
 action could still be lost. A crash before the commit re-runs the batch and
 repeats its actions (at least once); every row carries ``"<trigger>:<lsn>"``
 and every call ``Idempotency-Key: <trigger>:<first_lsn>-<last_lsn>`` so that
-receivers can drop repeats. Stored rows are whole documents, so the retry
-queue never needs the WAL (it adds nothing to the retention floor).
+receivers can drop repeats. A call's key is fixed when its chunk is formed
+and stays with its rows through retries, the DLQ and replays (``rows.Chunk``).
+Stored rows are whole documents, so the retry queue never needs the WAL (it
+adds nothing to the retention floor).
 
 A failing action does not hold the batches: once a trigger's call failed
 with a retriable error (a timeout, a refused connection, a 5xx), the
@@ -437,6 +439,7 @@ class TriggerEngine:
                 action=t.action.kind,
                 first_lsn=chunk.first_lsn,
                 last_lsn=chunk.last_lsn,
+                idempotency_key=chunk.idempotency_key,
                 rows=len(chunk),
                 error=actions.describe(exc),
                 retriable=retriable,
@@ -498,8 +501,10 @@ class TriggerEngine:
             message=message,
         )
         self._metrics.trigger_failures.labels(t.name, "depth_limit").inc()
+        # No call carried these rows under the chunk's key (the split comes before
+        # every call): they get no key, so the key keeps naming the rows sent with it.
         dead.append(DeadRows(t.name, too_deep, attempts, message, first, now))
-        return rowsmod.Chunk.from_docs(t.name, ok) if ok else None
+        return rowsmod.Chunk.from_docs(t.name, ok, chunk.idempotency_key) if ok else None
 
     def _poisoned(
         self,
@@ -569,10 +574,13 @@ class TriggerEngine:
             rows=len(chunk),
             first_lsn=chunk.first_lsn,
             last_lsn=chunk.last_lsn,
+            idempotency_key=chunk.idempotency_key,
             attempts=attempts,
             error=message,
         )
-        dead.append(DeadRows(t.name, chunk.docs, attempts, message, first, now))
+        dead.append(
+            DeadRows(t.name, chunk.docs, attempts, message, first, now, chunk.idempotency_key)
+        )
 
     # ------------------------------------------------------------ retry queue
 
@@ -605,7 +613,8 @@ class TriggerEngine:
                 )
                 log.error("trigger_retry_orphaned", trigger=name, entry=entry.id, message=message)
                 dead = DeadRows(name, entry.chunk().docs, entry.attempts, message,
-                                entry.first_attempt, entry.last_attempt)  # fmt: skip
+                                entry.first_attempt, entry.last_attempt,
+                                entry.call_key)  # fmt: skip
                 self._evicted(await self._db(store.dead_letter, entry, [dead], []))
                 continue
             await self._retry_one(t, entry)
@@ -706,7 +715,10 @@ class TriggerEngine:
         )
         rows = [rowsmod.Row(rowsmod.meta(d).lsn, d) for d in known] + matched
         rows.sort(key=operator.attrgetter("lsn"))
-        return rowsmod.Chunk.of(t.name, rows) if rows else None
+        # Rows that were never evaluated never reached a receiver: their call gets
+        # its key now, from the rows that match. Evaluated rows keep the entry's.
+        key = chunk.idempotency_key if known else None
+        return rowsmod.Chunk.of(t.name, rows, key) if rows else None
 
     async def _retry_loop(self) -> None:
         """Supervised: CancelledError exits. A failing pass (the store's volume is

@@ -104,28 +104,38 @@ def to_dict(doc: bytes | str) -> dict[str, Any]:
     return _dict_decoder.decode(doc)
 
 
+def call_key(trigger: str, first_lsn: int, last_lsn: int) -> str:
+    """The key a call gets when its chunk is formed: ``<trigger>:<first_lsn>-<last_lsn>``."""
+    return f"{trigger}:{first_lsn}-{last_lsn}"
+
+
 @dataclass(slots=True)
 class Chunk:
-    """Up to ``batch_size`` rows of one trigger, in LSN order: one action call."""
+    """Up to ``batch_size`` rows of one trigger, in LSN order: one action call.
+
+    ``idempotency_key`` (the webhook's ``Idempotency-Key``) is fixed when the
+    chunk is first formed, from its LSN range, and travels with its rows: the
+    retry entry and the DLQ rows store it, and retries and DLQ replays send it
+    again unchanged, so a receiver sees one key for one set of rows.
+    """
 
     trigger: str
     docs: list[bytes]
     first_lsn: int
     last_lsn: int
+    idempotency_key: str
 
     @classmethod
-    def of(cls, trigger: str, rows: Sequence[Row]) -> Chunk:
-        return cls(trigger, [r.doc for r in rows], rows[0].lsn, rows[-1].lsn)
+    def of(cls, trigger: str, rows: Sequence[Row], key: str | None = None) -> Chunk:
+        """A chunk of ``rows``; a new one gets its key from their LSN range."""
+        first, last = rows[0].lsn, rows[-1].lsn
+        return cls(
+            trigger, [r.doc for r in rows], first, last, key or call_key(trigger, first, last)
+        )
 
     @classmethod
-    def from_docs(cls, trigger: str, docs: list[bytes]) -> Chunk:
-        lsns = [meta(d).lsn for d in docs]
-        return cls(trigger, docs, min(lsns), max(lsns))
-
-    @property
-    def idempotency_key(self) -> str:
-        """The whole call's key: ``<trigger>:<first_lsn>-<last_lsn>``."""
-        return f"{self.trigger}:{self.first_lsn}-{self.last_lsn}"
+    def from_docs(cls, trigger: str, docs: list[bytes], key: str | None = None) -> Chunk:
+        return cls.of(trigger, [Row(meta(d).lsn, d) for d in docs], key)
 
     def dicts(self) -> list[dict[str, Any]]:
         return [to_dict(d) for d in self.docs]

@@ -1,6 +1,6 @@
 """The durable retry queue and dead-letter queue: one SQLite file (WAL mode).
 
-Layout (``<data_dir>/triggers/queue.sqlite3``, ``PRAGMA user_version = 1``)::
+Layout (``<data_dir>/triggers/queue.sqlite3``, ``PRAGMA user_version = 2``)::
 
     retry  one row per pending action call (a chunk of matched rows)
       id             INTEGER  autoincrement; delivery order among equally due entries
@@ -13,16 +13,27 @@ Layout (``<data_dir>/triggers/queue.sqlite3``, ``PRAGMA user_version = 1``)::
       first_attempt  REAL     Unix time of the first attempt
       last_attempt   REAL     Unix time of the latest attempt (0 if none)
       last_error     TEXT     what the latest attempt got
+      call_key       TEXT     the call's Idempotency-Key, fixed when the chunk was formed
 
     dlq  one row per dead-lettered row (matched, or one its trigger failed on)
       id, trigger, collection, key, op, lsn, attempts, last_error,
-      first_attempt, last_attempt, row (the row document)
+      first_attempt, last_attempt, row (the row document),
+      call_key (the key of the chunk that held the row; NULL if none did)
+
+A replay sends the rows of one ``call_key`` together under that key, never
+with rows of another key, so a receiver that saw the key sees it again for
+the same rows (version 1 files did not keep the key: their DLQ rows have
+none and are regrouped by LSN, as then; their retry entries get the key
+they were being sent with, ``<trigger>:<first_lsn>-<last_lsn>``).
 
 A row its trigger's ``when`` failed on carries ``"stage": "when"`` in its
 document (``triggers.rows.unevaluated``), attempts 0; replay moves it like any
 other row and the engine evaluates ``when`` again before calling the action.
-The mark lives in the document, so the layout (and version 1 files) stay as
-they are.
+The mark lives in the document, not in a column.
+
+A version 1 file is brought to version 2 when it is opened (one transaction).
+An eventplane from before version 2 refuses a version 2 file ("written by a
+newer eventplane"), so going back to one means moving the store away.
 
 Every write is one transaction with ``synchronous = FULL``: when a method
 returns, its effect survives a crash or power loss. That is what lets
@@ -44,12 +55,12 @@ from pathlib import Path
 from triggers import rows as rowsmod
 from triggers.errors import StoreError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # A second process (the dlq command) may hold the write lock briefly.
 BUSY_TIMEOUT_S = 10.0
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS retry (
+_SCHEMA = (
+    """CREATE TABLE retry (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     trigger TEXT NOT NULL,
     first_lsn INTEGER NOT NULL,
@@ -59,10 +70,11 @@ CREATE TABLE IF NOT EXISTS retry (
     next_due REAL NOT NULL,
     first_attempt REAL NOT NULL,
     last_attempt REAL NOT NULL,
-    last_error TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS retry_due ON retry (next_due, id);
-CREATE TABLE IF NOT EXISTS dlq (
+    last_error TEXT NOT NULL,
+    call_key TEXT NOT NULL
+)""",
+    "CREATE INDEX retry_due ON retry (next_due, id)",
+    """CREATE TABLE dlq (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     trigger TEXT NOT NULL,
     collection TEXT NOT NULL,
@@ -73,10 +85,28 @@ CREATE TABLE IF NOT EXISTS dlq (
     last_error TEXT NOT NULL,
     first_attempt REAL NOT NULL,
     last_attempt REAL NOT NULL,
-    row TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS dlq_trigger ON dlq (trigger, id);
-"""
+    row TEXT NOT NULL,
+    call_key TEXT
+)""",
+    "CREATE INDEX dlq_trigger ON dlq (trigger, id)",
+)
+# Version 1 -> 2: the call key. A version 1 retry entry was sent with the key
+# its LSN range gives, so it keeps exactly that one; a version 1 DLQ row did not
+# record its call, so it has none (NULL) and a replay regroups it by LSN.
+_MIGRATE_1_TO_2 = (
+    "ALTER TABLE retry ADD COLUMN call_key TEXT NOT NULL DEFAULT ''",
+    "UPDATE retry SET call_key = trigger || ':' || first_lsn || '-' || last_lsn",
+    "ALTER TABLE dlq ADD COLUMN call_key TEXT",
+)
+_RETRY_COLUMNS = (
+    "id, trigger, first_lsn, last_lsn, rows, attempts, next_due, first_attempt, last_attempt, "
+    "last_error, call_key"
+)
+_DLQ_COLUMNS = (
+    "id, trigger, collection, key, op, lsn, attempts, last_error, first_attempt, last_attempt, "
+    "row, call_key"
+)
+REPLAYED = "replayed from the DLQ"
 
 
 def store_path(data_dir: Path | str) -> Path:
@@ -95,9 +125,11 @@ class RetryEntry:
     first_attempt: float
     last_attempt: float
     last_error: str
+    call_key: str  # the Idempotency-Key every attempt of this entry sends
 
     def chunk(self) -> rowsmod.Chunk:
-        return rowsmod.Chunk(self.trigger, rowsmod.split(self.rows), self.first_lsn, self.last_lsn)
+        docs = rowsmod.split(self.rows)
+        return rowsmod.Chunk(self.trigger, docs, self.first_lsn, self.last_lsn, self.call_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +152,9 @@ class DeadRows:
     last_error: str
     first_attempt: float
     last_attempt: float
+    # The key of the chunk that held the rows, kept for their replay; None for
+    # rows no chunk held (poison rows, rows stopped by the emit depth limit).
+    call_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +170,7 @@ class DlqEntry:
     first_attempt: float
     last_attempt: float
     row: str
+    call_key: str | None
 
 
 class TriggerStore:
@@ -153,16 +189,36 @@ class TriggerStore:
             db.execute("PRAGMA journal_mode = WAL")
             # FULL: a commit is on disk when it returns (NORMAL may lose it on power loss).
             db.execute("PRAGMA synchronous = FULL")
+            self._create_or_migrate(db)
+        except sqlite3.Error as exc:
+            db.close()
+            raise StoreError(f"cannot initialise the trigger store {self.path}: {exc}") from exc
+        except BaseException:
+            db.close()
+            raise
+
+    def _create_or_migrate(self, db: sqlite3.Connection) -> None:
+        """Create the layout, or bring a version 1 file to version 2, in one transaction.
+
+        IMMEDIATE: the daemon and the ``eventplane dlq`` command may open an old
+        file at the same time; the second one waits and then finds version 2.
+        """
+        db.execute("BEGIN IMMEDIATE")
+        try:
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise StoreError(
                     f"{self.path}: layout version {version} was written by a newer eventplane "
                     f"(this one reads {SCHEMA_VERSION}); upgrade, or move the file away"
                 )
-            db.executescript(f"BEGIN; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
-        except sqlite3.Error as exc:
-            db.close()
-            raise StoreError(f"cannot initialise the trigger store {self.path}: {exc}") from exc
+            steps = {0: _SCHEMA, 1: _MIGRATE_1_TO_2}.get(version, ())
+            for statement in steps:
+                db.execute(statement)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     def close(self) -> None:
         self._db.close()
@@ -230,7 +286,8 @@ class TriggerStore:
     def _insert_retries(self, cur: sqlite3.Cursor, retries: Sequence[NewRetry]) -> None:
         cur.executemany(
             "INSERT INTO retry (trigger, first_lsn, last_lsn, rows, attempts, next_due, "
-            "first_attempt, last_attempt, last_error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "first_attempt, last_attempt, last_error, call_key) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     r.chunk.trigger,
@@ -242,6 +299,7 @@ class TriggerStore:
                     r.first_attempt,
                     r.last_attempt,
                     r.last_error,
+                    r.chunk.idempotency_key,
                 )
                 for r in retries
             ],
@@ -255,12 +313,12 @@ class TriggerStore:
                 values.append(
                     (
                         d.trigger, m.collection, m.key, m.op, m.lsn, d.attempts,
-                        d.last_error, d.first_attempt, d.last_attempt, doc.decode(),
+                        d.last_error, d.first_attempt, d.last_attempt, doc.decode(), d.call_key,
                     )
                 )  # fmt: skip
         cur.executemany(
             "INSERT INTO dlq (trigger, collection, key, op, lsn, attempts, last_error, "
-            "first_attempt, last_attempt, row) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "first_attempt, last_attempt, row, call_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             values,
         )
 
@@ -280,8 +338,7 @@ class TriggerStore:
         """Entries due at ``now``, oldest due first; ``exclude`` names disabled triggers."""
         marks = ",".join("?" * len(exclude))
         sql = (
-            "SELECT id, trigger, first_lsn, last_lsn, rows, attempts, next_due, first_attempt, "
-            "last_attempt, last_error FROM retry WHERE next_due <= ? "
+            f"SELECT {_RETRY_COLUMNS} FROM retry WHERE next_due <= ? "
             + (f"AND trigger NOT IN ({marks}) " if exclude else "")
             + "ORDER BY next_due, id LIMIT ?"
         )
@@ -298,11 +355,7 @@ class TriggerStore:
 
     def pending(self, trigger: str | None = None) -> list[RetryEntry]:
         where, args = ("WHERE trigger = ?", (trigger,)) if trigger else ("", ())
-        cur = self._db.execute(
-            "SELECT id, trigger, first_lsn, last_lsn, rows, attempts, next_due, first_attempt, "
-            f"last_attempt, last_error FROM retry {where} ORDER BY id",
-            args,
-        )
+        cur = self._db.execute(f"SELECT {_RETRY_COLUMNS} FROM retry {where} ORDER BY id", args)
         return [RetryEntry(*row) for row in cur.fetchall()]
 
     def retry_depth(self) -> int:
@@ -318,18 +371,12 @@ class TriggerStore:
         """Oldest first (DLQ ids grow with time)."""
         where, args = ("WHERE trigger = ?", (trigger,)) if trigger else ("", ())
         cur = self._db.execute(
-            "SELECT id, trigger, collection, key, op, lsn, attempts, last_error, first_attempt, "
-            f"last_attempt, row FROM dlq {where} ORDER BY id LIMIT ?",
-            (*args, limit),
+            f"SELECT {_DLQ_COLUMNS} FROM dlq {where} ORDER BY id LIMIT ?", (*args, limit)
         )
         return [DlqEntry(*row) for row in cur.fetchall()]
 
     def dlq_get(self, entry_id: int) -> DlqEntry | None:
-        cur = self._db.execute(
-            "SELECT id, trigger, collection, key, op, lsn, attempts, last_error, first_attempt, "
-            "last_attempt, row FROM dlq WHERE id = ?",
-            (entry_id,),
-        )
+        cur = self._db.execute(f"SELECT {_DLQ_COLUMNS} FROM dlq WHERE id = ?", (entry_id,))
         row = cur.fetchone()
         return None if row is None else DlqEntry(*row)
 
@@ -348,35 +395,28 @@ class TriggerStore:
         Due time 0 rather than this process's "now": the daemon's clock
         decides, so clock skew between the CLI and the daemon cannot delay it.
 
-        Rows are regrouped per trigger in LSN order into chunks of the
-        trigger's ``batch_size``. Returns how many rows moved.
+        Rows keep their call: the rows of one ``call_key`` become one entry
+        with that key (whatever ``batch_size`` is now), never merged with rows
+        of another key. Rows without one (no chunk ever held them: poison
+        rows, rows of version 1 files) are regrouped per trigger in LSN order
+        into chunks of the trigger's ``batch_size``, keyed by their LSN range.
+        Returns how many rows moved.
         """
         if (entry_id is None) == (trigger is None):
             raise ValueError("give exactly one of entry_id and trigger")
-        sizes = chunk_sizes or {}
         with self._tx() as cur:
             if entry_id is not None:
                 found = cur.execute(
-                    "SELECT id, trigger, row, first_attempt FROM dlq WHERE id = ?", (entry_id,)
+                    "SELECT id, trigger, lsn, row, first_attempt, call_key FROM dlq WHERE id = ?",
+                    (entry_id,),
                 ).fetchall()
             else:
                 found = cur.execute(
-                    "SELECT id, trigger, row, first_attempt FROM dlq WHERE trigger = ? "
-                    "ORDER BY lsn, id",
+                    "SELECT id, trigger, lsn, row, first_attempt, call_key FROM dlq "
+                    "WHERE trigger = ? ORDER BY lsn, id",
                     (trigger,),
                 ).fetchall()
-            by_trigger: dict[str, list[tuple[int, bytes, float]]] = {}
-            for _id, name, row, first in found:
-                by_trigger.setdefault(name, []).append((rowsmod.meta(row).lsn, row.encode(), first))
-            retries: list[NewRetry] = []
-            for name, items in by_trigger.items():
-                items.sort(key=lambda item: item[0])
-                size = sizes.get(name, default_chunk)
-                for i in range(0, len(items), size):
-                    part = items[i : i + size]
-                    chunk = rowsmod.Chunk(name, [d for _, d, _ in part], part[0][0], part[-1][0])
-                    first = min(f for _, _, f in part)
-                    retries.append(NewRetry(chunk, 0, 0.0, first, 0.0, "replayed from the DLQ"))
+            retries = _regroup(found, chunk_sizes or {}, default_chunk)
             self._insert_retries(cur, retries)
             cur.executemany("DELETE FROM dlq WHERE id = ?", [(r[0],) for r in found])
             return len(found)
@@ -388,3 +428,41 @@ class TriggerStore:
             else:
                 cur.execute("DELETE FROM dlq WHERE trigger = ?", (trigger,))
             return cur.rowcount
+
+
+def _regroup(
+    found: Sequence[tuple[int, str, int, str, float, str | None]],
+    sizes: Mapping[str, int],
+    default_chunk: int,
+) -> list[NewRetry]:
+    """DLQ rows ``(id, trigger, lsn, row, first_attempt, call_key)`` -> retry entries.
+
+    One entry per ``call_key``, holding each of its LSNs once (a batch re-run
+    may have dead-lettered the same call twice); rows without a key in
+    ``batch_size`` chunks of LSN order. Entries come out per trigger in order
+    of their first LSN, which is the order the retry loop delivers them in.
+    """
+    keyed: dict[tuple[str, str], dict[int, tuple[bytes, float]]] = {}
+    keyless: dict[str, list[tuple[int, bytes, float]]] = {}
+    for _id, name, lsn, row, first, key in found:
+        if key is None:
+            keyless.setdefault(name, []).append((lsn, row.encode(), first))
+        else:
+            keyed.setdefault((name, key), {}).setdefault(lsn, (row.encode(), first))
+    retries: list[NewRetry] = []
+    for (name, key), by_lsn in keyed.items():
+        lsns = sorted(by_lsn)
+        docs = [by_lsn[lsn][0] for lsn in lsns]
+        chunk = rowsmod.Chunk(name, docs, lsns[0], lsns[-1], key)
+        first = min(f for _, f in by_lsn.values())
+        retries.append(NewRetry(chunk, 0, 0.0, first, 0.0, REPLAYED))
+    for name, items in keyless.items():
+        items.sort(key=lambda item: item[0])
+        size = sizes.get(name, default_chunk)
+        for i in range(0, len(items), size):
+            part = items[i : i + size]
+            chunk = rowsmod.Chunk.of(name, [rowsmod.Row(lsn, doc) for lsn, doc, _ in part])
+            first = min(f for _, _, f in part)
+            retries.append(NewRetry(chunk, 0, 0.0, first, 0.0, REPLAYED))
+    retries.sort(key=lambda r: (r.chunk.trigger, r.chunk.first_lsn, r.chunk.last_lsn))
+    return retries

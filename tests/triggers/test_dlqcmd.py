@@ -29,6 +29,18 @@ action = {{ type = "webhook", url = "{url}" }}
 """
 
 
+# "hook" alone, with the default batch_size (1024).
+ONE_HOOK = """
+[daemon]
+data_dir = "data"
+
+[[triggers]]
+name = "hook"
+collection = "orders"
+action = {{ type = "webhook", url = "{url}" }}
+"""
+
+
 @pytest.fixture
 def config(tmp_path: Path, receiver: Receiver) -> Path:
     path = tmp_path / "config.toml"
@@ -141,3 +153,39 @@ def test_dlq_commands_without_a_store(config: Path, capsys: Any) -> None:
     assert cli(["dlq", "list", "--config", str(config)]) == 0
     assert "The DLQ is empty (no trigger store at" in capsys.readouterr().out
     assert cli(["dlq", "replay", "--trigger", "hook", "--config", str(config)]) == 1
+
+
+async def test_dlq_replay_sends_each_failed_call_again_under_its_own_key(
+    make_engine: Any, tmp_path: Path, receiver: Receiver, capsys: Any
+) -> None:
+    """The reported case: three calls failed, one row each, and were redelivered by
+    `dlq replay` as one call ``hook:31016-31018``.
+    1. Three batches each match one row of "hook" (batch_size 1024); each call gets 422.
+    2. `dlq replay --trigger hook` puts them back in the retry queue.
+    3. The retry pass makes three calls again, with the three keys the receiver saw
+       before, each for the same row; no call merges them."""
+    config = tmp_path / "one.toml"
+    config.write_text(ONE_HOOK.format(url=receiver.url))
+    cfg = load(config)
+    assert [(t.name, t.batch_size) for t in cfg.triggers] == [("hook", 1024)]
+    receiver.default = Reply(422, body="unprocessable")
+    engine = await make_engine(cfg.triggers, data_dir=cfg.data_dir)
+    for batch_id, lsn in enumerate([31016, 31017, 31018], start=1):
+        matched = {"hook": [event(lsn, key=f"k{lsn}")]}
+        await engine.finish(batch(batch_id), hand_evaluation(engine, matched))
+    first = [(r.headers["Idempotency-Key"], r.lsns) for r in receiver.requests]
+    assert first == [
+        ("hook:31016-31016", [31016]),
+        ("hook:31017-31017", [31017]),
+        ("hook:31018-31018", [31018]),
+    ]
+    assert [e.call_key for e in engine._store.dlq_list()] == [k for k, _ in first]
+    receiver.default = Reply(200)
+    receiver.requests.clear()
+    capsys.readouterr()  # drop the engine's log lines
+
+    assert cli(["dlq", "replay", "--trigger", "hook", "--config", str(config)]) == 0
+    assert await engine.deliver_due() == 3
+
+    assert [(r.headers["Idempotency-Key"], r.lsns) for r in receiver.requests] == first
+    assert engine._store.pending() == [] and engine._store.dlq_list() == []

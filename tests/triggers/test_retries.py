@@ -4,8 +4,11 @@ evaluations are built by hand, exactly as run_in_spark returns them)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import sqlite3
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,14 +19,16 @@ from tests.triggers.support import (
     Receiver,
     Reply,
     batch,
+    doc,
     event,
     hand_evaluation,
     sample,
     webhook,
 )
 from triggers import PermanentError, Retry, Spec
+from triggers import rows as rowsmod
 from triggers.actions import parse_retry_after
-from triggers.store import TriggerStore
+from triggers.store import TriggerStore, store_path
 
 FAILURES = "eventplane_trigger_action_failures_total"
 SUCCESSES = "eventplane_trigger_action_successes_total"
@@ -371,3 +376,106 @@ async def test_retry_loop_keeps_retrying_a_failing_store_and_recovers_by_itself(
         await asyncio.sleep(0.02)
     assert engine.status()["retry_loop"] is None
     assert [r.status for r in receiver.requests] == [500, 200]
+
+
+async def test_a_chunk_keeps_its_key_through_retries_the_dlq_and_a_smaller_batch_size(
+    make_engine: Any, receiver: Receiver, clock: FakeClock
+) -> None:
+    """1. Rows 10-12 of one batch in chunks of 2: [10, 11] is called and gets 503, so
+       [12] is queued without a call (the action is failing).
+    2. Retries fail until max_attempts (2): both chunks go to the DLQ.
+    3. A replay with batch_size 1 (a reload shrank it) sends [10, 11] together under
+       hook:10-11 and [12] under hook:12-12: every key the receiver ever saw went
+       with one set of rows."""
+    receiver.default = Reply(503)
+    s = spec(receiver.url, batch_size=2,
+             retry=Retry(max_attempts=2, initial_backoff_ms=1000, max_backoff_ms=1000))  # fmt: skip
+    engine = await make_engine([s])
+    await engine.finish(
+        batch(), hand_evaluation(engine, {"hook": [event(n) for n in (10, 11, 12)]})
+    )
+    store: TriggerStore = engine._store
+    assert [(e.call_key, e.attempts) for e in store.pending()] == [
+        ("hook:10-11", 1),
+        ("hook:12-12", 0),
+    ]
+    assert await engine.deliver_due() == 1  # [12], due at once
+    clock.advance(10)
+    assert await engine.deliver_due() == 2
+    assert store.pending() == []
+    assert sorted((e.lsn, e.call_key, e.attempts) for e in store.dlq_list()) == [
+        (10, "hook:10-11", 2),
+        (11, "hook:10-11", 2),
+        (12, "hook:12-12", 2),
+    ]
+
+    receiver.default = Reply(200)
+    assert store.dlq_replay(trigger="hook", chunk_sizes={"hook": 1}) == 3
+    assert await engine.deliver_due() == 2
+
+    assert [(r.headers["Idempotency-Key"], r.lsns) for r in receiver.accepted()] == [
+        ("hook:10-11", [10, 11]),
+        ("hook:12-12", [12]),
+    ]
+    seen: dict[str, set[tuple[int, ...]]] = {}
+    for r in receiver.requests:
+        seen.setdefault(r.headers["Idempotency-Key"], set()).add(tuple(r.lsns))
+    assert seen == {"hook:10-11": {(10, 11)}, "hook:12-12": {(12,)}}
+    assert len(receiver.requests) == 2 + 2 + 2  # first attempts, retries, replay
+
+
+# The layout eventplane wrote before the call key was stored (user_version 1).
+STORE_V1 = """
+CREATE TABLE retry (id INTEGER PRIMARY KEY AUTOINCREMENT, trigger TEXT NOT NULL,
+    first_lsn INTEGER NOT NULL, last_lsn INTEGER NOT NULL, rows TEXT NOT NULL,
+    attempts INTEGER NOT NULL, next_due REAL NOT NULL, first_attempt REAL NOT NULL,
+    last_attempt REAL NOT NULL, last_error TEXT NOT NULL);
+CREATE INDEX retry_due ON retry (next_due, id);
+CREATE TABLE dlq (id INTEGER PRIMARY KEY AUTOINCREMENT, trigger TEXT NOT NULL,
+    collection TEXT NOT NULL, key TEXT NOT NULL, op TEXT NOT NULL, lsn INTEGER NOT NULL,
+    attempts INTEGER NOT NULL, last_error TEXT NOT NULL, first_attempt REAL NOT NULL,
+    last_attempt REAL NOT NULL, row TEXT NOT NULL);
+CREATE INDEX dlq_trigger ON dlq (trigger, id);
+PRAGMA user_version = 1;
+"""
+
+
+async def test_a_store_of_layout_1_opens_and_its_entries_keep_the_keys_they_were_sent_with(
+    make_engine: Any, receiver: Receiver, tmp_path: Path
+) -> None:
+    """1. A version 1 store holds a retry entry of rows 10-11 and a DLQ row 12.
+    2. The engine opens it: the file becomes version 2; the retry entry is sent with
+       hook:10-11, the key version 1 sent it with; the DLQ row has no key.
+    3. Replayed, the DLQ row is keyed by its LSN range, as before."""
+    path = store_path(tmp_path / "data")
+    path.parent.mkdir(parents=True)
+    docs = [rowsmod.with_key("hook", n, doc(event(n))) for n in (10, 11, 12)]
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.executescript(STORE_V1)
+        db.execute(
+            "INSERT INTO retry (trigger, first_lsn, last_lsn, rows, attempts, next_due, "
+            "first_attempt, last_attempt, last_error) VALUES ('hook', 10, 11, ?, 1, 0, 1, 1, 'x')",
+            (rowsmod.join(docs[:2]).decode(),),
+        )
+        db.execute(
+            "INSERT INTO dlq (trigger, collection, key, op, lsn, attempts, last_error, "
+            "first_attempt, last_attempt, row) VALUES ('hook', 'orders', 'k12', 'insert', 12, "
+            "1, 'x', 1, 1, ?)",
+            (docs[2].decode(),),
+        )
+        db.commit()
+
+    engine = await make_engine([spec(receiver.url)])
+    store: TriggerStore = engine._store
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert [e.call_key for e in store.pending()] == ["hook:10-11"]
+    assert [e.call_key for e in store.dlq_list()] == [None]
+    assert await engine.deliver_due() == 1
+    assert store.dlq_replay(trigger="hook") == 1
+    assert await engine.deliver_due() == 1
+
+    assert [(r.headers["Idempotency-Key"], r.lsns) for r in receiver.requests] == [
+        ("hook:10-11", [10, 11]),
+        ("hook:12-12", [12]),
+    ]
+    TriggerStore(path).close()  # a version 2 file opens as it is
