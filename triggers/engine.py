@@ -12,7 +12,7 @@ Lifecycle::
     errors = await asyncio.to_thread(engine.reload, specs, spark)  # SIGHUP
     await engine.stop()
 
-Guarantees (DESIGN.md invariants 6 and 8): ``finish`` returns only when each
+Guarantees (docs/design.md, invariants 6 and 8): ``finish`` returns only when each
 action call of the batch succeeded or sits in SQLite (retry queue or DLQ,
 ``synchronous = FULL``), so the batch's watermark never covers an event whose
 action could still be lost. A crash before the commit re-runs the batch and
