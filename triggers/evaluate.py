@@ -575,6 +575,9 @@ def _bisect(df: Any, b: _Bisection, lo: int, hi: int, known_failing: bool) -> bo
 _CAST = "org.apache.spark.sql.catalyst.expressions.Cast"
 
 
+# The rewrite walks the expression tree over py4j (tens of calls): done once per
+# session and expression, the Column is reused (it is unresolved, like Selection's).
+@functools.lru_cache(maxsize=256)
 def _try_column(spark: Any, expression: str) -> Any:
     """``expression`` with every cast in TRY mode (a failing cast gives NULL), as a
     Column; None when the rewrite is not possible here (Spark Connect, another
