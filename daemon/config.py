@@ -7,7 +7,7 @@ operator fixes a file in one pass::
     ingest.listen: expected "host:port", got "8470"
     triggers[1].name: duplicate trigger name "big-orders" (also triggers[0])
 
-Sections, keys and defaults are the contract of DESIGN.md; the README's
+Sections, keys and defaults are a contract with users; the README's
 configuration reference and the top-level ``config.toml`` document each one.
 """
 

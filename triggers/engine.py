@@ -12,7 +12,7 @@ Lifecycle::
     errors = await asyncio.to_thread(engine.reload, specs, spark)  # SIGHUP
     await engine.stop()
 
-Guarantees (DESIGN.md invariants 6 and 8): ``finish`` returns only when each
+Guarantees (docs/design.md, invariants 6 and 8): ``finish`` returns only when each
 action call of the batch succeeded or sits in SQLite (retry queue or DLQ,
 ``synchronous = FULL``), so the batch's watermark never covers an event whose
 action could still be lost. A crash before the commit re-runs the batch and
@@ -738,12 +738,17 @@ class TriggerEngine:
                 raise
             except Exception as exc:
                 failures += 1
+                # A pass runs triggers in a TaskGroup: say what failed inside it.
+                cause: BaseException = exc
+                while isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+                    cause = cause.exceptions[0]
+                error = f"{type(cause).__name__}: {cause}"
+                since = time.monotonic() if self.loop_failing is None else self.loop_failing[0]
                 if self.loop_failing is None:
-                    self.loop_failing = (time.monotonic(), f"{type(exc).__name__}: {exc}")
-                    log.exception("trigger_retry_pass_failed", consecutive=failures)
+                    log.exception("trigger_retry_pass_failed", consecutive=failures, error=error)
                 else:
-                    self.loop_failing = (self.loop_failing[0], f"{type(exc).__name__}: {exc}")
-                    log.error("trigger_retry_pass_failed", consecutive=failures, error=repr(exc))
+                    log.error("trigger_retry_pass_failed", consecutive=failures, error=error)
+                self.loop_failing = (since, error)
                 delay = min(self._poll_s * 2**failures, RETRY_LOOP_BACKOFF_MAX_S)
             if delay > 0:
                 with contextlib.suppress(TimeoutError):

@@ -19,24 +19,26 @@ the batch is split (a clean batch costs nothing extra):
 
 1. Each trigger alone, full selection: those that pass are evaluated; the
    ones that fail are the culprits.
-2. Per culprit, one job with every cast of its ``when`` (and emit
-   expressions) in TRY mode (a failing cast gives NULL instead of an error)
-   finds the *suspects*: the rows of its collection where that comes out
-   NULL. The DataFrame is persisted for the splits unless the executor
-   already did.
-3. Per culprit, the other rows are evaluated in one job (normally it passes),
-   then the suspects are bisected: a passing set is evaluated as usual, a
-   failing one is halved until the failing rows are single rows, at most
+2. Per culprit, one job over the rows of its collection: the *suspects*
+   are those where its ``when`` (and emit expressions) come out NULL once
+   every cast in them is a TRY cast (a failing cast gives NULL instead of an
+   error); the job brings their documents, and evaluates the other rows as
+   usual under a CASE that keeps the failing casts off the suspects. The
+   DataFrame is persisted for the splits unless the executor already did.
+3. The others passed, so the failing rows are among the suspects: one
+   suspect is the failing row; more are bisected (a set that passes is
+   evaluated as usual, one that fails is halved down to single rows), at most
    ``MAX_POISON_ROWS_PER_BATCH`` of them in at most ``MAX_SPLIT_JOBS_PER_BATCH``
-   jobs; past either the rest of the trigger's rows are not evaluated. With
-   a few poison rows that is a handful of jobs whatever the batch size (a
-   bisection of the whole batch cost ~1.5 log2(n) jobs per poison row: 55
-   jobs and 31 s for 4 poison rows in 200 on the loaded 2-core box). If the
-   other rows fail too (a NULL the expression masked, such as ``coalesce``
-   over a failing cast), they are bisected by LSN range the same way.
-4. Per culprit, one job renders the row documents of its failing and
-   unevaluated rows; they go to the trigger's DLQ marked ``"stage": "when"``
-   (see ``triggers.rows``), so a replay evaluates ``when`` again.
+   jobs; past either the rest of the suspects are not evaluated. One poison
+   cast thus costs one job beyond the batch's failed one, whatever the batch
+   size (a bisection of the whole batch cost ~1.5 log2(n) jobs per poison
+   row: 55 jobs and 31 s for 4 poison rows in 200 on the loaded 2-core box).
+   If that job fails all the same (a division by zero, a UDF: no cast), the
+   trigger's rows are bisected by LSN range instead.
+4. Per culprit, the row documents of its failing and unevaluated rows (from
+   step 2's job, or one more job after a range bisection); they go to the
+   trigger's DLQ marked ``"stage": "when"`` (see ``triggers.rows``), so a
+   replay evaluates ``when`` again.
 """
 
 from __future__ import annotations
@@ -454,10 +456,8 @@ class _Bisection:
     left: list[tuple[int, int]] = field(default_factory=list)  # LSN ranges not evaluated
     capped: str = ""  # why the rest was left: "" (it was not), "rows" or "jobs"
     jobs: int = 0
-    # ``lsns`` are exactly the rows to look at (suspects: a few), not range
-    # bounds; else ranges of ``lsns`` skip the LSNs in ``exclude``.
+    # ``lsns`` are exactly the rows to look at (suspects: a few), not range bounds.
     exact: bool = False
-    exclude: tuple[int, ...] = ()
 
 
 def _isolate(
@@ -496,26 +496,30 @@ def _isolate(
     try:
         for selection, error in culprits:
             t = selection.active[0]
-            # Step 2. The suspects: rows whose condition is NULL with ANSI off.
+            # Step 2. One job: the suspects (their documents), and the others evaluated.
             result.isolation_jobs += 1
-            lsns, suspects = _suspects(spark, df, t)
-            b = _Bisection(t, selection, lsns, exclude=tuple(suspects))
-            if lsns:
-                # Step 3. The other rows in one job; then the suspects, bisected.
-                _bisect(df, b, 0, len(lsns) - 1, known_failing=not suspects)
-            s = _Bisection(t, selection, suspects, exact=True)
-            if suspects:
-                _bisect(df, s, 0, len(suspects) - 1, known_failing=False)
-            b.rows += s.rows
-            b.failed.update(s.failed)
-            b.left += [
-                (lsn, lsn) for first, last in s.left for lsn in suspects if first <= lsn <= last
-            ]
-            b.jobs += s.jobs
-            b.capped = b.capped or s.capped
+            split = _split_suspects(spark, df, t, selection)
+            docs: dict[int, str] = {}
+            if split is not None:
+                rows, docs = split
+                suspects = sorted(docs)
+                b = _Bisection(t, selection, suspects, rows=rows, exact=True)
+                # Step 3. The others passed, so the suspects hold the failing rows.
+                if len(suspects) == 1:
+                    b.failed[suspects[0]] = error
+                elif suspects:
+                    _bisect(df, b, 0, len(suspects) - 1, known_failing=True)
+            else:
+                # Not only casts fail (or no rewrite here): bisect the trigger's rows.
+                result.isolation_jobs += 1
+                lsns = sorted(r[0] for r in df.filter(_gate(t)).select("lsn").collect())
+                b = _Bisection(t, selection, lsns)
+                if lsns:
+                    _bisect(df, b, 0, len(lsns) - 1, known_failing=True)
             _add_matched(result, [t], selection.names, b.rows)
-            # Step 4. Documents of the failing and unevaluated rows, one job
-            poisoned = _poison_rows(df, b, scope, error)
+            # Step 4. Documents of the failing and unevaluated rows (one job, if
+            # step 2 did not bring them)
+            poisoned = _poison_rows(df, b, scope, error, docs)
             result.isolation_jobs += b.jobs
             if poisoned:
                 result.poisoned[t.name] = poisoned
@@ -544,8 +548,6 @@ def _bisect(df: Any, b: _Bisection, lo: int, hi: int, known_failing: bool) -> bo
             in_range = F.col("lsn").isin(list(b.lsns[lo : hi + 1]))
         else:
             in_range = F.col("lsn").between(first, last)
-            if b.exclude:
-                in_range = in_range & ~F.col("lsn").isin(list(b.exclude))
         # CASE: the condition never runs on rows outside the range.
         cond = F.when(in_range, b.selection.filter).otherwise(F.lit(False))
         b.jobs += 1
@@ -573,6 +575,9 @@ def _bisect(df: Any, b: _Bisection, lo: int, hi: int, known_failing: bool) -> bo
 _CAST = "org.apache.spark.sql.catalyst.expressions.Cast"
 
 
+# The rewrite walks the expression tree over py4j (tens of calls): done once per
+# session and expression, the Column is reused (it is unresolved, like Selection's).
+@functools.lru_cache(maxsize=256)
 def _try_column(spark: Any, expression: str) -> Any:
     """``expression`` with every cast in TRY mode (a failing cast gives NULL), as a
     Column; None when the rewrite is not possible here (Spark Connect, another
@@ -600,22 +605,23 @@ def _try_column(spark: Any, expression: str) -> Any:
         return None
 
 
-def _suspects(spark: Any, df: Any, t: Trigger) -> tuple[list[int], list[int]]:
-    """``(LSNs of the rows t looks at, sorted; the suspects among them)``.
+def _split_suspects(
+    spark: Any, df: Any, t: Trigger, selection: Selection
+) -> tuple[list[Any], dict[int, str]] | None:
+    """One job over the rows ``t`` looks at: ``(the others' rows of its
+    selection, evaluated as usual; suspect LSN -> its document)``.
 
     A suspect's ``when`` (or emit expression) is NULL once every cast in it is
-    a TRY cast: that is where a cast failed (or the value is NULL anyway).
-    Only casts: rows failing otherwise (a division by zero, a UDF) are no
-    suspects, and the bisection of the other rows finds them; if this job
-    fails for such a row, or the rewrite is not possible, every row is
-    "other".
+    a TRY cast: where a cast failed (or the value is NULL anyway). The others
+    are evaluated under a CASE, so the failing casts never run on suspects.
+    None when the rewrite is not possible, or when the job fails all the same
+    (a division by zero, a UDF: no cast): the caller bisects by LSN range.
     """
     F = _functions()
     when = _try_column(spark, t.when)
     if when is None:
-        lsns = [r[0] for r in df.filter(_gate(t)).select("lsn").collect()]
-        return sorted(lsns), []
-    null = when.isNull()
+        return None
+    suspect = when.isNull()
     action = t.action
     if isinstance(action, EmitAction):
         # Emit expressions run on matched rows only (``_emit_columns``).
@@ -623,30 +629,46 @@ def _suspects(spark: Any, df: Any, t: Trigger) -> tuple[list[int], list[int]]:
             if expression is not None:
                 value = _try_column(spark, expression)
                 if value is not None:
-                    null = null | (F.coalesce(when, F.lit(False)) & value.isNull())
+                    suspect = suspect | (F.coalesce(when, F.lit(False)) & value.isNull())
+    names = selection.names
+    gated = df.filter(_gate(t)).withColumn("_suspect", suspect)
+    others = gated.filter(
+        F.when(~F.col("_suspect"), selection.filter).otherwise(F.lit(False))
+    ).select(*selection.selected, F.lit(False).alias("_suspect"))
+    suspects = gated.filter(F.col("_suspect")).select(
+        F.col("lsn"),
+        _doc_column().alias("doc"),
+        *[F.lit(None).alias(n) for n in names[2:]],
+        F.lit(True).alias("_suspect"),
+    )
     try:
-        rows = df.filter(_gate(t)).select("lsn", null.alias("suspect")).collect()
+        rows = others.unionByName(suspects).collect()
     except Exception as exc:
         if not _row_error(exc):
             raise
-        # It fails otherwise than by a cast (a division by zero under ANSI):
-        # no suspects, the bisection by LSN range finds the rows.
-        lsns = [r[0] for r in df.filter(_gate(t)).select("lsn").collect()]
-        return sorted(lsns), []
-    return sorted(r[0] for r in rows), sorted(r[0] for r in rows if r[1])
+        return None
+    docs = {r[0]: r[1] for r in rows if r[-1]}
+    return [tuple(r)[: len(names)] for r in rows if not r[-1]], docs
 
 
-def _poison_rows(df: Any, b: _Bisection, scope: str, first_error: str) -> list[PoisonRow]:
-    """The failing rows with their own errors, the rows left by the cap with one saying so."""
+def _poison_rows(
+    df: Any, b: _Bisection, scope: str, first_error: str, docs: Mapping[int, str]
+) -> list[PoisonRow]:
+    """The failing rows with their own errors, the rows left by the cap with one
+    saying so. Their documents come from ``docs`` (the suspects') or one job."""
     if not b.failed and not b.left:
         return []
-    F = _functions()
     t = b.trigger
-    where = F.col("lsn").isin(list(b.failed)) if b.failed else F.lit(False)
-    for first, last in b.left:
-        where = where | F.col("lsn").between(first, last)
-    b.jobs += 1
-    found = df.filter(_gate(t) & where).select("lsn", _doc_column().alias("doc")).collect()
+    if b.exact:  # the rows are suspects: ranges of them, then their documents
+        left = [lsn for lo, hi in b.left for lsn in b.lsns if lo <= lsn <= hi]
+        found = [(lsn, docs[lsn]) for lsn in (*b.failed, *left) if lsn in docs]
+    else:
+        F = _functions()
+        where = F.col("lsn").isin(list(b.failed)) if b.failed else F.lit(False)
+        for first, last in b.left:
+            where = where | F.col("lsn").between(first, last)
+        b.jobs += 1
+        found = df.filter(_gate(t) & where).select("lsn", _doc_column().alias("doc")).collect()
     why = (
         f"failed on more than {MAX_POISON_ROWS_PER_BATCH} rows of {scope}"
         if b.capped == "rows"

@@ -30,7 +30,7 @@ class HistogramVec(Protocol):
 
 
 class TriggerMetrics(Protocol):
-    """``trigger_*`` and ``dlq_*`` series of DESIGN.md (per-trigger where labelled)."""
+    """``trigger_*`` and ``dlq_*`` series of docs/operating.md (per-trigger where labelled)."""
 
     @property
     def trigger_fires(self) -> CounterVec: ...  # labels: trigger

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-# The batch DataFrame the Spark executor hands to every stage (DESIGN.md CDC
+# The batch DataFrame the Spark executor hands to every stage (the README's CDC
 # columns plus depth/source for events made by emit actions).
 BATCH_COLUMNS = (
     "lsn", "core", "seq", "collection", "op", "key", "new", "old",

@@ -564,7 +564,7 @@ class Wal:
             except Exception:
                 # The events are durable whatever the listener did: acknowledge
                 # them. A consumer that missed them finds a gap and catches up
-                # from the WAL (DESIGN.md, consumer modes).
+                # from the WAL (docs/design.md, consumer modes).
                 _log().exception(
                     "wal.listener_failed", first_lsn=records[0].lsn, events=len(records)
                 )

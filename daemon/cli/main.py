@@ -1,4 +1,4 @@
-"""The ``eventplane`` command (contract in DESIGN.md).
+"""The ``eventplane`` command (a contract: README and docs/operating.md).
 
 Each subcommand imports its implementation lazily, so ``eventplane
 check-config`` answers in milliseconds without loading Spark or aiohttp.

@@ -81,7 +81,7 @@ class BatchStage(Protocol):
     """One consumer of each batch's DataFrame inside the Spark executor.
 
     ``run_in_spark`` runs in the Spark worker thread with the batch DataFrame
-    (CDC schema of DESIGN.md); its result is passed to ``finish`` on the event
+    (the CDC schema of the README); its result is passed to ``finish`` on the event
     loop, which returns only when the stage's effects are complete or durably
     queued (invariant 6). Triggers plug in here. A stage that caches the
     session, or objects made from it, also implements ``SessionAware``.

@@ -1,4 +1,4 @@
-"""Per-core consumers and their mode machine (DESIGN.md, "Consumer modes").
+"""Per-core consumers and their mode machine (docs/design.md, "Consumer modes").
 
 ::
 

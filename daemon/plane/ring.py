@@ -1,4 +1,4 @@
-"""Per-core ring buffers and their backpressure state (DESIGN.md, data flow).
+"""Per-core ring buffers and their backpressure state (docs/design.md, data flow).
 
 The WAL listener hands every durable group to :meth:`RingSet.push_group` on
 the event loop, in LSN order, after the fsync (invariant 2). Each core's ring
@@ -37,7 +37,7 @@ _payload = itemgetter(3)
 if TYPE_CHECKING:
     from daemon.service.metrics import Metrics
 
-# Thresholds of DESIGN.md "Consumer modes".
+# Thresholds of docs/consumers.md (backpressure).
 THROTTLE_AT = 0.85
 THROTTLE_LEAVE = 0.75
 SUSPEND_AT = 0.95

@@ -1,4 +1,4 @@
-"""Every Prometheus series of the daemon, in one place (DESIGN.md, contract).
+"""Every Prometheus series of the daemon, in one place (a contract: docs/operating.md, "Metrics").
 
 Names follow Prometheus conventions: prefix ``eventplane_``, ``_total`` on
 counters, base units (``_seconds``, ``_bytes``), a ``core`` label (the core

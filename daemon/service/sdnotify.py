@@ -6,7 +6,7 @@ name starting with ``@`` is a Linux abstract socket (the ``@`` becomes a NUL
 byte). When the variable is unset — a terminal, a test, a container without
 systemd — every call is a cheap no-op, so callers never branch on it.
 
-What the daemon sends, and when (DESIGN.md, "Running it as a service"):
+What the daemon sends, and when (docs/operating.md, "Start, stop, reload: signals"):
 
 - ``READY=1`` once the WAL is open and both listeners are bound;
 - ``STATUS=<one line>`` with a summary (modes, lag), only when it changes;

@@ -82,7 +82,7 @@ META_DIR = "_eventplane"
 # with 40 files per batch (fsync included, ad-hoc script).
 KEEP_BATCHES = 128
 _PUBLISHED = re.compile(r"^part-b(\d{12})-")
-# Contract columns of a CDC table (DESIGN.md), in order.
+# Contract columns of a CDC table (README, "CDC tables"), in order.
 CDC_COLUMNS = (
     "lsn",
     "core",

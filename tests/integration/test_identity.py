@@ -33,4 +33,6 @@ def test_cdc_table_of_another_wal_refuses_to_start_and_says_so(tmp_path: Path) -
     daemon = DaemonProcess.production(config)
     with pytest.raises(RuntimeError, match="daemon exited with 1"):
         daemon.start(timeout_s=120)
-    assert "wal" in daemon.tail().lower() and "ledger" in daemon.tail().lower(), daemon.tail()
+    tail = daemon.tail()
+    assert "was written by another event plane" in tail and "WAL id" in tail, tail
+    assert '"event": "startup.failed"' in tail, tail

@@ -70,7 +70,7 @@ def test_status_command_and_metrics_against_the_running_daemon(daemon: DaemonPro
     """1. Post events so the counters move.
     2. `eventplane status --url` prints the table and exits 0; `--json` follows
        the documented /v1/status shape.
-    3. A scrape of /metrics has every DESIGN.md series with its type."""
+    3. A scrape of /metrics has every documented series with its type."""
     post_events(daemon.ingest_url, [_event(i) for i in range(20)])
     cli = [sys.executable, "-m", "daemon.cli.main", "status", "--url", daemon.admin_url]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

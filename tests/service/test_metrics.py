@@ -1,4 +1,4 @@
-"""Every DESIGN.md series, scraped and parsed with prometheus_client's own parser."""
+"""Every documented series (docs/operating.md), scraped and parsed by prometheus_client."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from prometheus_client.samples import Sample
 
 from daemon.service.metrics import BACKPRESSURE_VALUES, CATCHUP_REASONS, Metrics
 
-# DESIGN.md "Metrics": (family name as the parser reports it, type, label names).
+# docs/operating.md "Metrics": (family name as the parser reports it, type, label names).
 # The parser drops ``_total`` from counter family names; samples keep it.
 DESIGN_SERIES: list[tuple[str, str, frozenset[str]]] = [
     # ingest requests/events/ack latency

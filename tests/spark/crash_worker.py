@@ -4,6 +4,9 @@
 --remote sc://...]`` runs the deterministic batches 1..N of ``tests.spark.support``
 through a real ``SparkExecutor`` writing under ROOT, printing ``committed <id>``
 after each. With ``EVENTPLANE_CRASH_AT`` set it SIGKILLs itself at that point.
+``--pause-before B`` prints ``paused B`` and waits for a line on stdin before
+batch B; ``--retries N`` retries a failed batch (once the executor is ready again)
+like the planner does.
 """
 
 from __future__ import annotations
@@ -26,7 +29,20 @@ async def run(args: argparse.Namespace) -> int:
         await asyncio.wait_for(ex.wait_ready(), args.ready_timeout)
         print("ready", flush=True)
         for batch in make_batches(args.batches, args.per_batch):
-            await ex.execute(batch)
+            if args.pause_before == batch.batch_id:
+                # The test restarts the server meanwhile, then writes a line.
+                print(f"paused {batch.batch_id}", flush=True)
+                await asyncio.to_thread(sys.stdin.readline)
+            for attempt in range(1, args.retries + 2):
+                try:
+                    await ex.execute(batch)
+                    break
+                except Exception as exc:  # the planner's retry, in short
+                    print(f"failed {batch.batch_id} attempt {attempt}: {exc!r}"[:300], flush=True)
+                    if attempt > args.retries:
+                        raise
+                    await asyncio.sleep(1.0)
+                    await asyncio.wait_for(ex.wait_ready(), args.ready_timeout)
             print(f"committed {batch.batch_id}", flush=True)
     finally:
         await ex.stop()
@@ -42,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remote", default="")
     p.add_argument("--wal-id", default="wal-1")
     p.add_argument("--ready-timeout", type=float, default=240.0)
+    p.add_argument("--retries", type=int, default=0, help="failed attempts retried per batch")
+    p.add_argument("--pause-before", type=int, default=0, help="wait for a stdin line first")
     return asyncio.run(run(p.parse_args(argv)))
 
 

@@ -167,12 +167,8 @@ def _connect_client_missing() -> str:
     return ""
 
 
-@pytest.fixture
-def connect_server(tmp_path: Path) -> Iterator[str]:
-    """The distribution's Spark Connect server (local[1]) on 127.0.0.1."""
-    home = tmp_path / "connect"
-    (home / "logs").mkdir(parents=True)
-    port = free_port()
+def _start_connect(home: Path, port: int, name: str = "connect") -> subprocess.Popen[bytes]:
+    (home / "logs").mkdir(parents=True, exist_ok=True)
     server = _start(
         [
             str(spark_home() / "sbin" / "start-connect-server.sh"),
@@ -189,10 +185,18 @@ def connect_server(tmp_path: Path) -> Iterator[str]:
             "spark.sql.session.timeZone=UTC",
         ],
         home,
-        "connect",
+        name,
     )
+    _wait(lambda: _port_open(port), 180, "Spark Connect server", home)
+    return server
+
+
+@pytest.fixture
+def connect_server(tmp_path: Path) -> Iterator[str]:
+    """The distribution's Spark Connect server (local[1]) on 127.0.0.1."""
+    port = free_port()
+    server = _start_connect(tmp_path / "connect", port)
     try:
-        _wait(lambda: _port_open(port), 180, "Spark Connect server", home)
         yield f"sc://127.0.0.1:{port}"
     finally:
         _stop(server)
@@ -205,5 +209,49 @@ def test_spark_connect_server_writes_the_cdc_table_exactly_once(
     proc = run_worker(tmp_path, batches=3, remote=connect_server)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "committed 3" in proc.stdout
+    rows = spark.read.parquet(str(tmp_path / "cdc" / "all")).select("lsn").collect()
+    assert sorted(r.lsn for r in rows) == batch_lsns(make_batches(3, PER_BATCH))
+
+
+@pytest.mark.skipif(bool(_connect_client_missing()), reason=_connect_client_missing())
+@pytest.mark.timeout(900)
+def test_restarted_spark_connect_server_is_used_again_and_cdc_stays_exactly_once(
+    spark: Any, tmp_path: Path
+) -> None:
+    """1. An executor on a Connect server commits batch 1.
+    2. The server is stopped and a new one started on the same port: it knows
+       nothing of the client's session.
+    3. Batch 2 fails, the executor sees the session is gone, builds a new one
+       on the new server, and batches 2-3 commit; the table holds each row once."""
+    home, port = tmp_path / "connect", free_port()
+    server = _start_connect(home, port)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env["PYSPARK_PYTHON"] = sys.executable
+    cmd = [sys.executable, "-m", "tests.spark.crash_worker", str(tmp_path), "--batches", "3",
+           "--per-batch", str(PER_BATCH), "--remote", f"sc://127.0.0.1:{port}",
+           "--pause-before", "2", "--retries", "20"]  # fmt: skip
+    worker = subprocess.Popen(
+        cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        assert worker.stdout is not None
+        lines: list[str] = []
+        for raw in worker.stdout:
+            lines.append(raw.decode(errors="replace").rstrip())
+            if lines[-1] == "paused 2":
+                break
+        assert "committed 1" in lines, "\n".join(lines[-40:])
+        _stop(server)  # Step 2. A new server, the same address.
+        server = _start_connect(home, port, "connect-2")
+        out, _ = worker.communicate(b"go\n", timeout=600)
+        lines += out.decode(errors="replace").splitlines()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        _stop(server)
+    text = "\n".join(lines[-60:])
+    assert worker.returncode == 0, text
+    assert "committed 3" in lines, text
+    assert any(line.startswith("failed 2 attempt") for line in lines), text  # it did fail
     rows = spark.read.parquet(str(tmp_path / "cdc" / "all")).select("lsn").collect()
     assert sorted(r.lsn for r in rows) == batch_lsns(make_batches(3, PER_BATCH))

@@ -29,13 +29,18 @@ def expected_lsns(first: int, last: int) -> list[int]:
 
 
 async def test_executor_commits_batches_after_the_engine_delivered_or_queued(
-    spark: Any, make_engine: Any, receiver: Receiver, tmp_path: Path, metrics: Metrics
+    spark: Any,
+    make_engine: Any,
+    receiver: Receiver,
+    tmp_path: Path,
+    metrics: Metrics,
+    clock: Any,
 ) -> None:
     """1. Two batches of 200 events through SparkExecutor with the engine as a stage.
-    2. The receiver answers 503 to the first call: that chunk is queued, the
-       batch still commits (its call sits durably in the retry queue).
-    3. Every matched row reached the receiver or the retry queue, none twice
-       among the accepted calls, in LSN order."""
+    2. The receiver answers 503 to the first call: that chunk is queued, and so
+       are the trigger's later chunks, without a call (its action is failing);
+       both batches still commit (every call sits durably in the retry queue).
+    3. The retry passes deliver every matched row once, in LSN order per call."""
     receiver.script = [Reply(503)]
     s = Spec(name="big", collection="orders", when="new:amount::double > 1500",
              action=webhook(receiver.url), batch_size=16)  # fmt: skip
@@ -54,12 +59,17 @@ async def test_executor_commits_batches_after_the_engine_delivered_or_queued(
     assert committed == 2
     want = expected_lsns(1, 400)
     assert want  # the data has matches
+    assert receiver.accepted() == []  # one 503, then nothing was attempted in finish
+    pending = engine._store.pending()
+    queued = [json.loads(d)["lsn"] for e in pending for d in e.chunk().docs]
+    assert sorted(queued) == want
+    assert [e.attempts for e in pending if e.first_lsn == want[0]] == [1]  # the 503
+    assert all(e.attempts == 0 for e in pending if e.first_lsn != want[0])  # deferred
+    clock.advance(60)
+    while await engine.deliver_due():
+        clock.advance(60)
     accepted = [lsn for r in receiver.accepted() for lsn in r.lsns]
-    [pending] = engine._store.pending()
-    queued = [json.loads(d)["lsn"] for d in pending.chunk().docs]
-    assert sorted(accepted + queued) == want
-    assert len(set(accepted)) == len(accepted)
-    assert queued == want[:16]  # the first call of the first batch got the 503
+    assert sorted(accepted) == want and len(set(accepted)) == len(accepted)
     for r in receiver.accepted():
         assert r.lsns == sorted(r.lsns)
         assert all(row["batch_id"] in (1, 2) for row in r.body["rows"])
