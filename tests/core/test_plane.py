@@ -284,9 +284,10 @@ async def test_retention_removes_segments_below_the_watermarks_and_replay_still_
         await h.feed([(j % 2, b"%04d" % (i * 10 + j) + b"." * 60) for j in range(10)])
     await h.executor.wait_rows(300)
     await h.until(lambda: h.plane.watermarks is not None and h.plane.watermarks.lsns == [299, 300])
-    segments_before = h.wal.segment_count()
     await h.plane.flush()
-    assert h.wal.segment_count() < segments_before
+    # 300 events of ~80 bytes filled several 4 KiB segments; only the last one
+    # or two stay (a flush after a catch-up may have removed some already).
+    assert h.wal.segment_count() <= 2
     assert 1 < h.wal.retained_floor() <= 300
     await h.plane.stop(5)
     await h.wal.aclose()

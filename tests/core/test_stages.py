@@ -91,12 +91,14 @@ async def test_failing_stage_falls_behind_while_the_others_keep_committing(
 async def test_recovered_stage_replays_missed_batches_in_order_then_rejoins_live(
     tmp_path: Path,
 ) -> None:
+    now = [100.0]
     executor = StagedExecutor()
     wal: list[Record] = []
-    planner = make(tmp_path, executor, wal)
+    planner = make(tmp_path, executor, wal, clock=lambda: now[0])
     executor.failing.add("cdc:b")
     await run_batches(planner, wal, range(1, 4))
     executor.failing.clear()
+    now[0] += 1.0  # past b's backoff (1 ms), whatever the machine's speed
 
     await planner._run_behind()  # what the run loop does between live batches
     await run_batches(planner, wal, range(4, 5))

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import DaemonProcess
+from tests.integration.harness import DaemonProcess, write_config
 
 
 @contextlib.contextmanager
@@ -89,3 +89,29 @@ def stage(status: dict[str, Any], name: str) -> dict[str, Any]:
         if st["name"] == name:
             return dict(st)
     raise KeyError(f"no stage {name!r} in {status.get('stages')}")
+
+
+def spark_config(
+    tmp_path: Path,
+    streams: dict[str, Path] | None = None,
+    extra: str = "",
+    stall_after_s: float | None = None,
+) -> Path:
+    """A daemon config on free ports with embedded Spark (``local[2]``, 2 cores,
+    200 ms batches), the CDC ``streams`` (name -> path; default one stream
+    ``all`` under ``tmp_path/cdc/all``), ``[health] stall_after_s`` if given,
+    and ``extra`` TOML (triggers) appended."""
+    streams = streams if streams is not None else {"all": tmp_path / "cdc" / "all"}
+    text = """
+[spark]
+master = "local[2]"
+log_level = "ERROR"
+
+[spark.conf]
+"spark.sql.shuffle.partitions" = "2"
+"""
+    if stall_after_s is not None:
+        text += f"\n[health]\nstall_after_s = {stall_after_s}\n"
+    for name, path in streams.items():
+        text += f'\n[[cdc.streams]]\nname = "{name}"\ncollections = "*"\npath = "{path}"\n'
+    return write_config(tmp_path, cores=2, interval_ms=200, extra=text + extra)

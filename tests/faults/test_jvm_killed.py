@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from tests.faults.support import healthz, metric, stage, wait_for
-from tests.integration.harness import DaemonProcess, Loader, write_config
+from tests.faults.support import healthz, metric, spark_config, stage, wait_for
+from tests.integration.harness import DaemonProcess, Loader
 from tests.integration.test_triggers_daemon import Receiver
 
 pytestmark = [pytest.mark.spark, pytest.mark.crash]
@@ -37,19 +37,7 @@ KILL_TO_COMMIT_S = 120.0
 
 
 def _config(tmp_path: Path, hook_port: int) -> Path:
-    extra = f"""
-[spark]
-master = "local[2]"
-log_level = "ERROR"
-
-[spark.conf]
-"spark.sql.shuffle.partitions" = "2"
-
-[[cdc.streams]]
-name = "all"
-collections = "*"
-path = "{tmp_path / "cdc" / "all"}"
-
+    trigger = f"""
 [[triggers]]
 name = "big-c0"
 collection = "c0"
@@ -57,7 +45,7 @@ on = ["insert", "update"]
 when = "new:amount::double > 1900"
 action = {{ type = "webhook", url = "http://127.0.0.1:{hook_port}/hook" }}
 """
-    return write_config(tmp_path, cores=2, interval_ms=200, extra=extra)
+    return spark_config(tmp_path, extra=trigger)
 
 
 def jvm_children(pid: int) -> list[int]:

@@ -23,28 +23,15 @@ from typing import Any
 
 import pytest
 
-from tests.faults.support import healthz, stage, wait_for
-from tests.integration.harness import DaemonProcess, Loader, write_config
+from tests.faults.support import healthz, spark_config, stage, wait_for
+from tests.integration.harness import DaemonProcess, Loader
 
 FROZEN_S = 30.0
 pytestmark = [pytest.mark.spark, pytest.mark.crash]
 
 
 def _config(tmp_path: Path) -> Path:
-    extra = f"""
-[spark]
-master = "local[2]"
-log_level = "ERROR"
-
-[spark.conf]
-"spark.sql.shuffle.partitions" = "2"
-
-[[cdc.streams]]
-name = "all"
-collections = "*"
-path = "{tmp_path / "cdc" / "all"}"
-"""
-    return write_config(tmp_path, cores=2, interval_ms=200, extra=extra)
+    return spark_config(tmp_path)
 
 
 @pytest.mark.timeout(400)

@@ -24,36 +24,16 @@ from typing import Any
 
 import pytest
 
-from tests.faults.support import fill, healthz, metric, stage, tmpfs, wait_for
-from tests.integration.harness import ROOT, DaemonProcess, Loader, write_config
+from tests.faults.support import fill, healthz, metric, spark_config, stage, tmpfs, wait_for
+from tests.integration.harness import ROOT, DaemonProcess, Loader
 
 STALL_AFTER_S = 3.0
 pytestmark = [pytest.mark.spark, pytest.mark.crash]
 
 
 def _config(tmp_path: Path, small: Path) -> Path:
-    extra = f"""
-[spark]
-master = "local[2]"
-log_level = "ERROR"
-
-[spark.conf]
-"spark.sql.shuffle.partitions" = "2"
-
-[health]
-stall_after_s = {STALL_AFTER_S}
-
-[[cdc.streams]]
-name = "good"
-collections = "*"
-path = "{tmp_path / "cdc" / "good"}"
-
-[[cdc.streams]]
-name = "small"
-collections = "*"
-path = "{small / "cdc"}"
-"""
-    return write_config(tmp_path, cores=2, interval_ms=200, extra=extra)
+    streams = {"good": tmp_path / "cdc" / "good", "small": small / "cdc"}
+    return spark_config(tmp_path, streams, stall_after_s=STALL_AFTER_S)
 
 
 def _lsns(spark: Any, path: Path) -> Counter[int]:

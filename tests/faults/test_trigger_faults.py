@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from tests.faults.receivers import Receiver
-from tests.faults.support import healthz, metric, stage, wait_for
-from tests.integration.harness import DaemonProcess, post_events, write_config
+from tests.faults.support import healthz, metric, spark_config, stage, wait_for
+from tests.integration.harness import DaemonProcess, post_events
 from triggers.store import TriggerStore, store_path
 
 pytestmark = [pytest.mark.spark, pytest.mark.crash]
@@ -35,22 +35,7 @@ POISON_EVERY = 500
 
 def _config(tmp_path: Path, down: Receiver, hang: Receiver, ok: Receiver) -> Path:
     retry = "retry = { max_attempts = 2, initial_backoff_ms = 100, max_backoff_ms = 200 }"
-    extra = f"""
-[spark]
-master = "local[2]"
-log_level = "ERROR"
-
-[spark.conf]
-"spark.sql.shuffle.partitions" = "2"
-
-[health]
-stall_after_s = 5.0
-
-[[cdc.streams]]
-name = "all"
-collections = "*"
-path = "{tmp_path / "cdc" / "all"}"
-
+    triggers = f"""
 [[triggers]]
 name = "big"
 collection = "orders"
@@ -69,7 +54,7 @@ name = "all"
 collection = "orders"
 action = {{ type = "webhook", url = "{ok.url}" }}
 """
-    return write_config(tmp_path, cores=2, interval_ms=200, extra=extra)
+    return spark_config(tmp_path, extra=triggers, stall_after_s=5.0)
 
 
 class Orders(threading.Thread):

@@ -23,30 +23,15 @@ from typing import Any
 import pytest
 
 from tests.faults.receivers import Receiver
-from tests.faults.support import fill, healthz, stage, tmpfs, wait_for
-from tests.integration.harness import DaemonProcess, Loader, write_config
+from tests.faults.support import fill, healthz, spark_config, stage, tmpfs, wait_for
+from tests.integration.harness import DaemonProcess, Loader
 
 pytestmark = [pytest.mark.spark, pytest.mark.crash]
 STALL_AFTER_S = 3.0
 
 
 def _config(tmp_path: Path, hook: Receiver) -> Path:
-    extra = f"""
-[spark]
-master = "local[2]"
-log_level = "ERROR"
-
-[spark.conf]
-"spark.sql.shuffle.partitions" = "2"
-
-[health]
-stall_after_s = {STALL_AFTER_S}
-
-[[cdc.streams]]
-name = "all"
-collections = "*"
-path = "{tmp_path / "cdc" / "all"}"
-
+    trigger = f"""
 [[triggers]]
 name = "big-c0"
 collection = "c0"
@@ -54,7 +39,7 @@ when = "new:amount::double > 1000"
 action = {{ type = "webhook", url = "{hook.url}", timeout_s = 2.0 }}
 retry = {{ max_attempts = 1000, initial_backoff_ms = 200, max_backoff_ms = 500 }}
 """
-    return write_config(tmp_path, cores=2, interval_ms=200, extra=extra)
+    return spark_config(tmp_path, extra=trigger, stall_after_s=STALL_AFTER_S)
 
 
 @pytest.mark.timeout(600)
