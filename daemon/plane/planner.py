@@ -396,12 +396,7 @@ class Planner:
                 raise PlanLogError(f"stages {names} need batch {bid}, but its plan is gone")
             batch = await self._load(bid, ranges)
             with structlog.contextvars.bound_contextvars(batch_id=bid):
-                try:
-                    failures = await self._call(batch, names)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    failures = dict.fromkeys(names, exc)
+                failures = await self._call(batch, names)
             self._record(bid, names, failures)
             log.info(
                 "stage_caught_up_batch",
@@ -416,13 +411,17 @@ class Planner:
             ran = True
 
     async def _call(self, batch: MicroBatch, names: Sequence[str]) -> dict[str, BaseException]:
-        """Run ``batch`` for ``names``; the stages that failed on their own.
-        Raises when the batch failed as a whole."""
-        if not self._named_stages or tuple(names) == (WHOLE_BATCH,):
-            await self.executor.execute(batch)
-            return {}
-        failures = await self.executor.execute(batch, names)
-        return dict(failures or {})
+        """Run ``batch`` for ``names``; the stages that failed, each with its error
+        (every one of them when the executor raised: the batch failed whole)."""
+        try:
+            if not self._named_stages or tuple(names) == (WHOLE_BATCH,):
+                await self.executor.execute(batch)
+                return {}
+            return dict(await self.executor.execute(batch, names) or {})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return dict.fromkeys(names, exc)
 
     def _record(
         self,
@@ -675,12 +674,7 @@ class Planner:
             info["attempts"] = attempt
             info["state"] = "running"
             attempt_started = self._clock()
-            try:
-                failures = await self._call(batch, names)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failures = dict.fromkeys(names, exc)
+            failures = await self._call(batch, names)
             # Failed whole: every stage was asked and every one failed (Spark
             # down, say). Then nothing moves; the batch is retried whole, and
             # logged once, below. Otherwise a stage that failed falls behind
