@@ -9,8 +9,6 @@ import asyncio
 import contextlib
 import errno
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from unittest import mock
 import pytest
 from structlog.testing import capture_logs
 
+from tests.faults.support import tmpfs
 from tests.wal.helpers import OpenWal, events, failing_once
 from wal import Record, Wal, WalError, WalFullError
 from wal.format import SEGMENT_HEADER_SIZE
@@ -218,28 +217,6 @@ def test_unsynced_groups_are_kept_and_only_the_full_one_is_undone(
         ]
 
 
-@contextlib.contextmanager
-def small_tmpfs(where: Path, size: str) -> Iterator[Path]:
-    """A real tmpfs of ``size`` mounted at ``where``; skips the test when it cannot mount."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    if shutil.which("mount") is None or shutil.which("umount") is None:
-        pytest.skip("no mount/umount command")
-    where.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
-
-
 def test_a_really_full_volume_refuses_appends_then_resumes_when_space_returns(
     tmp_path: Path,
 ) -> None:
@@ -250,7 +227,7 @@ def test_a_really_full_volume_refuses_appends_then_resumes_when_space_returns(
     4. Reopen: every acknowledged record is there exactly once, in order, and
        nothing else.
     """
-    with small_tmpfs(tmp_path / "vol", "4m") as volume:
+    with tmpfs(tmp_path / "vol", "4m") as volume:
         filler = volume / "filler"
         filler.write_bytes(b"\0" * (1024 * 1024))
         directory = volume / "wal"
