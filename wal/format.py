@@ -13,11 +13,19 @@ between two fdatasyncs). Inside a frame the events are grouped by core, one
     frame header | section(core a) | section(core b) | ...
     section      = section header | LSN deltas | payload lengths | payloads
 
+A frame whose header has the ``FLAG_REQUESTS`` flag ends with a *request
+table* after the last section: the idempotency keys of the appends in the
+frame that carried one (docs/ingest.md, "Idempotent requests")::
+
+    request table = table header | entry | entry | ...
+    entry         = entry header | key bytes
+
 A one-core reader reads the section header, compares the core and jumps
 ``body_len`` bytes ahead when it is another core's: no decoding of the other
-cores' arrays or payloads. The LSN deltas (``array('I')``, relative to the
-frame's first LSN) say where each event sits in the frame's LSN order; the
-per-core sequence of the i-th event of a section is ``base_seq + i``.
+cores' arrays or payloads; readers of events never look at the request table.
+The LSN deltas (``array('I')``, relative to the frame's first LSN) say where
+each event sits in the frame's LSN order; the per-core sequence of the i-th
+event of a section is ``base_seq + i``.
 
 Integers are little-endian. Every check returns a reason string instead of
 raising, so recovery, ``verify`` and ``repair`` can decide what a failure
@@ -69,7 +77,7 @@ FRAME_HEADER: Final = struct.Struct(
     "<"
     "H"  # magic: FRAME_MAGIC
     "B"  # format version: FORMAT_VERSION
-    "B"  # flags: 0, reserved
+    "B"  # flags: FLAG_REQUESTS or 0
     "I"  # crc: CRC32C of frame bytes [FRAME_CRC_START, frame_len)
     "I"  # frame_len: bytes of the whole frame, this header included
     "I"  # segment number stamp: bytes left over from another segment never pass
@@ -96,6 +104,23 @@ SECTION_HEADER: Final = struct.Struct(
 )
 SECTION_HEADER_SIZE: Final = SECTION_HEADER.size  # 20
 ARRAY_ITEM: Final = 4  # bytes per LSN delta and per payload length
+
+# ---------------------------------------------------------------------------
+# Request table (frames with FLAG_REQUESTS): after the sections, up to frame_len.
+FLAG_REQUESTS: Final = 0x01
+REQUEST_TABLE_HEADER: Final = struct.Struct(
+    "<"
+    "Q"  # written at: Unix time in milliseconds (the writer's clock), for the window's age
+    "I"  # entries (>= 1)
+)
+REQUEST_ENTRY: Final = struct.Struct(
+    "<"
+    "I"  # first LSN delta: the append's first event, relative to the frame's first LSN
+    "I"  # events of the append (>= 1); its LSNs are consecutive
+    "H"  # key length in bytes (>= 1); the key follows this header
+    "16s"  # digest of the request, opaque to the WAL (ingest: what the body was)
+)
+MAX_REQUEST_KEY_BYTES: Final = 0xFFFF
 
 SEGMENT_NAME_RE: Final = re.compile(r"^(\d{20})\.wal$")
 
@@ -152,6 +177,32 @@ def parse_segment_header(buf: bytes) -> SegmentHeader | str:
 # Frames
 
 
+class RequestTag(NamedTuple):
+    """What an append may carry besides its events: an idempotency key and a digest."""
+
+    key: bytes  # 1 .. MAX_REQUEST_KEY_BYTES bytes
+    digest: bytes  # exactly 16 bytes
+
+
+class RequestEntry(NamedTuple):
+    """One request of a request table, with absolute LSNs."""
+
+    key: bytes
+    digest: bytes
+    first_lsn: int
+    last_lsn: int
+    written_ms: int
+
+
+def encode_request_table(written_ms: int, tagged: list[tuple[int, int, RequestTag]]) -> bytes:
+    """``tagged``: (first LSN delta, events, tag) per tagged append of the frame."""
+    out = bytearray(REQUEST_TABLE_HEADER.pack(written_ms, len(tagged)))
+    for delta, events, tag in tagged:
+        out += REQUEST_ENTRY.pack(delta, events, len(tag.key), tag.digest)
+        out += tag.key
+    return bytes(out)
+
+
 class EncodedFrame(NamedTuple):
     parts: list[bytes | bytearray | array[int]]  # write these in order (os.pwritev)
     size: int  # frame_len
@@ -165,8 +216,12 @@ def encode_frame(
     payloads: list[bytes],
     lens: array[int],
     next_seq: dict[int, int],
+    requests: bytes = b"",
 ) -> EncodedFrame:
     """Encode one group as one frame. ``next_seq`` (core -> next sequence) is advanced.
+
+    ``requests`` is the group's request table (:func:`encode_request_table`),
+    or empty for a frame without one.
 
     ``cores``, ``payloads`` and ``lens`` (payload lengths) are parallel, in LSN
     order. The work is a stable sort of the event indices by core plus C-level
@@ -204,11 +259,16 @@ def encode_frame(
         body_len = 2 * ARRAY_ITEM * count + len(blob)
         parts += (SECTION_HEADER.pack(base, core, count, body_len), deltas, lengths, blob)
         size += SECTION_HEADER_SIZE + body_len
+    flags = 0
+    if requests:
+        parts.append(requests)
+        size += len(requests)
+        flags = FLAG_REQUESTS
     if size > MAX_FRAME_BYTES:
         raise WalError(f"one group of {n} events needs {size} bytes; a frame holds at most 4 GiB")
     head = bytearray(
         FRAME_HEADER.pack(
-            FRAME_MAGIC, FORMAT_VERSION, 0, 0, size, segment_no, first_lsn, n, len(sections), 0
+            FRAME_MAGIC, FORMAT_VERSION, flags, 0, size, segment_no, first_lsn, n, len(sections), 0
         )
     )
     crc = crc32c(memoryview(head)[FRAME_CRC_START:])
@@ -233,6 +293,7 @@ class Frame(NamedTuple):
     first_lsn: int
     events: int
     sections: list[Section]
+    requests: int = 0  # absolute offset of the request table; 0 when the frame has none
 
 
 def check_frame(
@@ -243,13 +304,14 @@ def check_frame(
     Returns the frame or the reason it is not a whole, intact frame of this
     segment. Checks: header bounds, magic, version, length, segment stamp, CRC,
     and that the section headers tile the frame exactly with ascending cores
-    and counts summing to the frame's count. Per-event checks live in
-    :func:`check_frame_deep`.
+    and counts summing to the frame's count, and that a request table (if the
+    flag says there is one) fills the rest of the frame exactly. Per-event
+    checks live in :func:`check_frame_deep`.
     """
     avail = limit - offset
     if avail < FRAME_HEADER_SIZE:
         return f"truncated frame header: {avail} of {FRAME_HEADER_SIZE} bytes"
-    magic, version, _flags, crc, size, stamp, first_lsn, count, nsec, _res = (
+    magic, version, flags, crc, size, stamp, first_lsn, count, nsec, _res = (
         FRAME_HEADER.unpack_from(buf, offset)
     )
     if magic != FRAME_MAGIC:
@@ -286,11 +348,55 @@ def check_frame(
         total += scount
         last_core = core
         pos = body + body_len
-    if pos != end:
-        return f"sections end at offset {pos}, the frame at {end}"
     if total != count:
         return f"sections hold {total} events, the frame header says {count}"
-    return Frame(offset, size, first_lsn, count, sections)
+    if flags & ~FLAG_REQUESTS:
+        return f"unknown frame flags {flags:#04x}"
+    table = 0
+    if flags & FLAG_REQUESTS:
+        table = pos
+        why = _check_request_table(buf, pos, end)
+        if why is not None:
+            return why
+    elif pos != end:
+        return f"sections end at offset {pos}, the frame at {end}"
+    return Frame(offset, size, first_lsn, count, sections, table)
+
+
+def _check_request_table(buf: Buf, pos: int, end: int) -> str | None:
+    if end - pos < REQUEST_TABLE_HEADER.size:
+        return f"request table at offset {pos} runs past the frame end"
+    _written, entries = REQUEST_TABLE_HEADER.unpack_from(buf, pos)
+    if entries < 1:
+        return f"request table at offset {pos} with no entry"
+    pos += REQUEST_TABLE_HEADER.size
+    for _ in range(entries):
+        if end - pos < REQUEST_ENTRY.size:
+            return f"request entry at offset {pos} runs past the frame end"
+        key_len = REQUEST_ENTRY.unpack_from(buf, pos)[2]
+        pos += REQUEST_ENTRY.size + key_len
+    if pos != end:
+        return f"request table ends at offset {pos}, the frame at {end}"
+    return None
+
+
+def frame_requests(buf: Buf, frame: Frame) -> list[RequestEntry]:
+    """The request table of a checked frame (empty when it has none)."""
+    if not frame.requests:
+        return []
+    pos = frame.requests
+    written, entries = REQUEST_TABLE_HEADER.unpack_from(buf, pos)
+    pos += REQUEST_TABLE_HEADER.size
+    out: list[RequestEntry] = []
+    first = frame.first_lsn
+    for _ in range(entries):
+        delta, events, key_len, digest = REQUEST_ENTRY.unpack_from(buf, pos)
+        pos += REQUEST_ENTRY.size
+        key = bytes(buf[pos : pos + key_len])
+        pos += key_len
+        lsn = first + delta
+        out.append(RequestEntry(key, bytes(digest), lsn, lsn + events - 1, written))
+    return out
 
 
 def decode_u32(buf: Buf, start: int, count: int) -> array[int]:
@@ -314,6 +420,13 @@ def check_frame_deep(buf: Buf, frame: Frame) -> str | None:
         seen += deltas
     if sorted(seen) != list(range(frame.events)):
         return "the sections' LSN deltas do not cover the frame's LSNs exactly once"
+    last = frame.first_lsn - 1
+    for req in frame_requests(buf, frame):
+        if not req.key or req.first_lsn <= last or req.last_lsn < req.first_lsn:
+            return f"request table: entry for LSNs {req.first_lsn}..{req.last_lsn} out of order"
+        last = req.last_lsn
+    if last >= frame.first_lsn + frame.events:
+        return f"request table names LSN {last}, past the frame's last"
     return None
 
 

@@ -63,11 +63,15 @@ from wal.format import (
     MAX_FRAME_BYTES,
     SECTION_HEADER_SIZE,
     SEGMENT_HEADER_SIZE,
+    RequestEntry,
+    RequestTag,
     crc32c,
     encode_frame,
+    encode_request_table,
 )
 from wal.reader import ReadBuf, RecordBatch, frame_batches, frame_records, segment_frames
 from wal.record import Record
+from wal.requests import RequestWindow, check_tag, load_snapshot, save_snapshot
 from wal.segments import Segment, scan, segment_files
 
 
@@ -91,7 +95,17 @@ T = TypeVar("T")
 class _Waiter:
     """One append() call waiting for its group's fdatasync."""
 
-    __slots__ = ("cores", "error", "event", "future", "lens", "nbytes", "payloads", "result")
+    __slots__ = (
+        "cores",
+        "error",
+        "event",
+        "future",
+        "lens",
+        "nbytes",
+        "payloads",
+        "request",
+        "result",
+    )
 
     def __init__(
         self,
@@ -100,11 +114,15 @@ class _Waiter:
         lens: array[int],
         future: asyncio.Future[tuple[int, int]] | None,
         event: threading.Event | None,
+        request: RequestTag | None,
     ) -> None:
         self.cores = cores
         self.payloads = payloads
         self.lens = lens
+        self.request = request
         self.nbytes = sum(lens) + _PER_EVENT_BYTES * len(lens)
+        if request is not None:
+            self.nbytes += len(request.key) + 32
         self.future = future
         self.event = event
         self.result: tuple[int, int] | None = None
@@ -159,17 +177,20 @@ class Wal:
         fsync: FsyncMode,
         fsync_interval_ms: int,
         max_group_bytes: int,
+        requests: RequestWindow,
     ) -> None:
         self.directory = directory
         self.wal_id = wal_id.hex()
         self._wal_id_bytes = wal_id
         self._segments = segments  # copy-on-write: replaced, never mutated, under _seg_lock
         self._seg_lock = threading.Lock()
+        self._truncate_lock = threading.Lock()  # one retention pass at a time
         self._lock_fd = lock_fd
         self._segment_bytes = segment_bytes
         self._fsync: FsyncMode = fsync
         self._fsync_interval = fsync_interval_ms / 1000.0
         self._max_group_bytes = max_group_bytes
+        self._requests = requests
         active = segments[-1]
         self._head = active.next_lsn - 1
         self._fd = os.open(active.path, os.O_WRONLY)
@@ -199,8 +220,13 @@ class Wal:
         fsync_interval_ms: int = 100,
         max_group_bytes: int = 8 * MiB,
         holder: Mapping[str, str] | None = None,
+        request_window_s: float = 0.0,
+        request_max_keys: int = 0,
     ) -> Wal:
         """Open (or create) the WAL in ``directory`` and recover it.
+
+        ``request_window_s`` and ``request_max_keys`` bound the de-duplication
+        window of :meth:`find_request` (``wal/requests.py``); 0 keeps no keys.
 
         ``holder`` goes into the lock file beside the pid, host and time
         (the daemon passes its ``data_dir`` and config path), so that a second
@@ -211,7 +237,9 @@ class Wal:
         3. Scan every segment: headers, order, frames, CRCs.
         4. Cut a torn tail of the last segment (bytes saved as ``.broken``);
            refuse any other damage with :class:`WalCorruptionError`.
-        5. Start the writer thread on the last segment.
+        5. Rebuild the de-duplication window: the ``REQUESTS`` snapshot, then
+           the request tables of the retained frames, in LSN order.
+        6. Start the writer thread on the last segment.
         """
         if segment_bytes < MIN_SEGMENT_BYTES:
             raise ValueError(f"segment_bytes must be >= {MIN_SEGMENT_BYTES}, got {segment_bytes}")
@@ -231,8 +259,10 @@ class Wal:
             wal_id = read_identity(directory)
             if wal_id is None:
                 wal_id = cls._create(directory)
-            # Steps 3-4. Scan and recover.
-            segments = cls._recover(directory, wal_id)
+            # Steps 3-5. Scan, recover, rebuild the window.
+            window = RequestWindow(request_window_s, request_max_keys)
+            window.add(load_snapshot(directory, wal_id))
+            segments = cls._recover(directory, wal_id, window)
             return cls(
                 directory,
                 wal_id,
@@ -242,6 +272,7 @@ class Wal:
                 fsync=fsync,
                 fsync_interval_ms=fsync_interval_ms,
                 max_group_bytes=max_group_bytes,
+                requests=window,
             )
         except BaseException:
             os.close(lock_fd)
@@ -268,8 +299,9 @@ class Wal:
         return wal_id
 
     @staticmethod
-    def _recover(directory: Path, wal_id: bytes) -> list[Segment]:
-        result = scan(directory, wal_id)
+    def _recover(directory: Path, wal_id: bytes, window: RequestWindow) -> list[Segment]:
+        tables: list[list[RequestEntry]] = []
+        result = scan(directory, wal_id, on_requests=tables.append)
         if result.strays:
             path, why = result.strays[0]
             raise WalCorruptionError(
@@ -291,7 +323,8 @@ class Wal:
         if damage is not None:
             cut_torn_tail(directory, damage)
             if damage.whole_file:
-                result = scan(directory, wal_id)
+                tables.clear()
+                result = scan(directory, wal_id, on_requests=tables.append)
         segments = result.segments
         if not segments:
             raise WalCorruptionError(
@@ -302,6 +335,7 @@ class Wal:
         for seg in segments:
             seg.sealed = True
         segments[-1].sealed = False
+        window.add(chain.from_iterable(tables))
         _log().info(
             "wal.opened",
             directory=str(directory),
@@ -309,6 +343,7 @@ class Wal:
             segments=len(segments),
             head_lsn=segments[-1].next_lsn - 1,
             floor_lsn=segments[0].first_lsn,
+            request_keys=len(window),
         )
         return segments
 
@@ -327,6 +362,19 @@ class Wal:
     def segment_count(self) -> int:
         return len(self._segments)
 
+    def find_request(self, key: bytes) -> RequestEntry | None:
+        """The durable append that carried ``key``, if it is in the de-duplication window.
+
+        An append's key is here before that append returns (the writer adds
+        it between the fdatasync and the hand-over), and after a restart once
+        it was durable. Safe from any thread.
+        """
+        return self._requests.get(key)
+
+    def request_keys(self) -> int:
+        """How many keys the de-duplication window holds."""
+        return len(self._requests)
+
     @property
     def fsync_mode(self) -> FsyncMode:
         return self._fsync
@@ -344,10 +392,14 @@ class Wal:
 
     # ------------------------------------------------------------------ append
 
-    async def append(self, items: Sequence[tuple[int, bytes]]) -> tuple[int, int]:
+    async def append(
+        self, items: Sequence[tuple[int, bytes]], request: RequestTag | None = None
+    ) -> tuple[int, int]:
         """Append ``(core, payload)`` items as one unit; ``(first_lsn, last_lsn)`` once durable.
 
-        All items land in one frame: all durable or none. Raises
+        All items land in one frame: all durable or none. ``request`` (an
+        idempotency key and a digest) is written in the same frame and is in
+        :meth:`find_request` from before this call returns. Raises
         :class:`WalFullError` when the group's write found the volume full
         (nothing stored; the next call is tried as usual),
         :class:`WalFatalError` after any other write or any fsync failure (this
@@ -357,10 +409,12 @@ class Wal:
         if self._loop is None or self._loop.is_closed():
             self._loop = loop
         fut: asyncio.Future[tuple[int, int]] = loop.create_future()
-        self._enqueue(items, fut, None)
+        self._enqueue(items, fut, None, request)
         return await fut
 
-    def append_blocking(self, items: Sequence[tuple[int, bytes]]) -> tuple[int, int]:
+    def append_blocking(
+        self, items: Sequence[tuple[int, bytes]], request: RequestTag | None = None
+    ) -> tuple[int, int]:
         """:meth:`append` for threads without an event loop (tools, subprocess tests)."""
         if threading.current_thread() is self._thread:
             raise RuntimeError(
@@ -370,7 +424,7 @@ class Wal:
             if asyncio.get_running_loop() is self._loop and self._listener is not None:
                 raise RuntimeError("append_blocking() on the listener's loop would deadlock")
         event = threading.Event()
-        waiter = self._enqueue(items, None, event)
+        waiter = self._enqueue(items, None, event, request)
         event.wait()
         if waiter.error is not None:
             raise waiter.error
@@ -382,7 +436,10 @@ class Wal:
         items: Sequence[tuple[int, bytes]],
         fut: asyncio.Future[tuple[int, int]] | None,
         event: threading.Event | None,
+        request: RequestTag | None = None,
     ) -> _Waiter:
+        if request is not None:
+            check_tag(request)
         cores = list(map(_core_of, items))
         if not cores:
             raise ValueError("append() needs at least one (core, payload) item")
@@ -394,7 +451,7 @@ class Wal:
             raise ValueError(f"append(): cores must be ints in [0, 2**32): {exc}") from exc
         if set(map(type, payloads)) != {bytes}:
             raise TypeError("append(): payloads must be bytes")
-        waiter = _Waiter(cores, payloads, lens, fut, event)
+        waiter = _Waiter(cores, payloads, lens, fut, event, request)
         if waiter.nbytes + FRAME_HEADER_SIZE + SECTION_HEADER_SIZE * len(cores) > MAX_FRAME_BYTES:
             raise ValueError(f"append(): {waiter.nbytes} bytes do not fit one frame (4 GiB)")
         with self._cond:
@@ -464,7 +521,8 @@ class Wal:
         3. Write it with one pwritev at the segment's end. No space for the
            segment or the frame: roll the group back and stop here.
         4. fdatasync (fsync = always; interval: when due).
-        5. Publish: frame index, segment end, head.
+        5. Publish: frame index, segment end, head; the request keys go into
+           the de-duplication window.
         6. Hand over: listener, then the waiters' results (on the loop).
 
         Nothing is published before step 5: LSNs are ``head + 1`` onwards and
@@ -482,9 +540,17 @@ class Wal:
                 lens += w.lens
         first = self._head + 1
         n = len(cores)
+        tagged: list[tuple[int, int, RequestTag]] = []
+        delta = 0
+        for w in group:
+            if w.request is not None:
+                tagged.append((delta, len(w.cores), w.request))
+            delta += len(w.cores)
+        written_ms = time.time_ns() // 1_000_000
+        table = encode_request_table(written_ms, tagged) if tagged else b""
         # Step 2. Encode (and rotate).
         seg = self._segments[-1]
-        frame = encode_frame(seg.number, first, cores, payloads, lens, self._next_seq)
+        frame = encode_frame(seg.number, first, cores, payloads, lens, self._next_seq, table)
         offset = seg.end
         tried = frame.size
         try:
@@ -520,6 +586,11 @@ class Wal:
         seg.end = offset + frame.size
         seg.next_lsn = first + n
         self._head = first + n - 1
+        if tagged:
+            self._requests.add(
+                RequestEntry(tag.key, tag.digest, first + d, first + d + k - 1, written_ms)
+                for d, k, tag in tagged
+            )
         # Step 6. Hand over.
         lsn = first
         for w in group:
@@ -755,16 +826,27 @@ class Wal:
 
     def truncate_below(self, lsn: int) -> int:
         """Delete sealed segments whose every LSN is below ``lsn``; returns how many."""
+        with self._truncate_lock:
+            return self._truncate_below(lsn)
+
+    def _truncate_below(self, lsn: int) -> int:
+        # Only this method removes segments (under _truncate_lock); the writer
+        # only appends to the list, so the prefix chosen here stays valid.
+        segments = self._segments
+        drop = 0
+        # Never the active (last) segment; only a prefix, so the floor stays contiguous.
+        while drop < len(segments) - 1 and segments[drop].last_lsn < lsn:
+            drop += 1
+        if not drop:
+            return 0
+        removed = segments[:drop]
+        # Keys must outlive the segments that held them (wal/requests.py):
+        # snapshot the window's entries below the new floor first.
+        keep = self._requests.below(segments[drop].first_lsn)
+        if keep:
+            save_snapshot(self.directory, self._wal_id_bytes, keep)
         with self._seg_lock:
-            segments = self._segments
-            drop = 0
-            # Never the active (last) segment; only a prefix, so the floor stays contiguous.
-            while drop < len(segments) - 1 and segments[drop].last_lsn < lsn:
-                drop += 1
-            if not drop:
-                return 0
-            removed = segments[:drop]
-            self._segments = segments[drop:]
+            self._segments = self._segments[drop:]
         for seg in removed:
             seg.path.unlink(missing_ok=True)
         fsync_dir(self.directory)

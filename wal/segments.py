@@ -20,10 +20,12 @@ from wal.format import (
     SEGMENT_HEADER_SIZE,
     SEGMENT_NAME_RE,
     Frame,
+    RequestEntry,
     SegmentHeader,
     check_frame,
     check_frame_deep,
     find_frame_after,
+    frame_requests,
     parse_segment_header,
 )
 
@@ -92,6 +94,7 @@ class Scan:
 
 
 Progress = Callable[[int, int], None]  # (bytes scanned so far, bytes in total)
+OnRequests = Callable[[list[RequestEntry]], None]  # a valid frame's request table
 
 
 def segment_files(directory: Path) -> list[Path]:
@@ -131,8 +134,12 @@ def scan(
     deep: bool = False,
     counts: bool = False,
     progress: Progress | None = None,
+    on_requests: OnRequests | None = None,
 ) -> Scan:
     """Check every segment header and frame; return the valid prefix and the first damage.
+
+    ``on_requests`` gets the request table of every frame of the valid prefix
+    that has one, in LSN order (recovery rebuilds the de-duplication window).
 
     Order of checks:
 
@@ -218,7 +225,7 @@ def scan(
                 return damage_at(path, 0, reason, False, expected, expected - 1, True)
         seg = Segment(path=path, number=header.number, first_lsn=header.first_lsn)
         is_last = i == len(kept) - 1 and bad is None
-        frame_damage = _scan_frames(seg, sizes[path], deep, counts, is_last, result)
+        frame_damage = _scan_frames(seg, sizes[path], deep, counts, is_last, result, on_requests)
         result.segments.append(seg)
         if frame_damage is not None:
             offset, reason, torn, last_seen = frame_damage
@@ -235,7 +242,13 @@ def scan(
 
 
 def _scan_frames(
-    seg: Segment, size: int, deep: bool, counts: bool, is_last: bool, result: Scan
+    seg: Segment,
+    size: int,
+    deep: bool,
+    counts: bool,
+    is_last: bool,
+    result: Scan,
+    on_requests: OnRequests | None = None,
 ) -> tuple[int, str, bool, int] | None:
     """Walk the frames of one segment, filling its index.
 
@@ -272,6 +285,8 @@ def _scan_frames(
                 if counts:
                     for sec in frame.sections:
                         seg.core_counts[sec.core] += sec.events
+                if frame.requests and on_requests is not None:
+                    on_requests(frame_requests(mm, frame))
                 off += frame.size
                 lsn += frame.events
                 result.frames += 1
