@@ -66,6 +66,11 @@ class IngestConfig:
     # Disk bound (invariant 12): 429 when the slowest core lags more than this.
     max_lag_events: int = 50_000_000
     retry_after_s: int = 1
+    # Idempotent requests (docs/ingest.md): how long and how many request keys
+    # are remembered; a retry within both bounds is answered from the original.
+    idempotency_window_s: float = 900.0
+    idempotency_max_keys: int = 100_000
+    max_idempotency_key_bytes: int = 255
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,6 +360,9 @@ _INGEST: dict[str, Checker] = {
     "max_buffered_bytes": _int(1 * KiB),
     "max_lag_events": _int(1),
     "retry_after_s": _int(1),
+    "idempotency_window_s": _float(0.0, exclusive=False),
+    "idempotency_max_keys": _int(1),
+    "max_idempotency_key_bytes": _int(1, 65_535),
 }
 _ADMIN: dict[str, Checker] = {"listen": _listen}
 _WAL: dict[str, Checker] = {

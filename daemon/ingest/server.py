@@ -13,10 +13,15 @@ WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
 3. Parse and validate whole: 400 malformed (line, column, byte position), 413
    too many events, 422 per-item errors (index, field, reason); the decoders
    and the slow path that explains a refusal are :mod:`daemon.ingest.validate`.
+   With an ``Idempotency-Key``, first :meth:`IngestServer._claim`: a key the
+   de-duplication window knows, with the same body, is answered from the
+   original append (200, ``"replayed": true``) without parsing; with another
+   body, 422; a key whose first request is still in flight waits for it.
 4. Shard and encode each event (:class:`daemon.events.StoredEvent`, one
    ``ingest_ts_ns`` per request; 413 for an event over ``max_event_bytes``).
-5. One ``wal.append`` for all events; 507 if the WAL's volume is full (nothing
-   was written; retry once space is freed), 503 if the WAL is failed or closed.
+5. One ``wal.append`` for all events, carrying the key; 507 if the WAL's
+   volume is full (nothing was written; retry once space is freed), 503 if
+   the WAL is failed or closed.
 6. 200 ``{"accepted": n, "first_lsn": a, "last_lsn": b}``.
 
 Slow clients cannot hold the daemon: headers must arrive within
@@ -31,10 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Final, Protocol, cast
 from zlib import crc32
 
 import msgspec
@@ -60,6 +66,7 @@ from daemon.ingest.validate import (
 from daemon.service.metrics import Metrics
 from daemon.shard import collection_seed
 from wal.errors import WalClosedError, WalFatalError, WalFullError
+from wal.format import RequestEntry, RequestTag, crc32c
 
 log = structlog.get_logger("eventplane.ingest")
 
@@ -69,12 +76,27 @@ JSON_TYPES = frozenset({"application/json"})
 # After an early answer (413, 408, 429, ...) aiohttp keeps reading and discarding
 # the unread body this long, so the client sees the answer instead of a reset.
 LINGER_S = 2.0
+IDEMPOTENCY_KEY: Final = "Idempotency-Key"
+REPLAYED: Final = "Idempotent-Replayed"
+# What a request key's digest is: the algorithm, the content type, CRC32C and length
+# of the body as read (decoded). It tells an honest retry (same bytes) from a
+# key reused for another request; it is not a defence against a forged body.
+_DIGEST = struct.Struct("<BBxxIQ")
+_DIGEST_CRC32C_LEN = 1
+
+
+def request_digest(body: bytes, ndjson: bool) -> bytes:
+    return _DIGEST.pack(_DIGEST_CRC32C_LEN, ndjson, crc32c(body), len(body))
 
 
 class WalAppender(Protocol):
     """The slice of :class:`wal.Wal` that ingest needs."""
 
-    async def append(self, items: Sequence[tuple[int, bytes]]) -> tuple[int, int]: ...
+    async def append(
+        self, items: Sequence[tuple[int, bytes]], request: RequestTag | None = None
+    ) -> tuple[int, int]: ...
+
+    def find_request(self, key: bytes) -> RequestEntry | None: ...
 
 
 class ByteBudget:
@@ -231,12 +253,17 @@ class IngestServer:
         self._runner: web.AppRunner | None = None
         self._site: _CappedSite | None = None
         self._seeds: dict[str, int] = {}
+        # Keyed requests being stored: key -> (digest, their outcome: LSNs, or
+        # None when nothing was stored). A retry of the same key waits on it.
+        self._in_flight: dict[bytes, tuple[bytes, asyncio.Future[tuple[int, int] | None]]] = {}
+        self._max_key = c.max_idempotency_key_bytes
         # Children resolved once: a labelled lookup per request is measurable.
         self._m_requests: dict[int, Any] = {}
         self._m_ok = self._requests_counter(200)
         self._m_events = metrics.ingest_events
         self._m_bytes = metrics.ingest_bytes
         self._m_latency = metrics.ingest_ack_latency
+        self._m_replays = metrics.ingest_replays
         retry = c.retry_after_s
         over_cap = _json(
             {
@@ -431,6 +458,7 @@ class IngestServer:
         try:
             # Step 1. Admission.
             ndjson = self._admit(request)
+            key = self._request_key(request)
             # Step 2. Read the body within the deadline and the memory budget.
             # A compressed body's Content-Length says nothing of its decoded size.
             need = request.content_length
@@ -450,36 +478,23 @@ class IngestServer:
                 except TimeoutError:
                     raise self._body_timeout() from None
                 nbytes = len(body)
-                # Steps 3 and 4. Parse, validate, shard, encode.
-                items = self._parse(body, ndjson)
-                # Step 5. One append: atomic, consecutive LSNs, returns after fdatasync.
-                try:
-                    first, last = await self._wal.append(items)
-                except WalFullError as exc:
-                    # Nothing of the request was written; the WAL takes appends
-                    # again as soon as they fit (docs/wal.md, "A full volume").
-                    if self.wal_full is None:
-                        log.error("ingest.wal_full", error=str(exc), free_bytes=exc.free_bytes)
-                    since = self.wal_full[0] if self.wal_full else time.time()
-                    self.wal_full = (since, exc.nbytes, str(exc))
-                    raise Rejection(
-                        507,
-                        "wal_full",
-                        f"{exc}; nothing from this request was acknowledged",
-                        retry_after=self._cfg.retry_after_s,
-                    ) from exc
-                except (WalFatalError, WalClosedError) as exc:
-                    if type(exc) not in self._wal_errors_logged:  # once per kind, not per request
-                        self._wal_errors_logged.add(type(exc))
-                        log.error("ingest.wal_unavailable", error=str(exc), kind=type(exc).__name__)
-                    raise Rejection(
-                        503,
-                        "wal_unavailable",
-                        f"the write-ahead log cannot take events ({exc}); nothing from this "
-                        "request was acknowledged; retry after the daemon restarts",
-                        close=True,
-                        retry_after=self._cfg.retry_after_s,
-                    ) from exc
+                if key is None:
+                    # Steps 3 and 4. Parse, validate, shard, encode.
+                    items = self._parse(body, ndjson)
+                    # Step 5. One append: atomic, consecutive LSNs, returns after fdatasync.
+                    first, last = await self._append(items, None)
+                else:
+                    tag = RequestTag(key, request_digest(body, ndjson))
+                    stored = await self._claim(tag)
+                    if stored is not None:
+                        self._m_replays.inc()
+                        return self._ack(stored[0], stored[1], nbytes, started, replayed=True)
+                    outcome: tuple[int, int] | None = None
+                    try:
+                        items = self._parse(body, ndjson)
+                        first, last = outcome = await self._append(items, tag)
+                    finally:
+                        self._release(tag, outcome)
             finally:
                 self._budget.release(need)
         except Rejection as rej:
@@ -497,15 +512,126 @@ class IngestServer:
         if self.wal_full is not None:
             log.info("ingest.wal_space_back", full_s=round(time.time() - self.wal_full[0], 3))
             self.wal_full = None
-        n = len(items)
+        self._m_events.inc(len(items))
+        return self._ack(first, last, nbytes, started)
+
+    def _ack(
+        self, first: int, last: int, nbytes: int, started: float, *, replayed: bool = False
+    ) -> web.Response:
         self._m_ok.inc()
-        self._m_events.inc(n)
         self._m_bytes.inc(nbytes)
         self._m_latency.observe(time.perf_counter() - started)
+        n = last - first + 1
+        if replayed:
+            return web.Response(
+                body=b'{"accepted":%d,"first_lsn":%d,"last_lsn":%d,"replayed":true}'
+                % (n, first, last),
+                content_type="application/json",
+                headers={REPLAYED: "true"},
+            )
         return web.Response(
             body=b'{"accepted":%d,"first_lsn":%d,"last_lsn":%d}' % (n, first, last),
             content_type="application/json",
         )
+
+    def _request_key(self, request: web.BaseRequest) -> bytes | None:
+        """The request's ``Idempotency-Key`` (visible ASCII, 1 to max bytes), or None."""
+        raw = request.headers.get(IDEMPOTENCY_KEY)
+        if raw is None:
+            return None
+        key = raw.encode("utf-8", "surrogateescape")
+        if not 0 < len(key) <= self._max_key or not all(0x21 <= b <= 0x7E for b in key):
+            raise Rejection(
+                400,
+                "bad_idempotency_key",
+                f"the {IDEMPOTENCY_KEY} header must be 1 to {self._max_key} visible ASCII "
+                f"characters (ingest.max_idempotency_key_bytes), got {len(key)} bytes; "
+                "nothing was stored",
+                limit=self._max_key,
+            )
+        return key
+
+    async def _claim(self, tag: RequestTag) -> tuple[int, int] | None:
+        """Step 3 for a keyed request: the stored LSNs of an earlier request with this
+        key and body (a replay), or None once this request is the one to store it.
+
+        Runs on the event loop without a suspension between the look-ups and
+        the registration, so two requests with one key never both store it.
+        """
+        while True:
+            held = self._in_flight.get(tag.key)
+            if held is not None:
+                digest, outcome = held
+                if digest != tag.digest:
+                    raise self._key_reused(tag, None)
+                # Wait for the first attempt; shielded: this request going away
+                # must not cancel the other one's outcome.
+                await asyncio.shield(outcome)
+                continue  # stored: the window has it now; not stored: try ourselves
+            entry = self._wal.find_request(tag.key)
+            if entry is not None:
+                if entry.digest != tag.digest:
+                    raise self._key_reused(tag, entry)
+                return entry.first_lsn, entry.last_lsn
+            future: asyncio.Future[tuple[int, int] | None] = (
+                asyncio.get_running_loop().create_future()
+            )
+            self._in_flight[tag.key] = (tag.digest, future)
+            return None
+
+    def _release(self, tag: RequestTag, outcome: tuple[int, int] | None) -> None:
+        _digest, future = self._in_flight.pop(tag.key)
+        future.set_result(outcome)
+
+    def _key_reused(self, tag: RequestTag, entry: RequestEntry | None) -> Rejection:
+        key = tag.key.decode("ascii")
+        where = (
+            f"LSN {entry.first_lsn}..{entry.last_lsn}"
+            if entry is not None
+            else "a request still being stored"
+        )
+        return Rejection(
+            422,
+            "idempotency_key_reused",
+            f"{IDEMPOTENCY_KEY} {key!r} was used for another request body ({where}); "
+            "a retry must send the same body, a new request needs a new key; "
+            "nothing was stored",
+            key=key,
+        )
+
+    async def _append(
+        self, items: list[tuple[int, bytes]], tag: RequestTag | None
+    ) -> tuple[int, int]:
+        """Step 5: one WAL append, its failures turned into answers."""
+        try:
+            if tag is None:
+                return await self._wal.append(items)
+            return await self._wal.append(items, tag)
+        except WalFullError as exc:
+            # Nothing of the request was written; the WAL takes appends
+            # again as soon as they fit (docs/wal.md, "A full volume").
+            if self.wal_full is None:
+                log.error("ingest.wal_full", error=str(exc), free_bytes=exc.free_bytes)
+            since = self.wal_full[0] if self.wal_full else time.time()
+            self.wal_full = (since, exc.nbytes, str(exc))
+            raise Rejection(
+                507,
+                "wal_full",
+                f"{exc}; nothing from this request was acknowledged",
+                retry_after=self._cfg.retry_after_s,
+            ) from exc
+        except (WalFatalError, WalClosedError) as exc:
+            if type(exc) not in self._wal_errors_logged:  # once per kind, not per request
+                self._wal_errors_logged.add(type(exc))
+                log.error("ingest.wal_unavailable", error=str(exc), kind=type(exc).__name__)
+            raise Rejection(
+                503,
+                "wal_unavailable",
+                f"the write-ahead log cannot take events ({exc}); nothing from this "
+                "request was acknowledged; retry after the daemon restarts",
+                close=True,
+                retry_after=self._cfg.retry_after_s,
+            ) from exc
 
     async def _answer_and_drop(self, request: web.Request, rej: Rejection) -> web.StreamResponse:
         """Send the answer, then close without aiohttp's lingering read: a client

@@ -154,6 +154,8 @@ class Daemon:
             fsync_interval_ms=cfg.wal.fsync_interval_ms,
             max_group_bytes=cfg.wal.max_group_bytes,
             holder=holder,
+            request_window_s=cfg.ingest.idempotency_window_s,
+            request_max_keys=cfg.ingest.idempotency_max_keys,
         )
         self.wal.on_group = self._observe_group
         log.info(
@@ -194,6 +196,8 @@ class Daemon:
         await self.admin.start()
         self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"
         self.ingest = IngestServer(cfg, self.wal, self.metrics, lag=self.plane.max_lag)
+        wal = self.wal
+        self.metrics.ingest_idempotency_keys.set_function(lambda: float(wal.request_keys()))
         await self.ingest.start()
 
         self.started = True

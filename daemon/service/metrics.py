@@ -84,6 +84,17 @@ class Metrics:
             "Events accepted and acknowledged as durable (counted when the 200 is sent).",
             registry=r,
         )
+        self.ingest_replays = Counter(
+            p + "ingest_replays_total",
+            "Requests answered from an earlier request with the same Idempotency-Key "
+            "and body (nothing stored again).",
+            registry=r,
+        )
+        self.ingest_idempotency_keys = Gauge(
+            p + "ingest_idempotency_keys",
+            "Request keys in the de-duplication window (ingest.idempotency_max_keys bounds it).",
+            registry=r,
+        )
         self.ingest_bytes = Counter(
             p + "ingest_request_bytes_total", "Request body bytes read by ingest.", registry=r
         )

@@ -62,6 +62,8 @@ def open_wal(directory: Path) -> Wal:
         fsync="always",
         fsync_interval_ms=100,
         max_group_bytes=8 * MiB,
+        request_window_s=IngestConfig().idempotency_window_s,
+        request_max_keys=IngestConfig().idempotency_max_keys,
     )
 
 
