@@ -29,6 +29,12 @@ Measured per server:
 
 Run: ``python -m bench.bench_ingest`` (``--duration 3`` for a quick look;
 ``--repeat 3`` reports the best of three runs on a busy machine).
+
+``--keys`` measures what idempotent requests cost instead: two eventplane
+ingest servers (the same code and config, de-duplication window on), one
+fed requests without a key and one fed a fresh ``Idempotency-Key`` on every
+request, their closed-loop runs alternating ``--repeat`` times so drift on a
+shared machine hits both alike; it reports the median of each and the ratio.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ from bench.common import cpu_seconds
 
 MiB = 1 << 20
 PEERS = ("eventplane", "daemon", "fsync", "sqlite")
+KEYED = "keyed"  # eventplane ingest + WAL, every request with an Idempotency-Key
+KEYS_AIM = 0.95  # issue 14: keyed throughput at most 5 % lower
 TARGET_EVENTS_PER_S = 250_000  # issue 3, section 7
 TARGET_P99_MS = 25.0
 
@@ -76,6 +84,7 @@ async def _serve_eventplane(directory: Path, port_file: Path, cores: int) -> Non
     from daemon.service.metrics import Metrics
     from wal import Wal
 
+    defaults = IngestConfig()
     wal = await asyncio.to_thread(
         Wal.open,
         directory / "wal",
@@ -83,6 +92,8 @@ async def _serve_eventplane(directory: Path, port_file: Path, cores: int) -> Non
         fsync="always",
         fsync_interval_ms=100,
         max_group_bytes=8 * MiB,
+        request_window_s=defaults.idempotency_window_s,  # as `eventplane run` opens it
+        request_max_keys=defaults.idempotency_max_keys,
     )
     cfg = Config(
         daemon=DaemonConfig(data_dir=directory, cores=cores),
@@ -183,7 +194,7 @@ def serve(kind: str, directory: Path, port_file: Path, cores: int) -> int:
     from daemon.service import logs
 
     logs.configure("warning", "console")
-    if kind == "eventplane":
+    if kind in ("eventplane", KEYED):
         coro = _serve_eventplane(directory, port_file, cores)
     elif kind == "fsync":
         coro = _serve_fsync(directory, port_file)
@@ -229,6 +240,7 @@ class Result:
     p99_ms: float = 0.0
     achieved_rate: float = 0.0
     errors: list[str] = field(default_factory=list)
+    runs: list[tuple[float, float]] = field(default_factory=list)  # --keys: (events/s, CPU)
 
 
 def _free_port() -> int:
@@ -242,6 +254,7 @@ def _free_port() -> int:
 class Server:
     def __init__(self, kind: str, workdir: Path, cores: int) -> None:
         self.kind = kind
+        self.keyed = kind == KEYED
         self.dir = workdir / kind
         self.dir.mkdir(parents=True)
         if kind == "daemon":
@@ -296,10 +309,14 @@ class Server:
             self.proc.wait()
 
 
-async def _post(session: Any, url: str, body: bytes) -> int:
-    async with session.post(
-        url, data=body, headers={"Content-Type": "application/x-ndjson"}
-    ) as resp:
+_NDJSON = {"Content-Type": "application/x-ndjson"}
+_keys = iter(range(1 << 62))
+_KEY_PREFIX = f"bench-{os.getpid()}-{time.time_ns()}"
+
+
+async def _post(session: Any, url: str, body: bytes, keyed: bool = False) -> int:
+    headers = {**_NDJSON, "Idempotency-Key": f"{_KEY_PREFIX}-{next(_keys)}"} if keyed else _NDJSON
+    async with session.post(url, data=body, headers=headers) as resp:
         payload = await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {payload[:300]!r}")
@@ -320,7 +337,7 @@ async def closed_loop(
         async with aiohttp.ClientSession() as session:
             k = i
             while time.monotonic() < stop_at:
-                n = await _post(session, server.url, bodies[k % len(bodies)])
+                n = await _post(session, server.url, bodies[k % len(bodies)], server.keyed)
                 k += clients
                 if measuring.is_set():
                     counted["events"] += n
@@ -357,7 +374,8 @@ async def open_loop(
                 delay = due - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                done["events"] += await _post(session, server.url, bodies[(i + k) % len(bodies)])
+                body = bodies[(i + k) % len(bodies)]
+                done["events"] += await _post(session, server.url, body, server.keyed)
                 latencies.append(time.monotonic() - due)
                 k += 1
 
@@ -402,7 +420,59 @@ LABELS = {
     "daemon": "eventplane run (whole daemon)",
     "fsync": "aiohttp + fdatasync/request",
     "sqlite": "aiohttp + SQLite (FULL)",
+    KEYED: "eventplane, Idempotency-Key",
 }
+
+
+async def run_keys(args: argparse.Namespace, workdir: Path) -> list[Result]:
+    """Unkeyed and keyed eventplane ingest, closed-loop runs alternating; medians."""
+    bodies = make_bodies(64, args.batch)
+    servers = [Server("eventplane", workdir, args.cores), Server(KEYED, workdir, args.cores)]
+    runs: dict[str, list[tuple[float, float]]] = {s.kind: [] for s in servers}
+    try:
+        for _ in range(args.repeat):
+            for server in servers:
+                runs[server.kind].append(
+                    await closed_loop(server, bodies, args.clients, args.warmup, args.duration)
+                )
+    finally:
+        for server in servers:
+            server.stop()
+    results = []
+    for kind, got in runs.items():
+        eps = sorted(e for e, _c in got)
+        cpu = sorted(c for _e, c in got)
+        result = Result(kind, eps[len(eps) // 2], cpu[len(cpu) // 2])
+        result.runs = got
+        results.append(result)
+    return results
+
+
+def render_keys(results: list[Result], args: argparse.Namespace) -> str:
+    plain, keyed = results
+    ratio = keyed.events_per_s / max(plain.events_per_s, 1e-9)
+    cpu = keyed.cpu_us_per_event / max(plain.cpu_us_per_event, 1e-9)
+    lines = [
+        f"Idempotency-Key cost: eventplane ingest + WAL, fsync on, {args.batch} events/request, "
+        f"{args.clients} clients, {args.repeat} alternating runs of {args.duration:g} s, "
+        f"medians; {os.cpu_count()} CPUs; load average before: {args.load_before}",
+        "",
+        f"{'requests':<30} {'events/s':>10} {'CPU µs/ev':>10}",
+        f"{'-' * 30} {'-' * 10} {'-' * 10}",
+    ]
+    for r in results:
+        spread = " ".join(f"{e / 1000:.0f}k" for e, _c in r.runs)
+        lines.append(
+            f"{LABELS[r.peer]:<30} {r.events_per_s:>10,.0f} {r.cpu_us_per_event:>10.2f}"
+            f"   runs: {spread}"
+        )
+    verdict = "met" if ratio >= KEYS_AIM else "MISSED"
+    lines += [
+        "",
+        f"keyed / unkeyed: {ratio:.3f}x events/s, {cpu:.3f}x CPU per event "
+        f"(aim: >= {KEYS_AIM:.2f}x events/s: {verdict})",
+    ]
+    return "\n".join(lines)
 
 
 def render(results: list[Result], args: argparse.Namespace) -> str:
@@ -454,7 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", type=int, default=4, help="daemon.cores for eventplane")
     parser.add_argument("--repeat", type=int, default=1, help="report the best of N runs")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--serve", choices=PEERS, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--keys", action="store_true", help="measure Idempotency-Key on every request vs none"
+    )
+    parser.add_argument("--serve", choices=(*PEERS, KEYED), help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -470,6 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-ingest-", dir=os.environ.get("BENCH_DIR")) as d:
         import uvloop
 
+        if args.keys:
+            args.repeat = max(args.repeat, 3)
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                results = runner.run(run_keys(args, Path(d)))
+            print(render_keys(results, args))
+            return 0
         for peer in peers:
             print(f"running {peer} ...", file=sys.stderr, flush=True)
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import struct
 import time
 from collections import deque
@@ -83,6 +84,7 @@ REPLAYED: Final = "Idempotent-Replayed"
 # key reused for another request; it is not a defence against a forged body.
 _DIGEST = struct.Struct("<BBxxIQ")
 _DIGEST_CRC32C_LEN = 1
+_VISIBLE_ASCII: Final = re.compile(rb"[!-~]+")
 
 
 def request_digest(body: bytes, ndjson: bool) -> bytes:
@@ -540,7 +542,7 @@ class IngestServer:
         if raw is None:
             return None
         key = raw.encode("utf-8", "surrogateescape")
-        if not 0 < len(key) <= self._max_key or not all(0x21 <= b <= 0x7E for b in key):
+        if not 0 < len(key) <= self._max_key or _VISIBLE_ASCII.fullmatch(key) is None:
             raise Rejection(
                 400,
                 "bad_idempotency_key",

@@ -23,3 +23,14 @@ def test_bench_ingest_runs_and_reports_every_peer(
     results = json.loads(out.read_text())
     assert [r["peer"] for r in results] == ["eventplane", "fsync"]
     assert all(r["events_per_s"] > 0 and r["p99_ms"] > 0 and not r["errors"] for r in results)
+
+
+def test_bench_ingest_keys_compares_keyed_and_unkeyed_requests(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--duration", "0.3", "--warmup", "0.1", "--clients", "2", "--batch", "100"]
+    rc = bench_ingest.main([*argv, "--keys", "--repeat", "1"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "eventplane, Idempotency-Key" in text
+    assert "keyed / unkeyed:" in text
