@@ -544,6 +544,7 @@ class Daemon:
                 "head_lsn": wal.head_lsn(),
                 "retained_floor": wal.retained_floor(),
                 "segments": wal.segment_count(),
+                "idempotency_keys": wal.request_keys(),
             },
         }
         if self.plane is not None:
