@@ -491,12 +491,17 @@ class IngestServer:
                     if stored is not None:
                         self._m_replays.inc()
                         return self._ack(stored[0], stored[1], nbytes, started, replayed=True)
-                    outcome: tuple[int, int] | None = None
                     try:
                         items = self._parse(body, ndjson)
-                        first, last = outcome = await self._append(items, tag)
-                    finally:
-                        self._release(tag, outcome)
+                    except BaseException:
+                        self._release(tag, None)
+                        raise
+                    # Shielded: if this handler is cancelled (shutdown), the append
+                    # still ends and settles the key, so a waiting retry never
+                    # appends the same key while the first append is queued.
+                    appending = asyncio.ensure_future(self._append(items, tag))
+                    appending.add_done_callback(functools.partial(self._settle, tag))
+                    first, last = await asyncio.shield(appending)
             finally:
                 self._budget.release(need)
         except Rejection as rej:
@@ -584,6 +589,10 @@ class IngestServer:
     def _release(self, tag: RequestTag, outcome: tuple[int, int] | None) -> None:
         _digest, future = self._in_flight.pop(tag.key)
         future.set_result(outcome)
+
+    def _settle(self, tag: RequestTag, appending: asyncio.Future[tuple[int, int]]) -> None:
+        stored = not appending.cancelled() and appending.exception() is None
+        self._release(tag, appending.result() if stored else None)
 
     def _key_reused(self, tag: RequestTag, entry: RequestEntry | None) -> Rejection:
         key = tag.key.decode("ascii")
