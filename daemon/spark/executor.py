@@ -640,9 +640,11 @@ class SparkExecutor:
                     commits.append(sink.commit(df, batch, rows))
                 except Exception as exc:
                     failures[sink_stage(sink)] = exc
+            # Stages see the batch columns, without the payloads' JSON text.
+            staged = df.select(*frame.BATCH_COLUMNS) if stages else df
             for st in stages:
                 try:
-                    results.append((st, st.run_in_spark(spark, df, batch)))
+                    results.append((st, st.run_in_spark(spark, staged, batch)))
                 except Exception as exc:
                     failures[st.name] = exc
             if handlers:

@@ -3,7 +3,7 @@
 Pure functions; the executor, the benchmarks and the tests use them. A
 batch's slices become Arrow record batches a chunk at a time
 (``batch_table``, ``write_batch_file``), and the batch DataFrame
-(``BATCH_COLUMNS``, ``new``/``old`` parsed to VARIANT) reads them either from
+(``FRAME_COLUMNS``, ``new``/``old`` parsed to VARIANT) reads them either from
 an uncompressed Parquet file in the inbox (local masters) or from the Arrow
 table itself (``batch_dataframe``, ``batch_frame``). pyspark and pyarrow are
 imported inside the functions, so importing this module stays cheap.
@@ -22,13 +22,17 @@ from daemon.config import MicrobatchConfig
 from daemon.events import StoredEvent
 from daemon.plane.batch import MicroBatch
 from daemon.plane.parts import Rows
-from daemon.spark.cdc import CDC_COLUMNS
+from daemon.spark.cdc import CDC_COLUMNS, JSON_COLUMNS
 from wal.reader import RecordBatch
 from wal.record import Record
 
 # Columns of the batch DataFrame: the CDC contract plus what triggers need.
 EXTRA_COLUMNS = ("depth", "source")
 BATCH_COLUMNS = (*CDC_COLUMNS, *EXTRA_COLUMNS)
+# The DataFrame ``batch_frame`` returns also carries the payloads' JSON text
+# (the input file's columns, no extra work), which only CDC tables write;
+# stages get ``BATCH_COLUMNS``, handlers ``CDC_COLUMNS``.
+FRAME_COLUMNS = (*BATCH_COLUMNS, *JSON_COLUMNS)
 
 # A msgpack array header (0xdd + uint32 count) in front of the concatenated
 # payloads turns a slice into one msgpack document: one C-level decode per
@@ -149,7 +153,7 @@ def collection_counts(table: Any) -> dict[str, int]:
 def batch_dataframe(
     spark: Any, table: Any, batch_id: int, inbox: Path | None = None, parallelism: int = 1
 ) -> Any:
-    """Arrow table -> the batch DataFrame (``BATCH_COLUMNS``, new/old as VARIANT).
+    """Arrow table -> the batch DataFrame (``FRAME_COLUMNS``, new/old as VARIANT).
 
     With ``inbox`` (a folder the Spark executors can read: local masters), the
     table goes to Spark as an uncompressed Parquet file written by pyarrow's C++
@@ -303,7 +307,7 @@ def _inbox_file(inbox: Path, batch_id: int) -> Path:
 
 
 def _contract_frame(raw: Any) -> Any:
-    """The batch DataFrame (``BATCH_COLUMNS``) over ``batch_table``-shaped rows."""
+    """The batch DataFrame (``FRAME_COLUMNS``) over ``batch_table``-shaped rows."""
     return raw.select(*_contract_columns(raw.sparkSession))
 
 
@@ -318,6 +322,6 @@ def _contract_columns(spark: Any) -> list[Any]:
         from pyspark.sql import functions as F
 
         parsed = {"new": F.parse_json("new_json"), "old": F.parse_json("old_json")}
-        cols = [parsed[c].alias(c) if c in parsed else F.col(c) for c in BATCH_COLUMNS]
+        cols = [parsed[c].alias(c) if c in parsed else F.col(c) for c in FRAME_COLUMNS]
         _contract_cache = (spark, cols)
     return _contract_cache[1]

@@ -15,6 +15,10 @@ always win):
   turn into a batch that fails forever.
 - ``spark.sql.maxConcurrentOutputFileWriters = 16``: partitioned writes keep
   one writer per collection instead of sorting each batch by collection.
+- ``spark.sql.variant.writeShredding.enabled = false`` and
+  ``spark.sql.parquet.variant.annotateLogicalType.enabled = false``: the CDC
+  tables' VARIANT columns have one physical schema in every file, which every
+  Parquet reader can open (docs/cdc.md, "Payload layout").
 - UI off and the console progress bar off: a daemon has no terminal and the
   UI port is an attack surface nobody asked for.
 - With a ``local`` master, ``spark.driver.bindAddress`` and
@@ -66,6 +70,13 @@ _DAEMON_DEFAULTS: dict[str, str] = {
     # Batches arrive as one Arrow table; the default 10k rows per Arrow batch
     # (= per partition) would split a 100k-row batch into 10 tiny tasks.
     "spark.sql.execution.arrow.maxRecordsPerBatch": "50000",
+    # The CDC tables' payload layout (docs/cdc.md, "Payload layout"): VARIANT
+    # columns written whole, as a plain {value, metadata} group. Shredded, each
+    # file had its own struct for them and pyarrow (so pandas) refused the
+    # table; annotated with Parquet's VARIANT logical type, Polars cannot read
+    # the files' footers at all. Spark reads them as VARIANT either way.
+    "spark.sql.variant.writeShredding.enabled": "false",
+    "spark.sql.parquet.variant.annotateLogicalType.enabled": "false",
 }
 
 # log4j2 configuration for the driver JVM: one console appender on stderr

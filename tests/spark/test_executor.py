@@ -15,10 +15,11 @@ from daemon.errors import ConfigError, ExecutorError
 from daemon.plane.batch import MicroBatch
 from daemon.service.metrics import Metrics
 from daemon.spark import frame
-from daemon.spark.cdc import CDC_COLUMNS
+from daemon.spark.cdc import CDC_COLUMNS, TABLE_COLUMNS
 from daemon.spark.executor import SparkExecutor
 from daemon.spark.frame import (
     BATCH_COLUMNS,
+    FRAME_COLUMNS,
     INBOX_SCHEMA,
     batch_dataframe,
     batch_table,
@@ -48,6 +49,8 @@ CONTRACT_TYPES = {
     "batch_id": "bigint",
     "depth": "int",
     "source": "string",
+    "new_json": "string",
+    "old_json": "string",
 }
 
 
@@ -55,7 +58,7 @@ def test_batch_dataframe_has_contract_columns_with_variant_new_and_old(spark: An
     (batch,) = make_batches(1, 200, first_batch_id=7)
     df = batch_dataframe(spark, batch_table(batch), batch.batch_id)
 
-    assert tuple(df.columns) == BATCH_COLUMNS
+    assert tuple(df.columns) == FRAME_COLUMNS
     assert dict(df.dtypes) == CONTRACT_TYPES
     rows = (
         df.selectExpr(
@@ -118,8 +121,8 @@ async def test_cdc_table_holds_each_event_exactly_once_after_normal_runs(
     rows = read_table(spark, tmp_path / "cdc" / "all")
     assert sorted(r.lsn for r in rows) == batch_lsns(batches)
     table = spark.read.parquet(str(tmp_path / "cdc" / "all"))
-    assert sorted(table.columns) == sorted(CDC_COLUMNS)
-    assert {k: v for k, v in table.dtypes} == {c: CONTRACT_TYPES[c] for c in CDC_COLUMNS}
+    assert sorted(table.columns) == sorted(TABLE_COLUMNS)
+    assert {k: v for k, v in table.dtypes} == {c: CONTRACT_TYPES[c] for c in TABLE_COLUMNS}
     assert table.where("new:amount::double >= 0").count() == len(rows)
 
 
