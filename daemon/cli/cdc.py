@@ -1,10 +1,14 @@
-"""``eventplane cdc show STREAM [--limit N]``: the latest committed rows of a CDC stream.
+"""``eventplane cdc show STREAM [--limit N]``: the latest committed rows of a CDC stream;
+``eventplane cdc rewrite STREAM``: its files of the previous payload layout, rewritten.
 
-Reads only what a plain reader would see (published files), newest batches
-first, using the stream's ledger to open just enough files for ``--limit``
-rows. Spark runs embedded (``local[1]``) whatever ``[spark]`` says: the stream
-path is a local folder, and a look at a table should not submit a job to a
-cluster. Works while the daemon runs (it only reads).
+``show`` reads only what a plain reader would see (published files), newest
+batches first, using the stream's ledger to open just enough files for
+``--limit`` rows. Spark runs embedded (``local[1]``) whatever ``[spark]``
+says: the stream path is a local folder, and a look at a table should not
+submit a job to a cluster. Works while the daemon runs (it only reads).
+
+``rewrite`` (:mod:`daemon.spark.rewrite`) takes the stream's lock, so it is
+refused while the daemon runs; embedded Spark (``local[*]``) too.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from daemon.config import CdcStream, Config
-from daemon.spark.cdc import committed_files, read_ledger
+from daemon.spark.cdc import CdcSink, CdcStreamLockedError, committed_files, read_ledger
 
 COLUMNS = ("lsn", "batch_id", "core", "collection", "op", "key", "new", "old", "ingest_ts")
 MAX_CELL = 60  # characters per cell before "..."; JSON documents can be long
@@ -84,20 +88,23 @@ def main(
 ) -> int:
     """Print the latest rows; 1 when the stream is unknown. ``session``: reuse (tests)."""
     out = out or sys.stdout
-    if args.cdc_command != "show":
+    if args.cdc_command not in ("show", "rewrite"):
         print(f"eventplane cdc: unknown action {args.cdc_command!r}", file=sys.stderr)
         return 2
-    if args.limit < 1:
+    if args.cdc_command == "show" and args.limit < 1:
         print("eventplane cdc show: --limit must be >= 1", file=sys.stderr)
         return 2
     stream = next((s for s in cfg.cdc.streams if s.name == args.stream), None)
     if stream is None:
         known = ", ".join(s.name for s in cfg.cdc.streams) or "none configured"
         print(
-            f"eventplane cdc show: no stream named {args.stream!r} (streams: {known})",
+            f"eventplane cdc {args.cdc_command}: no stream named {args.stream!r} "
+            f"(streams: {known})",
             file=sys.stderr,
         )
         return 1
+    if args.cdc_command == "rewrite":
+        return rewrite(stream, session=session, out=out)
     if not newest_files(stream, 1):
         print(f"stream {stream.name!r} ({stream.path}): no committed rows yet", file=out)
         return 0
@@ -119,4 +126,43 @@ def main(
         file=out,
     )
     print(format_rows(rows), file=out)
+    return 0
+
+
+def rewrite(stream: CdcStream, *, session: Any = None, out: TextIO) -> int:
+    """Rewrite the stream's previous-layout files; 1 when the daemon holds the stream."""
+    from daemon.spark.rewrite import previous_layout_files, rewrite_previous_layout
+
+    ledger = read_ledger(stream.path)
+    if ledger is None:
+        print(f"stream {stream.name!r} ({stream.path}): no committed rows yet", file=out)
+        return 0
+    sink = CdcSink(stream, wal_id=ledger.wal_id, cores=ledger.cores)
+    try:
+        sink.open()  # the lock, and any interrupted commit finished first
+    except CdcStreamLockedError as exc:
+        print(f"eventplane cdc rewrite: {exc}", file=sys.stderr)
+        return 1
+    owned = session is None
+    try:
+        if not previous_layout_files(stream.path, sink.last_batch_id):
+            print(
+                f"stream {stream.name!r} ({stream.path}): every file has the current layout",
+                file=out,
+            )
+            return 0
+        if owned:
+            from daemon.spark.session import build_session
+
+            session = build_session("local[*]", "eventplane-cdc-rewrite", False, "ERROR", {})
+        result = rewrite_previous_layout(session, sink)
+    finally:
+        sink.close()
+        if owned and session is not None:
+            session.stop()
+    print(
+        f"stream {stream.name!r} ({stream.path}): rewrote {result.files} files "
+        f"({result.rows} rows) into the current layout in {result.seconds:.1f} s",
+        file=out,
+    )
     return 0

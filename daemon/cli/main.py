@@ -92,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(q)
     q.add_argument("stream")
     q.add_argument("--limit", type=int, default=20)
+    q = cdc_sub.add_parser(
+        "rewrite",
+        help="rewrite a stream's files of the previous payload layout (daemon stopped)",
+        description="Rewrite the files a daemon before 2026-11-25 wrote (shredded VARIANT, "
+        "no new_json/old_json) into the current layout, in place, so pyarrow, pandas and "
+        "Polars read the whole table (docs/cdc.md). Takes the stream's lock: stop the "
+        "daemon first.",
+    )
+    _add_config(q)
+    q.add_argument("stream")
     return parser
 
 

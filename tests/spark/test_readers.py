@@ -10,6 +10,7 @@ the events that were sent.
 
 from __future__ import annotations
 
+import io
 import json
 import zlib
 from collections.abc import Iterator, Sequence
@@ -19,10 +20,13 @@ from unittest import mock
 
 import pytest
 
+from daemon.cli import cdc as cdccmd
+from daemon.cli.main import build_parser
 from daemon.events import StoredEvent, encode
 from daemon.plane.batch import MicroBatch, Slice
-from daemon.spark.cdc import CDC_COLUMNS
-from tests.spark.support import BASE_TS_NS, CORES
+from daemon.spark.cdc import CDC_COLUMNS, META_DIR
+from daemon.spark.rewrite import previous_layout_files
+from tests.spark.support import BASE_TS_NS, CORES, make_config
 from wal.record import Record
 
 pytestmark = pytest.mark.spark
@@ -286,35 +290,87 @@ async def test_every_file_of_a_table_has_one_physical_schema(
         assert "Variant" not in text, f
 
 
-async def test_spark_reads_a_table_mixing_shredded_and_new_files(
-    spark: Any, executor_factory: Any, tmp_path: Path
-) -> None:
-    """Files written before this layout (shredded, annotated, without the JSON
-    columns) and after it sit in one table: Spark reads every row and payload."""
-    ex = await executor_factory()
-    batches = shaped_batches(4, 50)
+async def write_mixed_table(spark: Any, ex: Any, batches: Sequence[MicroBatch]) -> None:
+    """The first half of ``batches`` in the previous layout (Spark 4.3's defaults:
+    shredded, annotated, no JSON columns), the rest in the current one."""
     previous = {
         "spark.sql.variant.writeShredding.enabled": "true",
         "spark.sql.parquet.variant.annotateLogicalType.enabled": "true",
     }
     saved = {k: spark.conf.get(k) for k in previous}
+    half = len(batches) // 2
     try:
         for k, v in previous.items():
             spark.conf.set(k, v)
         with mock.patch("daemon.spark.cdc.TABLE_COLUMNS", CDC_COLUMNS):
-            for b in batches[:2]:
+            for b in batches[:half]:
                 await ex.execute(b)
     finally:
         for k, v in saved.items():
             spark.conf.set(k, v)
-    for b in batches[2:]:
+    for b in batches[half:]:
         await ex.execute(b)
-    table = tmp_path / "cdc" / "all"
+
+
+def _layouts(table: Path) -> set[bool]:
+    """For each file: does it have the JSON columns (the current layout)?"""
     import pyarrow.parquet as pq
 
-    layouts = {
-        "new_json" in pq.read_schema(f).names for f in table.glob("collection=*/part-*.parquet")
-    }
-    assert layouts == {True, False}
+    return {"new_json" in pq.read_schema(f).names for f in table.glob("collection=*/*.parquet")}
+
+
+async def test_spark_reads_a_table_mixing_previous_and_current_files(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """Files written before this layout and after it sit in one table: Spark
+    reads every row and payload; pyarrow and Polars refuse the old files."""
+    ex = await executor_factory()
+    batches = shaped_batches(4, 50)
+    await write_mixed_table(spark, ex, batches)
+    table = tmp_path / "cdc" / "all"
+    assert _layouts(table) == {True, False}
 
     assert read_spark(spark, table) == expected(batches)
+    for name in ("pyarrow", "polars"):
+        with pytest.raises(Exception, match=r"struct fields|no variant set|new_json"):
+            READERS[name](table)
+
+
+async def test_rewrite_turns_a_mixed_table_into_one_every_reader_reads(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """``eventplane cdc rewrite`` (daemon stopped) rewrites the previous layout's
+    files in place: same names, same ledger, and every reader sees every row once
+    with the producers' payload values; a second run has nothing to do."""
+    ex = await executor_factory()
+    batches = shaped_batches(4, 50)
+    await write_mixed_table(spark, ex, batches)
+    table = tmp_path / "cdc" / "all"
+    old_files = previous_layout_files(table, last_batch_id=2)
+    assert old_files and all(
+        f.name.startswith(("part-b000000000001", "part-b000000000002")) for f in old_files
+    )
+    names = sorted(p.relative_to(table) for p in table.glob("collection=*/*.parquet"))
+    ledger = (table / META_DIR / "ledger.json").read_bytes()
+    cfg = make_config(tmp_path)
+    args = build_parser().parse_args(["cdc", "rewrite", "all"])
+
+    # The running daemon holds the stream: refused, nothing touched.
+    assert cdccmd.main(args, cfg, session=spark, out=io.StringIO()) == 1
+    assert _layouts(table) == {True, False}
+    await ex.stop()
+    out = io.StringIO()
+    assert cdccmd.main(args, cfg, session=spark, out=out) == 0
+
+    assert f"rewrote {len(old_files)} files (100 rows)" in out.getvalue()
+    assert _layouts(table) == {True}
+    assert sorted(p.relative_to(table) for p in table.glob("collection=*/*.parquet")) == names
+    assert (table / META_DIR / "ledger.json").read_bytes() == ledger
+    assert not list((table / META_DIR / "staging").iterdir())
+    want = expected(batches)
+    assert read_spark(spark, table) == want
+    for name, read in READERS.items():
+        assert read(table) == want, name
+    again = io.StringIO()
+    assert cdccmd.main(args, cfg, session=spark, out=again) == 0
+    assert "every file has the current layout" in again.getvalue()
