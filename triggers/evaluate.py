@@ -295,7 +295,7 @@ class Selection:
 
     A Column is an unresolved expression, so one set serves every batch's
     DataFrame. Building it takes ~30 py4j calls (each trigger's condition, the
-    row document's struct of 12 columns); built once per trigger set they no
+    row document's struct of 14 columns); built once per trigger set they no
     longer add 10-30 ms to every batch (more on a loaded machine).
     """
 

@@ -122,9 +122,14 @@ async def test_event_sent_with_id_and_time_lands_in_cdc_with_them_and_one_withou
 
     await ex.execute(batch_of(1, records))
 
+    import pyarrow.parquet as pq
+
     table = spark.read.parquet(str(tmp_path / "cdc" / "all"))
     assert dict(table.dtypes)["event_id"] == "string"
     assert dict(table.dtypes)["event_time"] == "timestamp"
+    for f in (tmp_path / "cdc" / "all").glob("collection=*/part-*.parquet"):
+        # TIMESTAMP_MICROS, UTC-adjusted, like ingest_ts (not INT96).
+        assert str(pq.read_schema(f).field("event_time").type) == "timestamp[us, tz=UTC]"
     assert event_columns(spark, tmp_path / "cdc" / "all") == [
         (1, "o1", "evt-1", T_US),
         (2, "o2", "evt-2", 1_735_787_045_123_000),
