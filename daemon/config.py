@@ -57,6 +57,8 @@ class IngestConfig:
     max_body_bytes: int = 16 * MiB
     max_event_bytes: int = 1 * MiB
     max_events_per_request: int = 10_000
+    # Longest producer event id ("id") accepted, in characters; longer gets 422.
+    max_event_id_chars: int = 256
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 256
@@ -354,6 +356,7 @@ _INGEST: dict[str, Checker] = {
     "max_body_bytes": _int(1 * KiB),
     "max_event_bytes": _int(64),
     "max_events_per_request": _int(1),
+    "max_event_id_chars": _int(1, 65_536),
     "header_timeout_s": _float(0.0),
     "body_timeout_s": _float(0.0),
     "max_connections": _int(1),

@@ -62,6 +62,7 @@ from daemon.ingest.validate import (
     _disagreement,
     _json,
     _msgpack_into,
+    event_time_us,
     explain_body,
 )
 from daemon.service.metrics import Metrics
@@ -242,6 +243,7 @@ class IngestServer:
         self._max_body = c.max_body_bytes
         self._max_event = c.max_event_bytes
         self._max_events = c.max_events_per_request
+        self._max_event_id = c.max_event_id_chars
         # Bodies being read or parsed hold at most max_buffered_bytes; parsed
         # events and payloads add about 2x on top, so ingest stays within ~3x.
         self._budget = ByteBudget(c.max_buffered_bytes)
@@ -716,7 +718,7 @@ class IngestServer:
                         append(_decode_one(line))
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
                 # Raises unless the culprit was a blank line.
-                explain_body(body, ndjson, self._check_count)
+                explain_body(body, ndjson, self._check_count, self._max_event_id)
                 try:
                     events = [_decode_one(x) for x in lines if x.strip()]
                 except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
@@ -725,14 +727,14 @@ class IngestServer:
             try:
                 events = _decode_many(body)
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-                explain_body(body, ndjson, self._check_count)
+                explain_body(body, ndjson, self._check_count, self._max_event_id)
                 raise _disagreement(exc) from exc
             self._check_count(len(events))
         if not events:
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
         items = self._encode(events)
         if items is None:
-            explain_body(body, ndjson, self._check_count)
+            explain_body(body, ndjson, self._check_count, self._max_event_id)
             raise _disagreement(None)
         return items
 
@@ -747,14 +749,17 @@ class IngestServer:
             )
 
     def _encode(self, events: list[InEvent]) -> list[tuple[int, bytes]] | None:
-        """Step 4. ``(core, payload)`` per event; None when an op/new/old rule is broken.
+        """Step 4. ``(core, payload)`` per event; None when an op/new/old, ``id``
+        length or ``time`` range rule is broken.
 
-        The hot loop of ingest: keep it free of calls that are not needed.
+        The hot loop of ingest: keep it free of calls that are not needed. The
+        payload is ``validate._stored_payload`` inlined.
         """
         ts = time.time_ns()  # one wall-clock stamp per request
         cores = self._cores
         seeds = self._seeds
         max_event = self._max_event
+        max_id = self._max_event_id
         null = _NULL
         into = _msgpack_into
         scratch = self._scratch
@@ -778,7 +783,16 @@ class IngestServer:
                 return None
             collection = ev.collection
             key = ev.key
-            into((collection, op, key, new, old, ts, 0, ""), scratch)
+            eid = ev.event_id
+            etime = ev.event_time
+            if eid is None and etime is None:  # the short form (validate._stored_payload)
+                into((collection, op, key, new, old, ts, 0, ""), scratch)
+            else:
+                if eid is not None and len(eid) > max_id:
+                    return None
+                if etime is not None and (etime := event_time_us(etime)) is None:
+                    return None
+                into((collection, op, key, new, old, ts, 0, "", eid, etime), scratch)
             payload = bytes(scratch)  # exact size (see _msgpack_into)
             if len(payload) > max_event:
                 self._event_too_large(len(items), len(payload))
