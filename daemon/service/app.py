@@ -191,7 +191,12 @@ class Daemon:
         # Step 4. Listeners: admin first so /healthz answers while ingest binds.
         self.startup_step = f"the admin listener ([admin] listen = {cfg.admin.listen})"
         self.admin = AdminServer(
-            cfg, self.metrics, status=self.status, ready=self.ready, problems=self.problems
+            cfg,
+            self.metrics,
+            status=self.status,
+            ready=self.ready,
+            problems=self.problems,
+            stages=self.plane,
         )
         await self.admin.start()
         self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"
@@ -452,7 +457,9 @@ class Daemon:
         A part is stalled when it has failed, or been held, for longer than
         ``health.stall_after_s`` without a commit in between: a stage (a CDC
         stream, the triggers, a handler) failing on its own, or the
-        micro-batch path as a whole (Spark down, every stage failing).
+        micro-batch path as a whole (Spark down, every stage failing). A
+        paused stage is not a problem until its backlog passes
+        ``health.paused_max_lag_events``.
         """
         out: list[dict[str, Any]] = []
         plane = self.plane
@@ -518,6 +525,8 @@ class Daemon:
                         f"batch(es) behind (limit {limit:g} s): {stage['last_error']}",
                     }
                 )
+            elif stage["paused_over_limit"]:
+                out.append(paused_problem(stage, self.cfg.health.paused_max_lag_events))
         return out
 
     def _wal_has_room(self, needed: int) -> bool:
@@ -569,6 +578,25 @@ class Daemon:
         st = self.plane.status()
         modes = "".join("N" if c["mode"] == "normal" else "C" for c in st.get("cores", []))
         return f"head={self.wal.head_lsn()} modes={modes} max_lag={self.plane.max_lag()}"
+
+
+def paused_problem(stage: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The problem of a paused stage whose backlog passed
+    ``health.paused_max_lag_events``: what it holds, and the two ways out."""
+    name = stage["name"]
+    why = f" ({stage['paused_reason']})" if stage.get("paused_reason") else ""
+    return {
+        "part": f"stage {name}",
+        "stage": name,
+        "paused": True,
+        "since": stage["paused_since"],
+        "behind_batches": stage["behind_batches"],
+        "behind_events": stage["behind_events"],
+        "message": f"stage {name} is paused{why} and {stage['behind_events']:,} events behind, "
+        f"over health.paused_max_lag_events = {limit:,}: the WAL keeps all of them. "
+        f"Resume it (`eventplane resume {name}`), or remove it from the config and "
+        "restart to give up on its backlog",
+    }
 
 
 # Ingest and the WAL allocate a few short-lived tuples per event. At CPython's
