@@ -459,9 +459,6 @@ class EventPlane:
         changed = planner.resume_stage(name)
         return await self._stage_answer(planner, name, changed)
 
-    def stage_names(self) -> list[str]:
-        return list(self.planner.stages.names) if self.planner is not None else []
-
     def _running_planner(self) -> Planner:
         if self._state != "running" or self.planner is None:
             raise StagesNotRunningError(

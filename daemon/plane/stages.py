@@ -385,6 +385,25 @@ class StageTracker:
         )
 
 
+def paused_problem(stage: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The problem of a paused stage whose backlog passed
+    ``health.paused_max_lag_events``: what it holds, and the two ways out."""
+    name = stage["name"]
+    why = f" ({stage['paused_reason']})" if stage.get("paused_reason") else ""
+    return {
+        "part": f"stage {name}",
+        "stage": name,
+        "paused": True,
+        "since": stage["paused_since"],
+        "behind_batches": stage["behind_batches"],
+        "behind_events": stage["behind_events"],
+        "message": f"stage {name} is paused{why} and {stage['behind_events']:,} events behind, "
+        f"over health.paused_max_lag_events = {limit:,}: the WAL keeps all of them. "
+        f"Resume it (`eventplane resume {name}`), or remove it from the config and "
+        "restart to give up on its backlog",
+    }
+
+
 def _text(value: str | None) -> str | None:
     """A pause's reason or author as stored: one line, bounded, None if empty."""
     if value is None:

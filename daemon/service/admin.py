@@ -56,8 +56,6 @@ MAX_PAUSE_BODY_BYTES = 16 * 1024
 class StageControl(Protocol):
     """Pauses and resumes stages (``EventPlane``)."""
 
-    def stage_names(self) -> list[str]: ...
-
     async def pause_stage(
         self, name: str, *, reason: str | None = None, by: str | None = None
     ) -> dict[str, Any]: ...

@@ -46,6 +46,7 @@ from daemon.errors import ConfigError, DaemonError
 from daemon.ingest.server import IngestServer
 from daemon.plane.batch import BatchStage, Executor, NullExecutor
 from daemon.plane.eventplane import EventPlane
+from daemon.plane.stages import paused_problem
 from daemon.service import logs
 from daemon.service.admin import AdminServer
 from daemon.service.deadline import Deadline
@@ -578,25 +579,6 @@ class Daemon:
         st = self.plane.status()
         modes = "".join("N" if c["mode"] == "normal" else "C" for c in st.get("cores", []))
         return f"head={self.wal.head_lsn()} modes={modes} max_lag={self.plane.max_lag()}"
-
-
-def paused_problem(stage: dict[str, Any], limit: int) -> dict[str, Any]:
-    """The problem of a paused stage whose backlog passed
-    ``health.paused_max_lag_events``: what it holds, and the two ways out."""
-    name = stage["name"]
-    why = f" ({stage['paused_reason']})" if stage.get("paused_reason") else ""
-    return {
-        "part": f"stage {name}",
-        "stage": name,
-        "paused": True,
-        "since": stage["paused_since"],
-        "behind_batches": stage["behind_batches"],
-        "behind_events": stage["behind_events"],
-        "message": f"stage {name} is paused{why} and {stage['behind_events']:,} events behind, "
-        f"over health.paused_max_lag_events = {limit:,}: the WAL keeps all of them. "
-        f"Resume it (`eventplane resume {name}`), or remove it from the config and "
-        "restart to give up on its backlog",
-    }
 
 
 # Ingest and the WAL allocate a few short-lived tuples per event. At CPython's

@@ -30,8 +30,8 @@ from daemon.config import (
     WalConfig,
 )
 from daemon.plane.eventplane import EventPlane
+from daemon.plane.stages import paused_problem
 from daemon.service.admin import AdminServer
-from daemon.service.app import paused_problem
 from daemon.service.metrics import Metrics
 from tests.core.conftest import StagedExecutor
 from wal import Wal
