@@ -184,6 +184,11 @@ class HealthConfig:
     # Failed attempts in a row to (re)build the Spark session before the
     # systemd watchdog is withheld, so that systemd restarts the process.
     session_restart_attempts: int = 5
+    # A paused stage (eventplane pause) further behind than this many events
+    # (an LSN distance) is a problem: /healthz 503 until it is resumed or
+    # removed; nothing is dropped. 0: no limit. Keep it below
+    # ingest.max_lag_events, which refuses producers (429) at the same measure.
+    paused_max_lag_events: int = 10_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +412,7 @@ _DLQ: dict[str, Checker] = {"max_entries": _int(1)}
 _HEALTH: dict[str, Checker] = {
     "stall_after_s": _float(0.0),
     "session_restart_attempts": _int(1),
+    "paused_max_lag_events": _int(0),
 }
 _LOG: dict[str, Checker] = {
     "level": _choice("debug", "info", "warning", "error"),

@@ -53,6 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="admin base URL (default: from config admin.listen)")
     p.add_argument("--json", action="store_true", help="print the raw /v1/status JSON")
 
+    p = sub.add_parser(
+        "pause", help="pause a stage (cdc:<stream>, triggers, handler:<ref>) of the running daemon"
+    )
+    _add_config(p)
+    p.add_argument("stage", help="the stage, as `eventplane status` names it (e.g. cdc:all)")
+    p.add_argument("--reason", help="why, shown in status and kept with the pause")
+    p.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+
+    p = sub.add_parser("resume", help="resume a paused stage; it catches up on what it missed")
+    _add_config(p)
+    p.add_argument("stage", help="the stage, as `eventplane status` names it (e.g. cdc:all)")
+    p.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+
     p = sub.add_parser("send", help="post NDJSON events from stdin to the ingest API")
     _add_config(p)
     p.add_argument("--url", help="ingest base URL (default: from config ingest.listen)")
@@ -170,6 +183,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from daemon.cli import status
 
         return status.main(args, _load_for_client(args))
+    if args.command in ("pause", "resume"):
+        from daemon.cli import stages
+
+        return stages.main(args, _load_for_client(args))
     if args.command == "send":
         from daemon.cli import send
 
