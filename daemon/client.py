@@ -332,7 +332,7 @@ class _Attempts:
         note = f"gave up after {self.count} attempts in {self.spent:.1f} s"
         if exc.maybe_stored:
             note += (
-                f"; an earlier attempt got no answer, so the request may have been stored: "
+                f"; an attempt got no answer, so the request may have been stored: "
                 f"resending it with {IDEMPOTENCY_KEY} {self.key!r} is safe within the "
                 "daemon's de-duplication window (ingest.idempotency_window_s)"
             )
