@@ -73,6 +73,9 @@ class IngestConfig:
     idempotency_window_s: float = 900.0
     idempotency_max_keys: int = 100_000
     max_idempotency_key_bytes: int = 255
+    # Drain (SIGTERM): while producer connections are open, the listener keeps
+    # answering 503 draining this long before it closes (docs/ingest.md, "Draining").
+    drain_grace_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,6 +374,7 @@ _INGEST: dict[str, Checker] = {
     "idempotency_window_s": _float(0.0, exclusive=False),
     "idempotency_max_keys": _int(1),
     "max_idempotency_key_bytes": _int(1, 65_535),
+    "drain_grace_s": _float(0.0, exclusive=False),
 }
 _ADMIN: dict[str, Checker] = {"listen": _listen}
 _WAL: dict[str, Checker] = {

@@ -70,6 +70,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--url", help="ingest base URL (default: from config ingest.listen)")
     p.add_argument("--batch", type=int, default=1000, help="events per request (default 1000)")
+    p.add_argument(
+        "--retry-for",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="retry a request (same Idempotency-Key) for up to this long; 0: never (default 120)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="longest wait for the daemon in one attempt (default 30)",
+    )
+    p.add_argument(
+        "--key-prefix",
+        metavar="PREFIX",
+        help="Idempotency-Keys are PREFIX:<first stdin line of the request> (default random)",
+    )
+    p.add_argument(
+        "--from-line",
+        type=int,
+        default=1,
+        metavar="N",
+        help="skip stdin lines before N (a resend with the same --key-prefix)",
+    )
 
     p = sub.add_parser("wal", help="inspect, verify or repair the write-ahead log")
     wal_sub = p.add_subparsers(dest="wal_command", required=True, metavar="ACTION")

@@ -95,6 +95,8 @@ class Daemon:
         """The injectable shutdown trigger; a second call forces a fast exit."""
         if self.should_exit:
             self.force_exit = True
+            if self.ingest is not None:
+                self.ingest.hurry()  # no drain grace for producers: exit now
             log.warning("shutdown.forced", reason=reason)
         else:
             self.should_exit = True
