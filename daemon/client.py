@@ -5,18 +5,28 @@ and :class:`SyncIngestClient` (blocking, standard library only; one kept-alive
 ``http.client`` connection, because ``urllib.request`` opens a new connection
 per request).
 
-- A call returns :class:`Ack` (``accepted``, ``first_lsn``, ``last_lsn``) only
-  when the daemon acknowledged the whole request as durable.
-- A refusal raises a typed :class:`IngestError` carrying the HTTP status, the
-  server's error word and message, and the full JSON body (a 422 has
-  ``errors``: index, field, reason per problem).
-- 429, 503 and 507 are retried after the server's ``Retry-After`` (bounded by
-  ``max_retries`` and ``max_wait_s``); a connection that could not be opened
-  is retried with backoff ``connect_retries`` times, since nothing was sent.
-  A connection lost *after* the request went out raises
-  :class:`IngestConnectionError` with ``maybe_sent=True``: the events may or
-  may not be durable, and only the caller can decide whether a duplicate is
-  better than a loss. Nothing acknowledged is ever resent.
+- A call returns :class:`Ack` (``accepted``, ``first_lsn``, ``last_lsn``,
+  ``replayed``) only when the daemon acknowledged the whole request as
+  durable. ``replayed`` says the daemon answered a retry from the request's
+  first attempt, which it had stored (docs/ingest.md, "Idempotent requests").
+- Every request carries an ``Idempotency-Key``: the caller's (``key=``), or
+  ``<key_prefix>-<n>``, a random prefix per client and the request's number.
+  Every attempt of one request sends the same key, so a retry never stores the
+  request twice while the daemon's de-duplication window holds the key.
+- Retried with that key: connections that could not be opened, were reset or
+  closed before the answer, attempts over ``timeout_s``, and 408, 429, 503
+  and 507 (nothing stored). The wait is the server's ``Retry-After``, else an
+  exponential backoff with jitter, each capped by ``max_wait_s``; no retry
+  starts once ``retry_for_s`` (attempts and waits) would be exceeded.
+- Not retried: 400, 413, 415, 422 and any other answer, which raise a typed
+  :class:`IngestError` carrying the HTTP status, the server's error word and
+  message, and the full JSON body (a 422 has ``errors``: index, field, reason
+  per problem).
+- When the retries run out, the last error is raised, carrying ``key``,
+  ``attempts``, ``elapsed_s`` and ``maybe_stored``: True when an attempt went
+  out and got no answer, so the request may be durable. Resending it with the
+  same key is safe within the window (``ingest.idempotency_window_s``,
+  default 900 s, far above the default ``retry_for_s``).
 """
 
 from __future__ import annotations
@@ -24,6 +34,11 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import http.client
+import itertools
+import random
+import re
+import secrets
+import select
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
@@ -39,8 +54,21 @@ DEFAULT_URL = "http://127.0.0.1:8470"
 # Reuse an idle connection only while it is surely open: the daemon closes
 # idle connections after ingest.header_timeout_s (10 s by default).
 IDLE_REUSE_S = 5.0
-# Without a Retry-After header: exponential backoff from this, capped by max_wait_s.
+# Without a Retry-After header: exponential backoff from this, capped by max_wait_s;
+# each wait is drawn between half and all of it, so producers that failed
+# together (a daemon restart) do not come back together.
 BACKOFF_S = 0.5
+# The default retry budget per request: far below the daemon's de-duplication
+# window (ingest.idempotency_window_s, 900 s), so every retry is recognised.
+RETRY_FOR_S = 120.0
+# The default time one attempt may take (connect, send, the answer).
+TIMEOUT_S = 30.0
+IDEMPOTENCY_KEY = "Idempotency-Key"
+REPLAYED = "Idempotent-Replayed"
+# Keys are 1..255 visible ASCII characters (ingest.max_idempotency_key_bytes); a
+# prefix leaves room for the request number.
+MAX_KEY_PREFIX = 200
+_VISIBLE_ASCII = re.compile(r"[!-~]+")
 
 _encode = msgspec.json.Encoder().encode
 
@@ -49,6 +77,19 @@ class Ack(NamedTuple):
     accepted: int
     first_lsn: int
     last_lsn: int
+    # The daemon had stored this request already (an earlier attempt): these are
+    # the LSNs it got then, and nothing was stored now.
+    replayed: bool = False
+
+
+class Retry(NamedTuple):
+    """What ``on_retry`` is told before each wait."""
+
+    key: str
+    attempt: int  # the attempt that failed (1-based)
+    error: IngestError
+    wait_s: float
+    elapsed_s: float  # since the first attempt began
 
 
 class IngestError(DaemonError):
@@ -69,6 +110,14 @@ class IngestError(DaemonError):
         self.error = error
         self.body: Mapping[str, Any] = body or {}
         self.retry_after = retry_after
+        # Set by the client once it stops retrying the request.
+        self.key: str | None = None
+        self.attempts = 1
+        self.elapsed_s = 0.0
+        # An attempt went out and got no answer: the request may be durable.
+        self.maybe_stored = False
+        # The error was retriable, but the retry budget ran out.
+        self.gave_up = False
 
 
 class BadRequestError(IngestError):
@@ -81,6 +130,12 @@ class PayloadTooLargeError(IngestError):
 
 class UnsupportedMediaTypeError(IngestError):
     """415: wrong Content-Type."""
+
+
+class RequestTimeoutError(IngestError):
+    """408: the body did not arrive within the daemon's deadline; nothing was stored."""
+
+    retriable = True
 
 
 class InvalidEventsError(IngestError):
@@ -110,16 +165,22 @@ class InsufficientStorageError(IngestError):
 
 
 class IngestConnectionError(IngestError):
-    """No HTTP answer. ``maybe_sent`` says whether the request may have arrived."""
+    """No HTTP answer. ``maybe_sent`` says whether this attempt may have arrived.
+
+    Retriable either way: the request's ``Idempotency-Key`` makes a retry of a
+    request that did arrive store nothing.
+    """
+
+    retriable = True
 
     def __init__(self, message: str, *, maybe_sent: bool) -> None:
         super().__init__(message)
         self.maybe_sent = maybe_sent
-        self.retriable = not maybe_sent
 
 
 _BY_STATUS: dict[int, type[IngestError]] = {
     400: BadRequestError,
+    408: RequestTimeoutError,
     413: PayloadTooLargeError,
     415: UnsupportedMediaTypeError,
     422: InvalidEventsError,
@@ -170,9 +231,24 @@ def error_from_response(status: int, body: bytes, retry_after: str | None) -> In
     )
 
 
-def _ack(body: bytes) -> Ack:
+def _ack(body: bytes, replayed_header: str | None) -> Ack:
     doc = msgspec.json.decode(body)
-    return Ack(int(doc["accepted"]), int(doc["first_lsn"]), int(doc["last_lsn"]))
+    replayed = doc.get("replayed") is True or (replayed_header or "").lower() == "true"
+    return Ack(int(doc["accepted"]), int(doc["first_lsn"]), int(doc["last_lsn"]), replayed)
+
+
+def new_key_prefix(kind: str = "ep") -> str:
+    """A random key prefix: unique per client (64 random bits), e.g. ``ep-1f0c9a7e2b4d6c8a``."""
+    return f"{kind}-{secrets.token_hex(8)}"
+
+
+def check_key_prefix(prefix: str) -> str:
+    if not (0 < len(prefix) <= MAX_KEY_PREFIX and _VISIBLE_ASCII.fullmatch(prefix)):
+        raise ValueError(
+            f"an Idempotency-Key prefix is 1 to {MAX_KEY_PREFIX} visible ASCII characters "
+            f"(! to ~), got {prefix!r}"
+        )
+    return prefix
 
 
 def _events_url(url: str) -> str:
@@ -183,41 +259,117 @@ def _events_url(url: str) -> str:
 
 
 class _RetryPolicy:
-    __slots__ = ("connect_retries", "max_retries", "max_wait_s")
+    __slots__ = ("max_retries", "max_wait_s", "on_retry", "retry_for_s")
 
-    def __init__(self, max_retries: int, max_wait_s: float, connect_retries: int) -> None:
+    def __init__(
+        self,
+        retry_for_s: float,
+        max_retries: int | None,
+        max_wait_s: float,
+        on_retry: Callable[[Retry], Any] | None,
+    ) -> None:
+        if retry_for_s < 0:
+            raise ValueError(f"retry_for_s must be >= 0, got {retry_for_s}")
+        self.retry_for_s = retry_for_s
         self.max_retries = max_retries
         self.max_wait_s = max_wait_s
-        self.connect_retries = connect_retries
+        self.on_retry = on_retry
 
-    def wait_s(self, exc: IngestError, attempt: int) -> float | None:
-        """Seconds to wait before retry ``attempt`` (1-based), or None to give up."""
-        limit = self.connect_retries if isinstance(exc, IngestConnectionError) else self.max_retries
-        if not exc.retriable or attempt > limit:
+
+class _Attempts:
+    """The attempts of one request: whether and when to retry, what to tell at the end.
+
+    Time is counted as the attempts took plus the waits asked for, so an
+    injected ``sleep`` that does not sleep still spends the budget.
+    """
+
+    __slots__ = ("backoffs", "count", "key", "maybe_stored", "policy", "spent")
+
+    def __init__(self, policy: _RetryPolicy, key: str) -> None:
+        self.policy = policy
+        self.key = key
+        self.count = 0
+        self.backoffs = 0
+        self.spent = 0.0
+        self.maybe_stored = False
+
+    def failed(self, exc: IngestError, took_s: float) -> float | None:
+        """Seconds to wait before the next attempt, or None: then ``exc`` is annotated
+        and the caller raises it."""
+        p = self.policy
+        self.spent += took_s
+        if isinstance(exc, IngestConnectionError) and exc.maybe_sent:
+            self.maybe_stored = True
+        wait = None
+        if exc.retriable and (p.max_retries is None or self.count <= p.max_retries):
+            if exc.retry_after is not None:
+                wait = min(exc.retry_after, p.max_wait_s)
+            else:
+                ceiling = min(BACKOFF_S * 2**self.backoffs, p.max_wait_s)
+                self.backoffs += 1
+                wait = ceiling * (0.5 + 0.5 * random.random())
+            if self.spent + wait > p.retry_for_s:
+                wait = None
+        if wait is None:
+            self._annotate(exc)
             return None
-        wait = exc.retry_after if exc.retry_after is not None else BACKOFF_S * 2 ** (attempt - 1)
-        return min(wait, self.max_wait_s)
+        if p.on_retry is not None:
+            p.on_retry(Retry(self.key, self.count, exc, wait, self.spent))
+        self.spent += wait
+        return wait
+
+    def _annotate(self, exc: IngestError) -> None:
+        exc.key = self.key
+        exc.attempts = self.count
+        exc.elapsed_s = self.spent
+        # A definite refusal settles an earlier attempt that got no answer: its
+        # checks give the same answer for the same body, and a stored request
+        # would have been answered from the window (a 200 replay) instead.
+        exc.maybe_stored = self.maybe_stored and exc.retriable
+        exc.gave_up = exc.retriable
+        if not exc.gave_up:
+            return
+        note = f"gave up after {self.count} attempts in {self.spent:.1f} s"
+        if exc.maybe_stored:
+            note += (
+                f"; an attempt got no answer, so the request may have been stored: "
+                f"resending it with {IDEMPOTENCY_KEY} {self.key!r} is safe within the "
+                "daemon's de-duplication window (ingest.idempotency_window_s)"
+            )
+        else:
+            note += "; nothing of the request was stored"
+        exc.args = (f"{exc.message} ({note})",)
 
 
 class IngestClient:
-    """Asyncio producer client. Use ``async with IngestClient(url) as c: await c.send(...)``."""
+    """Asyncio producer client. Use ``async with IngestClient(url) as c: await c.send(...)``.
+
+    ``timeout_s`` bounds one attempt; ``retry_for_s`` the attempts and waits of one
+    request (0: no retry); ``max_retries``, when set, the number of retries too;
+    ``max_wait_s`` each wait. ``key_prefix`` names this client's requests
+    (default random); ``on_retry`` is called before each wait.
+    """
 
     def __init__(
         self,
         url: str = DEFAULT_URL,
         *,
-        timeout_s: float = 60.0,
-        max_retries: int = 5,
+        timeout_s: float = TIMEOUT_S,
+        retry_for_s: float = RETRY_FOR_S,
+        max_retries: int | None = None,
         max_wait_s: float = 30.0,
-        connect_retries: int = 3,
+        key_prefix: str | None = None,
+        on_retry: Callable[[Retry], Any] | None = None,
         sleep: Callable[[float], Any] = asyncio.sleep,
     ) -> None:
         import aiohttp  # only the async client needs it
 
         self.url = _events_url(url)
+        self.key_prefix = check_key_prefix(key_prefix or new_key_prefix())
+        self._numbers = itertools.count(1)
         self._aiohttp = aiohttp
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._retry = _RetryPolicy(max_retries, max_wait_s, connect_retries)
+        self._retry = _RetryPolicy(retry_for_s, max_retries, max_wait_s, on_retry)
         self._sleep = sleep
         self._session: aiohttp.ClientSession | None = None
 
@@ -232,35 +384,41 @@ class IngestClient:
             await self._session.close()
             self._session = None
 
-    async def send(self, events: Iterable[Mapping[str, Any]]) -> Ack:
-        """Post events as one atomic request."""
-        return await self.send_ndjson(encode_events(events))
+    def next_key(self) -> str:
+        """The key of this client's next request: ``<key_prefix>-<n>``."""
+        return f"{self.key_prefix}-{next(self._numbers)}"
 
-    async def send_ndjson(self, body: bytes) -> Ack:
-        """Post an NDJSON body as one atomic request, retrying 429/503/507 as told."""
-        attempt = 0
+    async def send(self, events: Iterable[Mapping[str, Any]], *, key: str | None = None) -> Ack:
+        """Post events as one atomic request."""
+        return await self.send_ndjson(encode_events(events), key=key)
+
+    async def send_ndjson(self, body: bytes, *, key: str | None = None) -> Ack:
+        """Post an NDJSON body as one atomic request; every attempt carries ``key``
+        (default :meth:`next_key`)."""
+        attempts = _Attempts(self._retry, key or self.next_key())
+        loop = asyncio.get_running_loop()
         while True:
-            attempt += 1
+            attempts.count += 1
+            began = loop.time()
             try:
-                return await self._post(body)
+                return await self._post(body, attempts.key)
             except IngestError as exc:
-                wait = self._retry.wait_s(exc, attempt)
+                wait = attempts.failed(exc, loop.time() - began)
                 if wait is None:
                     raise
             await self._sleep(wait)
 
-    async def _post(self, body: bytes) -> Ack:
+    async def _post(self, body: bytes, key: str) -> Ack:
         aiohttp = self._aiohttp
         if self._session is None:
             connector = aiohttp.TCPConnector(keepalive_timeout=IDLE_REUSE_S)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        headers = {"Content-Type": NDJSON, IDEMPOTENCY_KEY: key}
         try:
-            async with self._session.post(
-                self.url, data=body, headers={"Content-Type": NDJSON}
-            ) as resp:
+            async with self._session.post(self.url, data=body, headers=headers) as resp:
                 payload = await resp.read()
                 if resp.status == 200:
-                    return _ack(payload)
+                    return _ack(payload, resp.headers.get(REPLAYED))
                 raise error_from_response(resp.status, payload, resp.headers.get("Retry-After"))
         except aiohttp.ClientConnectorError as exc:
             raise IngestConnectionError(
@@ -275,16 +433,22 @@ class IngestClient:
 
 
 class SyncIngestClient:
-    """Blocking producer client on one kept-alive connection (not thread-safe)."""
+    """Blocking producer client on one kept-alive connection (not thread-safe).
+
+    The same parameters as :class:`IngestClient`; ``timeout_s`` bounds each
+    socket operation of an attempt (connect, send, each read).
+    """
 
     def __init__(
         self,
         url: str = DEFAULT_URL,
         *,
-        timeout_s: float = 60.0,
-        max_retries: int = 5,
+        timeout_s: float = TIMEOUT_S,
+        retry_for_s: float = RETRY_FOR_S,
+        max_retries: int | None = None,
         max_wait_s: float = 30.0,
-        connect_retries: int = 3,
+        key_prefix: str | None = None,
+        on_retry: Callable[[Retry], Any] | None = None,
         sleep: Callable[[float], Any] = time.sleep,
     ) -> None:
         self.url = _events_url(url)
@@ -296,7 +460,9 @@ class SyncIngestClient:
         self._port = parts.port or (443 if self._https else 80)
         self._path = parts.path or EVENTS_PATH
         self._timeout_s = timeout_s
-        self._retry = _RetryPolicy(max_retries, max_wait_s, connect_retries)
+        self.key_prefix = check_key_prefix(key_prefix or new_key_prefix())
+        self._numbers = itertools.count(1)
+        self._retry = _RetryPolicy(retry_for_s, max_retries, max_wait_s, on_retry)
         self._sleep = sleep
         self._conn: http.client.HTTPConnection | None = None
         self._last_used = 0.0
@@ -312,24 +478,31 @@ class SyncIngestClient:
             self._conn.close()
             self._conn = None
 
-    def send(self, events: Iterable[Mapping[str, Any]]) -> Ack:
-        return self.send_ndjson(encode_events(events))
+    def next_key(self) -> str:
+        """The key of this client's next request: ``<key_prefix>-<n>``."""
+        return f"{self.key_prefix}-{next(self._numbers)}"
 
-    def send_ndjson(self, body: bytes) -> Ack:
-        attempt = 0
+    def send(self, events: Iterable[Mapping[str, Any]], *, key: str | None = None) -> Ack:
+        return self.send_ndjson(encode_events(events), key=key)
+
+    def send_ndjson(self, body: bytes, *, key: str | None = None) -> Ack:
+        attempts = _Attempts(self._retry, key or self.next_key())
         while True:
-            attempt += 1
+            attempts.count += 1
+            began = time.monotonic()
             try:
-                return self._post(body)
+                return self._post(body, attempts.key)
             except IngestError as exc:
-                wait = self._retry.wait_s(exc, attempt)
+                wait = attempts.failed(exc, time.monotonic() - began)
                 if wait is None:
                     raise
             self._sleep(wait)
 
     def _connect(self) -> http.client.HTTPConnection:
         now = time.monotonic()
-        if self._conn is not None and now - self._last_used > IDLE_REUSE_S:
+        if self._conn is not None and (
+            now - self._last_used > IDLE_REUSE_S or _closed_by_peer(self._conn)
+        ):
             self.close()  # the daemon may have closed it: do not bet a request on it
         if self._conn is None:
             cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
@@ -344,10 +517,11 @@ class SyncIngestClient:
             self._conn = conn
         return self._conn
 
-    def _post(self, body: bytes) -> Ack:
+    def _post(self, body: bytes, key: str) -> Ack:
         conn = self._connect()
+        headers = {"Content-Type": NDJSON, IDEMPOTENCY_KEY: key}
         try:
-            conn.request("POST", self._path, body=body, headers={"Content-Type": NDJSON})
+            conn.request("POST", self._path, body=body, headers=headers)
             resp = conn.getresponse()
             payload = resp.read()
         except (OSError, http.client.HTTPException) as exc:
@@ -361,5 +535,18 @@ class SyncIngestClient:
         if resp.will_close:
             self.close()
         if resp.status == 200:
-            return _ack(payload)
+            return _ack(payload, resp.getheader(REPLAYED))
         raise error_from_response(resp.status, payload, resp.getheader("Retry-After"))
+
+
+def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:
+    """Whether an idle kept-alive connection became readable: the daemon closed it
+    (or sent something unasked). Either way it must not carry the next request."""
+    sock = conn.sock
+    if sock is None:
+        return True
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)

@@ -57,6 +57,8 @@ class IngestConfig:
     max_body_bytes: int = 16 * MiB
     max_event_bytes: int = 1 * MiB
     max_events_per_request: int = 10_000
+    # Longest producer event id ("id") accepted, in characters; longer gets 422.
+    max_event_id_chars: int = 256
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 256
@@ -71,6 +73,9 @@ class IngestConfig:
     idempotency_window_s: float = 900.0
     idempotency_max_keys: int = 100_000
     max_idempotency_key_bytes: int = 255
+    # Drain (SIGTERM): while producer connections are open, the listener keeps
+    # answering 503 draining this long before it closes (docs/ingest.md, "Draining").
+    drain_grace_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +187,11 @@ class HealthConfig:
     # Failed attempts in a row to (re)build the Spark session before the
     # systemd watchdog is withheld, so that systemd restarts the process.
     session_restart_attempts: int = 5
+    # A paused stage (eventplane pause) further behind than this many events
+    # (an LSN distance) is a problem: /healthz 503 until it is resumed or
+    # removed; nothing is dropped. 0: no limit. Keep it below
+    # ingest.max_lag_events, which refuses producers (429) at the same measure.
+    paused_max_lag_events: int = 10_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +364,7 @@ _INGEST: dict[str, Checker] = {
     "max_body_bytes": _int(1 * KiB),
     "max_event_bytes": _int(64),
     "max_events_per_request": _int(1),
+    "max_event_id_chars": _int(1, 65_536),
     "header_timeout_s": _float(0.0),
     "body_timeout_s": _float(0.0),
     "max_connections": _int(1),
@@ -363,6 +374,7 @@ _INGEST: dict[str, Checker] = {
     "idempotency_window_s": _float(0.0, exclusive=False),
     "idempotency_max_keys": _int(1),
     "max_idempotency_key_bytes": _int(1, 65_535),
+    "drain_grace_s": _float(0.0, exclusive=False),
 }
 _ADMIN: dict[str, Checker] = {"listen": _listen}
 _WAL: dict[str, Checker] = {
@@ -404,6 +416,7 @@ _DLQ: dict[str, Checker] = {"max_entries": _int(1)}
 _HEALTH: dict[str, Checker] = {
     "stall_after_s": _float(0.0),
     "session_restart_attempts": _int(1),
+    "paused_max_lag_events": _int(0),
 }
 _LOG: dict[str, Checker] = {
     "level": _choice("debug", "info", "warning", "error"),

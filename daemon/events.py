@@ -4,6 +4,11 @@ Encoded once at ingest with msgpack (msgspec, array-like: compact and the
 fastest codec available to us) and decoded by consumers of the payload
 (Spark executor, triggers). ``new`` and ``old`` keep the producer's JSON bytes
 verbatim, so Spark's ``parse_json`` sees exactly what was sent.
+
+Fields are only ever added at the end, with defaults: an array written before
+they existed (the 8-element form of payloads already in WALs) still decodes.
+Ingest encodes an event without ``event_id``/``event_time_us`` in that short
+8-element form (``daemon.ingest.validate._stored_payload``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class StoredEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
     ingest_ts_ns: int  # wall clock (time.time_ns) when the request was accepted
     depth: int = 0  # 0 = from a producer; n = made by an emit action n levels deep
     source: str = ""  # trigger name for derived events
+    event_id: str | None = None  # the producer's event id ("id"), if it sent one
+    event_time_us: int | None = None  # the producer's event time ("time"), UTC epoch µs
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -295,7 +295,7 @@ class Selection:
 
     A Column is an unresolved expression, so one set serves every batch's
     DataFrame. Building it takes ~30 py4j calls (each trigger's condition, the
-    row document's struct of 12 columns); built once per trigger set they no
+    row document's struct of 14 columns); built once per trigger set they no
     longer add 10-30 ms to every batch (more on a loaded machine).
     """
 
@@ -707,7 +707,8 @@ def run_sql(
 # Batch columns as strings, to rebuild a DataFrame from stored row documents.
 _STRING_SCHEMA = (
     "lsn BIGINT, core INT, seq BIGINT, collection STRING, op STRING, key STRING, "
-    "new STRING, old STRING, ingest_ts TIMESTAMP, batch_id BIGINT, depth INT, source STRING"
+    "new STRING, old STRING, ingest_ts TIMESTAMP, batch_id BIGINT, "
+    "event_id STRING, event_time TIMESTAMP, depth INT, source STRING"
 )
 
 
@@ -724,6 +725,9 @@ class _StoredRow(msgspec.Struct):
     batch_id: int
     depth: int
     source: str
+    # Absent from rows stored (retry queue, DLQ) before these columns existed.
+    event_id: str | None = None
+    event_time: str | None = None
 
 
 _stored_decoder = msgspec.json.Decoder(_StoredRow)
@@ -741,9 +745,10 @@ def frame_from_docs(spark: Any, docs: Sequence[bytes]) -> Any:
     for doc in docs:
         r = _stored_decoder.decode(doc)
         ts = datetime.fromisoformat(r.ingest_ts) if r.ingest_ts else None
+        event_ts = datetime.fromisoformat(r.event_time) if r.event_time else None
         data.append(
             (r.lsn, r.core, r.seq, r.collection, r.op, r.key, _raw_text(r.new),
-             _raw_text(r.old), ts, r.batch_id, r.depth, r.source)
+             _raw_text(r.old), ts, r.batch_id, r.event_id, event_ts, r.depth, r.source)
         )  # fmt: skip
     frame = spark.createDataFrame(data, _STRING_SCHEMA)
     return frame.withColumn("new", F.parse_json("new")).withColumn("old", F.parse_json("old"))

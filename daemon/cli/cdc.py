@@ -5,7 +5,9 @@
 batches first, using the stream's ledger to open just enough files for
 ``--limit`` rows. Spark runs embedded (``local[1]``) whatever ``[spark]``
 says: the stream path is a local folder, and a look at a table should not
-submit a job to a cluster. Works while the daemon runs (it only reads).
+submit a job to a cluster. Works while the daemon runs (it only reads). The
+producer's ``event_id`` and ``event_time`` are shown when one of the rows has
+them.
 
 ``rewrite`` (:mod:`daemon.spark.rewrite`) takes the stream's lock, so it is
 refused while the daemon runs; embedded Spark (``local[*]``) too.
@@ -22,6 +24,9 @@ from daemon.config import CdcStream, Config
 from daemon.spark.cdc import CdcSink, CdcStreamLockedError, committed_files, read_ledger
 
 COLUMNS = ("lsn", "batch_id", "core", "collection", "op", "key", "new", "old", "ingest_ts")
+# Shown after "key" when a row has a value (files from before them have no such column).
+PRODUCER_COLUMNS = ("event_id", "event_time")
+_TIMESTAMP = "date_format({0}, \"yyyy-MM-dd'T'HH:mm:ss.SSSSSS'Z'\") AS {0}"
 MAX_CELL = 60  # characters per cell before "..."; JSON documents can be long
 
 
@@ -49,7 +54,18 @@ def latest_rows(spark: Any, stream: CdcStream, limit: int) -> list[dict[str, Any
     files = newest_files(stream, limit)
     if not files:
         return []
-    df = spark.read.option("basePath", str(stream.path)).parquet(*map(str, files))
+    # mergeSchema: the chosen files may mix tables' older files (without
+    # event_id/event_time) and newer ones; a plain read takes one file's schema.
+    df = (
+        spark.read.option("basePath", str(stream.path))
+        .option("mergeSchema", "true")
+        .parquet(*map(str, files))
+    )
+    producer = [
+        _TIMESTAMP.format(c) if c == "event_time" else c
+        for c in PRODUCER_COLUMNS
+        if c in df.columns
+    ]
     out = (
         df.selectExpr(
             "lsn",
@@ -58,9 +74,10 @@ def latest_rows(spark: Any, stream: CdcStream, limit: int) -> list[dict[str, Any
             "collection",
             "op",
             "key",
+            *producer,
             "to_json(new) AS new",
             "to_json(old) AS old",
-            "date_format(ingest_ts, \"yyyy-MM-dd'T'HH:mm:ss.SSSSSS'Z'\") AS ingest_ts",
+            _TIMESTAMP.format("ingest_ts"),
         )
         .orderBy("lsn", ascending=False)
         .limit(limit)
@@ -74,8 +91,11 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
         s = "null" if v is None else str(v)
         return s if len(s) <= MAX_CELL else s[: MAX_CELL - 3] + "..."
 
-    table = [list(COLUMNS)] + [[cell(r[c]) for c in COLUMNS] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    shown = [c for c in PRODUCER_COLUMNS if any(r.get(c) is not None for r in rows)]
+    at = COLUMNS.index("key") + 1
+    columns = [*COLUMNS[:at], *shown, *COLUMNS[at:]]
+    table = [columns] + [[cell(r[c]) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(columns))]
     lines = [
         "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in table
     ]

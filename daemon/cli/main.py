@@ -53,10 +53,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="admin base URL (default: from config admin.listen)")
     p.add_argument("--json", action="store_true", help="print the raw /v1/status JSON")
 
+    p = sub.add_parser(
+        "pause", help="pause a stage (cdc:<stream>, triggers, handler:<ref>) of the running daemon"
+    )
+    _add_config(p)
+    p.add_argument("stage", help="the stage, as `eventplane status` names it (e.g. cdc:all)")
+    p.add_argument("--reason", help="why, shown in status and kept with the pause")
+    p.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+
+    p = sub.add_parser("resume", help="resume a paused stage; it catches up on what it missed")
+    _add_config(p)
+    p.add_argument("stage", help="the stage, as `eventplane status` names it (e.g. cdc:all)")
+    p.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+
     p = sub.add_parser("send", help="post NDJSON events from stdin to the ingest API")
     _add_config(p)
     p.add_argument("--url", help="ingest base URL (default: from config ingest.listen)")
     p.add_argument("--batch", type=int, default=1000, help="events per request (default 1000)")
+    p.add_argument(
+        "--retry-for",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="retry a request (same Idempotency-Key) for up to this long; 0: never (default 120)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="longest wait for the daemon in one attempt (default 30)",
+    )
+    p.add_argument(
+        "--key-prefix",
+        metavar="PREFIX",
+        help="Idempotency-Keys are PREFIX:<first stdin line of the request> (default random)",
+    )
+    p.add_argument(
+        "--from-line",
+        type=int,
+        default=1,
+        metavar="N",
+        help="skip stdin lines before N (a resend with the same --key-prefix)",
+    )
 
     p = sub.add_parser("wal", help="inspect, verify or repair the write-ahead log")
     wal_sub = p.add_subparsers(dest="wal_command", required=True, metavar="ACTION")
@@ -180,6 +219,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from daemon.cli import status
 
         return status.main(args, _load_for_client(args))
+    if args.command in ("pause", "resume"):
+        from daemon.cli import stages
+
+        return stages.main(args, _load_for_client(args))
     if args.command == "send":
         from daemon.cli import send
 

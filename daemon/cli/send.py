@@ -1,25 +1,44 @@
 """``eventplane send``: NDJSON events on stdin → ``POST /v1/events`` in batches.
 
 Batches hold ``--batch`` events (and never more than ``ingest.max_body_bytes``)
-and are sent one after another, so LSNs follow stdin order. Progress goes to
-stderr when it is a terminal; a one-line summary goes to stdout at the end.
+and are sent one after another, so LSNs follow stdin order: a batch is retried
+until it is acknowledged before the next one goes. Progress goes to stderr when
+it is a terminal; a one-line summary goes to stdout at the end.
+
+Every request carries an ``Idempotency-Key``, ``<--key-prefix>:<its first stdin
+line>`` (the prefix is random per run unless given), the same on every
+attempt. Connection errors, timeouts (``--timeout`` per attempt), 408, 429,
+503 and 507 are retried with that key for up to ``--retry-for`` seconds, so
+a request that was stored but whose answer was lost is answered from the
+daemon's de-duplication window (a replay) instead of being stored twice.
 
 On a refusal it stops at once and exits 1 with the server's message, the
 stdin line numbers it refers to, and what was acknowledged before it, so the
-rest can be sent again with ``tail -n +LINE``. An acknowledged batch is never
-sent twice: retries happen only for 429/503/507 (the server stored nothing) and
-for connections that never opened.
+rest can be sent again with ``tail -n +LINE``. When the retries run out it
+says which lines may or may not be stored and prints the command that resends
+them with the same keys (``--key-prefix``, ``--from-line``): safe within the
+daemon's window (``ingest.idempotency_window_s``, 900 s by default).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any, BinaryIO, TextIO
 
-from daemon.client import IngestConnectionError, IngestError, SyncIngestClient
+from daemon.client import (
+    RETRY_FOR_S,
+    TIMEOUT_S,
+    IngestConnectionError,
+    IngestError,
+    Retry,
+    SyncIngestClient,
+    check_key_prefix,
+    new_key_prefix,
+)
 from daemon.config import Config
 
 EXIT_OK = 0
@@ -29,10 +48,11 @@ EXIT_USAGE = 2
 PROGRESS_EVERY_S = 0.25
 # A refusal lists at most this many per-event problems.
 SHOWN_ERRORS = 10
-# 429/503/507 retries: the daemon says how long to wait; this many times at most.
-MAX_RETRIES = 20
-# A daemon that does not accept connections: retry briefly (0.5 s, then 1 s), then say so.
-CONNECT_RETRIES = 2
+# A retry's progress line is cut to this many characters (the server's message is last).
+PROGRESS_WIDTH = 160
+# Off a terminal, a request being retried is reported at most this often.
+RETRY_NOTE_EVERY_S = 10.0
+DEFAULT_BATCH = 1000
 
 
 def ingest_url(cfg: Config, url: str | None = None) -> str:
@@ -73,12 +93,14 @@ class Batch:
         return f"stdin lines {self.linenos[0]}-{self.linenos[-1]}"
 
 
-def batches(stream: BinaryIO, size: int, max_bytes: int) -> Iterator[Batch]:
-    """Non-blank lines grouped by count and bytes; a line alone may exceed ``max_bytes``
-    (the daemon then answers 413 with its limit, which is the message the user needs)."""
+def batches(stream: BinaryIO, size: int, max_bytes: int, from_line: int = 1) -> Iterator[Batch]:
+    """Non-blank lines from stdin line ``from_line`` on, grouped by count and bytes; a
+    line alone may exceed ``max_bytes`` (the daemon then answers 413 with its limit,
+    which is the message the user needs). The same input, size, limit and
+    ``from_line`` give the same batches: a resend gets the same keys and bodies."""
     batch = Batch()
     for lineno, line in enumerate(stream, start=1):
-        if not line.strip():
+        if lineno < from_line or not line.strip():
             continue
         if batch.lines and (len(batch.lines) >= size or batch.nbytes + len(line) + 1 > max_bytes):
             yield batch
@@ -89,19 +111,27 @@ def batches(stream: BinaryIO, size: int, max_bytes: int) -> Iterator[Batch]:
 
 
 class Progress:
-    def __init__(self, out: TextIO, enabled: bool) -> None:
+    def __init__(self, out: TextIO, enabled: bool, retry_for: float = RETRY_FOR_S) -> None:
         self.out = out
         self.enabled = enabled
+        self.retry_for = retry_for
         self.started = time.monotonic()
         self._drawn = 0.0
+        self._noted = 0.0
         self.events = 0
         self.requests = 0
+        self.retried = 0  # requests that needed more than one attempt
+        self.replayed = 0  # requests the daemon answered from an earlier attempt
         self.first_lsn: int | None = None
         self.last_lsn: int | None = None
 
-    def acked(self, accepted: int, first_lsn: int, last_lsn: int) -> None:
+    def acked(
+        self, accepted: int, first_lsn: int, last_lsn: int, *, retried: bool, replayed: bool
+    ) -> None:
         self.events += accepted
         self.requests += 1
+        self.retried += retried
+        self.replayed += replayed
         if self.first_lsn is None:
             self.first_lsn = first_lsn
         self.last_lsn = last_lsn
@@ -111,30 +141,67 @@ class Progress:
             self.out.write(f"\r{self.line()}  ")
             self.out.flush()
 
+    def retrying(self, batch: Batch, number: int, retry: Retry, first: bool) -> None:
+        """A request failed and waits for its next attempt: on a terminal the progress
+        line says so; otherwise a line on its first retry and every RETRY_NOTE_EVERY_S."""
+        note = (
+            f"request {number} ({batch.span()}): attempt {retry.attempt + 1} in "
+            f"{retry.wait_s:.1f} s ({retry.elapsed_s:.0f} s of --retry-for {self.retry_for:g}) "
+            f"after {what_failed(retry.error)}"
+        )
+        now = time.monotonic()
+        if self.enabled:
+            self._drawn = now
+            self.out.write(f"\r{note[:PROGRESS_WIDTH]}\x1b[K")
+            self.out.flush()
+        elif first or now - self._noted >= RETRY_NOTE_EVERY_S:
+            self._noted = now
+            print(f"eventplane send: {note}", file=self.out)
+
+    def counts(self) -> str:
+        extra = [
+            f"{n:,} {what}"
+            for n, what in ((self.retried, "retried"), (self.replayed, "replayed"))
+            if n
+        ]
+        return f" ({', '.join(extra)})" if extra else ""
+
     def line(self) -> str:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         return (
-            f"sent {self.events:,} events in {self.requests:,} requests "
+            f"sent {self.events:,} events in {self.requests:,} requests{self.counts()} "
             f"({self.events / elapsed:,.0f} events/s)"
         )
 
     def clear(self) -> None:
         if self.enabled and self._drawn:
-            self.out.write("\r" + " " * 78 + "\r")
+            self.out.write("\r\x1b[K")
             self.out.flush()
 
     def summary(self) -> str:
         elapsed = time.monotonic() - self.started
         lsns = f", LSN {self.first_lsn}..{self.last_lsn}" if self.first_lsn is not None else ""
         return (
-            f"sent {self.events} events in {self.requests} requests{lsns}, {elapsed:.2f} s "
-            f"({self.events / max(elapsed, 1e-9):,.0f} events/s)"
+            f"sent {self.events} events in {self.requests} requests{self.counts()}{lsns}, "
+            f"{elapsed:.2f} s ({self.events / max(elapsed, 1e-9):,.0f} events/s)"
         )
 
 
+def what_failed(exc: IngestError) -> str:
+    if isinstance(exc, IngestConnectionError) or exc.status is None:
+        return exc.message
+    return f"HTTP {exc.status}" + (f" {exc.error}" if exc.error else "") + f": {exc.message}"
+
+
 def describe_failure(exc: IngestError, batch: Batch, number: int) -> list[str]:
-    """The lines to print for a refused (or unanswered) batch."""
+    """The first lines to print for a refused (or unanswered) batch."""
     lines: list[str] = []
+    if exc.gave_up:
+        lines.append(
+            f"request {number} ({batch.span()}): gave up after {exc.attempts} attempts in "
+            f"{exc.elapsed_s:.1f} s; the last: {what_failed(exc)}"
+        )
+        return lines
     if isinstance(exc, IngestConnectionError):
         lines.append(f"request {number} ({batch.span()}): {exc.message}")
         return lines
@@ -158,6 +225,19 @@ def describe_failure(exc: IngestError, batch: Batch, number: int) -> list[str]:
     return lines
 
 
+def resend_command(args: argparse.Namespace, prefix: str, size: int, line: int) -> str:
+    """The ``eventplane send`` that resends from ``line`` with the same keys and bodies."""
+    argv = ["eventplane", "send"]
+    if getattr(args, "config", None):
+        argv += ["--config", str(args.config)]
+    if getattr(args, "url", None):
+        argv += ["--url", str(args.url)]
+    if size != DEFAULT_BATCH:
+        argv += ["--batch", str(size)]
+    argv += ["--key-prefix", prefix, "--from-line", str(line)]
+    return shlex.join(argv)
+
+
 def main(
     args: argparse.Namespace,
     cfg: Config,
@@ -168,18 +248,49 @@ def main(
     stdin = sys.stdin.buffer if stdin is None else stdin
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
-    size = int(getattr(args, "batch", 1000) or 0)
+    size = int(getattr(args, "batch", DEFAULT_BATCH) or 0)
+    retry_for = getattr(args, "retry_for", None)
+    retry_for = RETRY_FOR_S if retry_for is None else float(retry_for)
+    timeout = getattr(args, "timeout", None)
+    timeout = TIMEOUT_S if timeout is None else float(timeout)
+    from_line = int(getattr(args, "from_line", None) or 1)
+    problems = []
     if size < 1:
-        print(f"eventplane send: --batch must be >= 1, got {size}", file=stderr)
+        problems.append(f"--batch must be >= 1, got {size}")
+    if retry_for < 0:
+        problems.append(f"--retry-for must be >= 0, got {retry_for:g}")
+    if timeout <= 0:
+        problems.append(f"--timeout must be > 0, got {timeout:g}")
+    if from_line < 1:
+        problems.append(f"--from-line must be >= 1, got {from_line}")
+    prefix = getattr(args, "key_prefix", None) or new_key_prefix("send")
+    try:
+        check_key_prefix(prefix)
+    except ValueError as exc:
+        problems.append(f"--key-prefix: {exc}")
+    if problems:
+        for problem in problems:
+            print(f"eventplane send: {problem}", file=stderr)
         return EXIT_USAGE
     url = ingest_url(cfg, getattr(args, "url", None))
-    progress = Progress(stderr, enabled=stderr.isatty())
+    progress = Progress(stderr, enabled=stderr.isatty(), retry_for=retry_for)
     number = 0
-    with SyncIngestClient(url, max_retries=MAX_RETRIES, connect_retries=CONNECT_RETRIES) as client:
-        for batch in batches(stdin, size, cfg.ingest.max_body_bytes):
+    batch = Batch()
+    retries = 0
+
+    def on_retry(retry: Retry) -> None:
+        nonlocal retries
+        retries += 1
+        progress.retrying(batch, number, retry, first=retry.attempt == 1)
+
+    with SyncIngestClient(
+        url, timeout_s=timeout, retry_for_s=retry_for, key_prefix=prefix, on_retry=on_retry
+    ) as client:
+        for batch in batches(stdin, size, cfg.ingest.max_body_bytes, from_line):
             number += 1
+            retries = 0
             try:
-                ack = client.send_ndjson(b"".join(batch.lines))
+                ack = client.send_ndjson(b"".join(batch.lines), key=f"{prefix}:{batch.linenos[0]}")
             except IngestError as exc:
                 progress.clear()
                 print(
@@ -189,11 +300,30 @@ def main(
                 acked = f"acknowledged before it: {progress.events} events"
                 if progress.last_lsn is not None:
                     acked += f" (LSN {progress.first_lsn}..{progress.last_lsn})"
-                if isinstance(exc, IngestConnectionError) and exc.maybe_sent:
-                    acked += f"; request {number} may or may not have been stored"
-                print(f"  {acked}; to send the rest: tail -n +{batch.linenos[0]}", file=stderr)
+                first = batch.linenos[0]
+                if exc.maybe_stored:
+                    print(
+                        f"  {acked}; {batch.span()} may or may not have been stored; "
+                        "nothing after them was sent\n"
+                        "  to send the rest, feed the same input to the command below: its "
+                        "requests carry the same Idempotency-Keys, so nothing is stored twice "
+                        "within the daemon's de-duplication window "
+                        "(ingest.idempotency_window_s, 900 s by default)\n"
+                        f"    {resend_command(args, prefix, size, first)}",
+                        file=stderr,
+                    )
+                else:
+                    if exc.gave_up:
+                        acked += f"; {batch.span()} were not stored"
+                    print(f"  {acked}; to send the rest: tail -n +{first}", file=stderr)
                 return EXIT_FAILED
-            progress.acked(ack.accepted, ack.first_lsn, ack.last_lsn)
+            progress.acked(
+                ack.accepted,
+                ack.first_lsn,
+                ack.last_lsn,
+                retried=retries > 0,
+                replayed=ack.replayed,
+            )
     progress.clear()
     print(progress.summary(), file=stdout)
     return EXIT_OK

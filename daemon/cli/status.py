@@ -209,20 +209,37 @@ def _core_row(c: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _stage_row(st: Mapping[str, Any], now: float) -> tuple[str, ...]:
+    return (
+        str(st.get("name", "-")),
+        _int(st.get("batch_id")),
+        _count(st.get("behind_batches")),
+        stage_state(st, now),
+    )
+
+
+def stage_state(st: Mapping[str, Any], now: float) -> str:
+    """A stage's state in words: ok, catching up, failing, STALLED or paused."""
+    behind = st.get("behind_events")
+    events = f"{_count(behind)} events behind" if isinstance(behind, int) else ""
+    if st.get("paused"):
+        state = "PAUSED, OVER ITS LIMIT" if st.get("paused_over_limit") else "paused"
+        since = _timestamp(st.get("paused_since"))
+        if since is not None:
+            state += f" for {_duration(max(0.0, now - since))}"
+        if st.get("paused_by"):
+            state += f" by {st['paused_by']}"
+        if st.get("paused_reason"):
+            state += f": {st['paused_reason']}"
+        return state + (f"; {events}" if events else "")
     if st.get("failing"):
         since = st.get("failing_for_s")
         state = "STALLED" if st.get("stalled") else "failing"
         if isinstance(since, int | float):
             state += f" for {_duration(since)}"
-        state += f", attempt {st.get('attempts', '-')}: {st.get('last_error')}"
-    else:
-        state = "ok"
-    return (
-        str(st.get("name", "-")),
-        _int(st.get("batch_id")),
-        _count(st.get("behind_batches")),
-        state,
-    )
+        return state + f", attempt {st.get('attempts', '-')}: {st.get('last_error')}"
+    if isinstance(st.get("behind_batches"), int) and st["behind_batches"] > 0:
+        return "catching up" + (f", {events}" if events else "")
+    return "ok"
 
 
 def _catchup(value: Any) -> str:

@@ -62,6 +62,7 @@ from daemon.ingest.validate import (
     _disagreement,
     _json,
     _msgpack_into,
+    event_time_us,
     explain_body,
 )
 from daemon.service.metrics import Metrics
@@ -77,6 +78,8 @@ JSON_TYPES = frozenset({"application/json"})
 # After an early answer (413, 408, 429, ...) aiohttp keeps reading and discarding
 # the unread body this long, so the client sees the answer instead of a reset.
 LINGER_S = 2.0
+# How often a drain looks at its connections (IngestServer.stop).
+DRAIN_POLL_S = 0.02
 IDEMPOTENCY_KEY: Final = "Idempotency-Key"
 REPLAYED: Final = "Idempotent-Replayed"
 # What a request key's digest is: the algorithm, the content type, CRC32C and length
@@ -104,12 +107,13 @@ class WalAppender(Protocol):
 class ByteBudget:
     """A FIFO byte semaphore: requests hold their body size while they run."""
 
-    __slots__ = ("_free", "_waiters", "limit")
+    __slots__ = ("_free", "_refusal", "_waiters", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._free = limit
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._refusal: Callable[[], BaseException] | None = None
 
     @property
     def free(self) -> int:
@@ -120,18 +124,29 @@ class ByteBudget:
         if not self._waiters and n <= self._free:
             self._free -= n
             return
+        if self._refusal is not None:
+            raise self._refusal()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (n, fut)
         self._waiters.append(entry)
         try:
             await fut
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release(n)  # granted, then cancelled before we could use it
-            else:
+            elif not fut.done():
                 self._waiters.remove(entry)
                 self._wake()
             raise
+
+    def refuse(self, error: Callable[[], BaseException]) -> None:
+        """From now on an acquire that would wait raises ``error()``, and so does
+        every acquire waiting now (the drain answers them instead of letting them wait)."""
+        self._refusal = error
+        while self._waiters:
+            _n, fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(error())
 
     def release(self, n: int) -> None:
         self._free += min(n, self.limit)
@@ -146,6 +161,17 @@ class ByteBudget:
 
 
 # -- the listener ----------------------------------------------------------------
+
+
+def _idle(conn: Any) -> bool:
+    """Whether an aiohttp connection waits for its next request head: no request
+    is being read, handled, answered, or its refused body read away.
+
+    aiohttp has no public word for it; ``RequestHandler._waiter`` is the future its
+    loop awaits between requests. Were it renamed, every connection would
+    count as busy and the drain would wait its half budget, not end early.
+    """
+    return getattr(conn, "_waiter", None) is not None
 
 
 class _CappedSite(web.BaseSite):
@@ -242,11 +268,13 @@ class IngestServer:
         self._max_body = c.max_body_bytes
         self._max_event = c.max_event_bytes
         self._max_events = c.max_events_per_request
+        self._max_event_id = c.max_event_id_chars
         # Bodies being read or parsed hold at most max_buffered_bytes; parsed
         # events and payloads add about 2x on top, so ingest stays within ~3x.
         self._budget = ByteBudget(c.max_buffered_bytes)
         self._scratch = bytearray()  # _encode's msgpack buffer (event loop only)
         self._draining = False
+        self._hurry = False
         self._wal_errors_logged: set[type[Exception]] = set()
         # While the WAL's volume is full: (Unix time of the first 507, bytes the
         # last refused append needed, the error); None once an append fits.
@@ -327,30 +355,82 @@ class IngestServer:
         return self._draining
 
     def begin_drain(self) -> None:
-        """New requests get 503 from now on; requests in flight finish and get acked."""
+        """New requests get 503 from now on, and so do requests still waiting for
+        their share of the body budget; requests reading their body or being
+        stored finish and get acked."""
         if not self._draining:
             self._draining = True
+            self._budget.refuse(self._draining_rejection)
             log.info("ingest.draining")
 
+    def hurry(self) -> None:
+        """A forced stop (a second SIGTERM): :meth:`stop` skips the grace and the wait for
+        requests in progress; aiohttp's own wait for them (step 3) remains."""
+        self._hurry = True
+
+    def _draining_rejection(self) -> Rejection:
+        return Rejection(
+            503,
+            "draining",
+            "ingest is shutting down and takes no new requests; nothing of this request "
+            "was stored; retry after the restart",
+            close=True,
+            retry_after=self._cfg.retry_after_s,
+        )
+
     async def stop(self, timeout_s: float) -> None:
-        """Stop listening, let in-flight requests finish (within ``timeout_s``), close."""
+        """Drain within ``timeout_s``, then close (docs/ingest.md, "Draining").
+
+        No connection is closed under a request: aiohttp ignores what arrives on
+        a connection once it is closing, so a body still arriving would be cut
+        and a refused request's body could not be read away (its client would
+        get a reset instead of the 503).
+
+        1. Grace: the listener and every connection stay open for
+           ``ingest.drain_grace_s``, or until no connection is open. A request
+           that arrives (on a kept-alive connection or a new one) gets 503
+           ``draining`` with ``Connection: close``; its body is read and thrown
+           away so that the client sees the answer.
+        2. The listener closes. Requests in progress (a body arriving, an
+           append, a refused body being read away) finish, within half the budget.
+        3. Idle kept-alive connections close; aiohttp gives a request still in
+           progress the rest of the budget, then cancels it.
+
+        :meth:`hurry` (a forced stop) skips steps 1 and 2.
+        """
         self.begin_drain()
         runner, site = self._runner, self._site
         if runner is None:
             return
         server = runner.server
+        loop = asyncio.get_running_loop()
+        budget = max(0.0, timeout_s)
+        started = loop.time()
+        if server is not None:
+            grace_end = started + min(self._cfg.drain_grace_s, budget / 2)
+            await self._wait_until(lambda: not server.connections, grace_end)
         if site is not None:
             await site.stop()
         if server is not None:
-            # Idle keep-alive connections close now; busy ones finish their
-            # request. aiohttp waits up to the timeout twice (finish, then
-            # cancel), so each phase gets half of the budget.
+            await self._wait_until(
+                lambda: all(map(_idle, server.connections)), started + budget / 2
+            )
+            # Idle keep-alive connections close now; busy ones (only past half the
+            # budget) finish their request. aiohttp waits up to the timeout twice
+            # (finish, then cancel), so each phase gets half of what is left.
             server.pre_shutdown()
-            await server.shutdown(max(0.0, timeout_s) / 2)
+            await server.shutdown(max(0.0, started + budget - loop.time()) / 2)
         await runner.cleanup()
         self._runner = None
         self._metrics.ingest_connections.set_function(lambda: 0.0)
         log.info("ingest.stopped")
+
+    async def _wait_until(self, done: Callable[[], bool], until: float) -> None:
+        """Until ``done()``, :meth:`hurry` or the loop time ``until``. aiohttp tells
+        neither of a connection closing nor of one going idle: the drain looks."""
+        loop = asyncio.get_running_loop()
+        while not (done() or self._hurry) and loop.time() < until:  # noqa: ASYNC110
+            await asyncio.sleep(DRAIN_POLL_S)
 
     def _make_protocol(self, server: web.Server) -> asyncio.BaseProtocol:
         """Called by the listening socket per accepted connection."""
@@ -408,13 +488,7 @@ class IngestServer:
         """Step 1. Cheap checks before reading a byte of body; returns True for NDJSON."""
         c = self._cfg
         if self._draining:
-            raise Rejection(
-                503,
-                "draining",
-                "ingest is shutting down and takes no new requests; retry after the restart",
-                close=True,
-                retry_after=c.retry_after_s,
-            )
+            raise self._draining_rejection()
         lag = self._lag()
         if lag > c.max_lag_events:
             raise Rejection(
@@ -716,7 +790,7 @@ class IngestServer:
                         append(_decode_one(line))
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
                 # Raises unless the culprit was a blank line.
-                explain_body(body, ndjson, self._check_count)
+                explain_body(body, ndjson, self._check_count, self._max_event_id)
                 try:
                     events = [_decode_one(x) for x in lines if x.strip()]
                 except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
@@ -725,14 +799,14 @@ class IngestServer:
             try:
                 events = _decode_many(body)
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-                explain_body(body, ndjson, self._check_count)
+                explain_body(body, ndjson, self._check_count, self._max_event_id)
                 raise _disagreement(exc) from exc
             self._check_count(len(events))
         if not events:
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
         items = self._encode(events)
         if items is None:
-            explain_body(body, ndjson, self._check_count)
+            explain_body(body, ndjson, self._check_count, self._max_event_id)
             raise _disagreement(None)
         return items
 
@@ -747,14 +821,17 @@ class IngestServer:
             )
 
     def _encode(self, events: list[InEvent]) -> list[tuple[int, bytes]] | None:
-        """Step 4. ``(core, payload)`` per event; None when an op/new/old rule is broken.
+        """Step 4. ``(core, payload)`` per event; None when an op/new/old, ``id``
+        length or ``time`` range rule is broken.
 
-        The hot loop of ingest: keep it free of calls that are not needed.
+        The hot loop of ingest: keep it free of calls that are not needed. The
+        payload is ``validate._stored_payload`` inlined.
         """
         ts = time.time_ns()  # one wall-clock stamp per request
         cores = self._cores
         seeds = self._seeds
         max_event = self._max_event
+        max_id = self._max_event_id
         null = _NULL
         into = _msgpack_into
         scratch = self._scratch
@@ -778,7 +855,16 @@ class IngestServer:
                 return None
             collection = ev.collection
             key = ev.key
-            into((collection, op, key, new, old, ts, 0, ""), scratch)
+            eid = ev.event_id
+            etime = ev.event_time
+            if eid is None and etime is None:  # the short form (validate._stored_payload)
+                into((collection, op, key, new, old, ts, 0, ""), scratch)
+            else:
+                if eid is not None and len(eid) > max_id:
+                    return None
+                if etime is not None and (etime := event_time_us(etime)) is None:
+                    return None
+                into((collection, op, key, new, old, ts, 0, "", eid, etime), scratch)
             payload = bytes(scratch)  # exact size (see _msgpack_into)
             if len(payload) > max_event:
                 self._event_too_large(len(items), len(payload))

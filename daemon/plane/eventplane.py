@@ -37,6 +37,7 @@ from daemon.plane.planlog import FILENAME as PLANS_FILENAME
 from daemon.plane.planlog import PlanLog
 from daemon.plane.planner import Planner
 from daemon.plane.ring import RingSet
+from daemon.plane.stages import StagesNotRunningError
 from daemon.plane.tasks import uncancellable, wait_event
 from daemon.plane.watermarks import FILENAME as WATERMARKS_FILENAME
 from daemon.plane.watermarks import Watermarks, WatermarkSnapshot, WatermarkStore
@@ -190,6 +191,8 @@ class EventPlane:
             sleep=self._sleep,
             clock=self._clock,
             stall_after_s=cfg.health.stall_after_s,
+            paused_max_lag_events=cfg.health.paused_max_lag_events,
+            head_lsn=lambda: self.rings.pushed_lsn,
         )
         self._reader = concurrent.futures.ThreadPoolExecutor(
             max_workers=REPLAY_THREADS, thread_name_prefix="eventplane-replay"
@@ -433,6 +436,41 @@ class EventPlane:
         gauge = self.metrics.lag_events
         for core, lsn in enumerate(wm.lsns):
             gauge.labels(core=str(core)).set(max(head - lsn, 0))
+
+    # ------------------------------------------------------------------
+    # Pause and resume a stage (the admin API)
+
+    async def pause_stage(
+        self, name: str, *, reason: str | None = None, by: str | None = None
+    ) -> dict[str, Any]:
+        """Pause stage ``name``, durably (the watermarks file is written before
+        this returns); its status entry with ``changed`` (False: already paused).
+
+        Raises UnknownStageError for a name that is not a stage, and
+        StagesNotRunningError unless the plane is running.
+        """
+        planner = self._running_planner()
+        changed = planner.pause_stage(name, reason=reason, by=by)
+        return await self._stage_answer(planner, name, changed)
+
+    async def resume_stage(self, name: str) -> dict[str, Any]:
+        """Resume stage ``name``, durably; it then catches up on what it missed."""
+        planner = self._running_planner()
+        changed = planner.resume_stage(name)
+        return await self._stage_answer(planner, name, changed)
+
+    def _running_planner(self) -> Planner:
+        if self._state != "running" or self.planner is None:
+            raise StagesNotRunningError(
+                f"the event plane is {self._state}: stages can be paused or resumed "
+                "only while it runs"
+            )
+        return self.planner
+
+    async def _stage_answer(self, planner: Planner, name: str, changed: bool) -> dict[str, Any]:
+        if changed:
+            await self.flush()  # durable before the answer: it survives a crash
+        return {"changed": changed, "stage": planner.stages.entry(name, planner.live_id)}
 
     # ------------------------------------------------------------------
     # Read side for ingest and the admin API

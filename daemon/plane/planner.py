@@ -50,6 +50,7 @@ parts and their memory cost: :mod:`daemon.plane.parts`.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import queue
 import threading
@@ -170,6 +171,8 @@ class Planner:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
         stall_after_s: float = 60.0,
+        paused_max_lag_events: int = 0,
+        head_lsn: Callable[[], int] | None = None,
     ) -> None:
         self.cores = cores
         self.cfg = cfg
@@ -206,9 +209,22 @@ class Planner:
         self._run_times: deque[float] = deque(maxlen=RECENT_BATCHES)
         self._file_lock = asyncio.Lock()
         self.last_batch: dict[str, Any] | None = None
+        # The WAL head (the plane's pushed LSN); by default the highest delivered.
+        self._head_lsn = head_lsn or (lambda: max(p.last_lsn for p in self._pending))
+        # (batch id, lowest first LSN) of each logged plan whose lowest first LSN
+        # is below every later plan's; both grow along the list (``_first_after``).
+        self._suffix_mins: list[tuple[int, int]] = []
+        for bid in sorted(self._logged):
+            self._note_first(bid, self._logged[bid])
         # Per-stage progress (invariant 6): who runs which batch, who is behind.
         self.stages = StageTracker(
-            watermarks, cfg, metrics, stall_after_s=stall_after_s, clock=clock
+            watermarks,
+            cfg,
+            metrics,
+            stall_after_s=stall_after_s,
+            paused_max_lag_events=paused_max_lag_events,
+            events_behind=self._events_behind,
+            clock=clock,
         )
         # An executor that names no stages runs every batch as one stage.
         self._named_stages = callable(getattr(executor, "stage_names", None))
@@ -300,6 +316,42 @@ class Planner:
             for first, _ in ranges.values()
         ]
         return min(firsts) - 1 if firsts else None
+
+    def _note_first(self, batch_id: int, ranges: Ranges) -> None:
+        """Keep ``_suffix_mins`` for a plan appended above every other one."""
+        first = min((f for f, _ in ranges.values()), default=None)
+        if first is None:
+            return
+        mins = self._suffix_mins
+        while mins and mins[-1][1] >= first:
+            mins.pop()
+        mins.append((batch_id, first))
+
+    def _first_after(self, batch_id: int) -> int | None:
+        """Lowest first LSN of the logged plans above ``batch_id`` (None: none),
+        in O(log plans): a stage paused for many batches stays cheap to report."""
+        mins = self._suffix_mins
+        i = bisect.bisect_right(mins, batch_id, key=lambda m: m[0])
+        return mins[i][1] if i < len(mins) else None
+
+    def _events_behind(self, progress: int) -> int:
+        """A stage at ``progress``: events from the first one of the oldest batch
+        it has not committed to the head (an LSN distance); 0 when it is level."""
+        if progress >= self._live_id:
+            return 0
+        first = self._first_after(progress)
+        return 0 if first is None else max(self._head_lsn() - first + 1, 0)
+
+    def pause_stage(self, name: str, *, reason: str | None = None, by: str | None = None) -> bool:
+        """Pause a stage from its next batch on (``StageTracker.pause``)."""
+        return self.stages.pause(name, reason=reason, by=by)
+
+    def resume_stage(self, name: str) -> bool:
+        """Resume a paused stage; the run loop starts its catch-up at once."""
+        changed = self.stages.resume(name)
+        if changed:
+            self._wake.set()
+        return changed
 
     def _due_rows(self, p: _Pending) -> int:
         """Pending rows that make a batch due before its deadline. A slice takes up
@@ -531,6 +583,7 @@ class Planner:
             await asyncio.to_thread(self.plan_log.append, batch.batch_id, batch.ranges())
             self._logged[batch.batch_id] = batch.ranges()
             self._note_planned(batch.ranges())
+            self._note_first(batch.batch_id, batch.ranges())
 
     async def _wait_due(self) -> bool:
         """Wait until a batch is due, or a stage behind may try again. False when
@@ -678,8 +731,9 @@ class Planner:
             # Failed whole: every stage was asked and every one failed (Spark
             # down, say). Then nothing moves; the batch is retried whole, and
             # logged once, below. Otherwise a stage that failed falls behind
-            # and the others, ahead or behind, go on (invariant 6).
-            failed_whole = bool(failures) and set(failures) >= set(self.stages.names)
+            # and the others, ahead or behind, go on (invariant 6). A paused
+            # stage is not asked, and does not count.
+            failed_whole = bool(failures) and set(failures) >= set(self.stages.active())
             self._record(batch.batch_id, names, failures, quiet=failed_whole)
             if failed_whole:
                 first = next(iter(failures.values()))
@@ -697,6 +751,13 @@ class Planner:
                 )
                 await self._sleep(delay)
                 delay = min(delay * 2, self.cfg.retry_max_ms / 1000)
+                # Nothing committed: a stage paused meanwhile is left out.
+                names = self.stages.participants(batch.batch_id)
+                info["stages"] = names
+                if not names:
+                    info["state"] = "deferred"
+                    self._blocked_since = None
+                    return
                 continue
             self._blocked_since = None
             info["failed_stages"] = sorted(failures)
@@ -744,6 +805,8 @@ class Planner:
         """Drop plans the persisted watermarks cover; compact the file now and then."""
         for b in [b for b in self._logged if b <= persisted_batch_id]:
             del self._logged[b]
+        i = bisect.bisect_right(self._suffix_mins, persisted_batch_id, key=lambda m: m[0])
+        del self._suffix_mins[:i]
         if self.plan_log.entries - len(self._logged) < COMPACT_AFTER:
             return
         await uncancellable(self._compact())

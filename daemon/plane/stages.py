@@ -15,8 +15,20 @@ falls behind, and only it:
 - the watermarks (what every stage committed) stop at the slowest stage, so
   WAL retention keeps what it still needs, and its lag is visible.
 
-This module keeps the bookkeeping: progress lives in :class:`Watermarks`,
-failure state and backoff here. It does no I/O and never blocks.
+An operator may **pause** a stage (``eventplane pause``, the admin API): it
+then runs no batch, live or behind, and falls behind exactly like a failing
+stage (its plans are kept, the watermarks and WAL retention stop at it), but
+it is neither retried nor reported failing or stalled; status shows it as
+paused, with its backlog. **Resuming** makes it an ordinary stage behind: it
+re-runs the batches it missed, with their ids and rows, oldest first, with
+the usual backoff, and rejoins the live batches once level. A paused stage
+whose backlog passes ``health.paused_max_lag_events`` is over its limit
+(the daemon reports a problem; nothing is dropped). Pauses are kept in the
+watermarks file, so they survive restarts.
+
+This module keeps the bookkeeping: progress and pauses live in
+:class:`Watermarks`, failure state and backoff here. It does no I/O and never
+blocks.
 """
 
 from __future__ import annotations
@@ -28,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from daemon.errors import error_text
+from daemon.errors import DaemonError, error_text
+from daemon.plane.watermarks import Pause
 
 if TYPE_CHECKING:
     from daemon.config import MicrobatchConfig
@@ -42,6 +55,21 @@ log = structlog.get_logger("eventplane.stages")
 WHOLE_BATCH = "batch"
 # Error texts kept per stage for status (Spark's messages can be long).
 ERROR_CHARS = 2000
+# Longest pause reason and "by" kept (they are stored in the watermarks file).
+PAUSE_TEXT_CHARS = 500
+
+
+class UnknownStageError(DaemonError):
+    """A stage name that is not one of the running stages (pause, resume)."""
+
+    def __init__(self, name: str, names: Sequence[str]) -> None:
+        self.name = name
+        self.names = tuple(names)
+        super().__init__(f"no stage {name!r}; the stages are: {', '.join(self.names) or 'none'}")
+
+
+class StagesNotRunningError(DaemonError):
+    """Stages cannot be paused or resumed now (the plane is starting or stopping)."""
 
 
 @dataclass(slots=True)
@@ -68,6 +96,8 @@ class StageTracker:
         metrics: Metrics | None = None,
         *,
         stall_after_s: float = 60.0,
+        paused_max_lag_events: int = 0,
+        events_behind: Callable[[int], int] = lambda progress: 0,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -75,6 +105,10 @@ class StageTracker:
         self.cfg = cfg
         self.metrics = metrics
         self.stall_after_s = stall_after_s
+        # health.paused_max_lag_events: a paused stage further behind is a problem (0: none).
+        self.paused_max_lag_events = paused_max_lag_events
+        # progress -> events (LSN distance) from the oldest batch above it to the head.
+        self._events_behind = events_behind
         self._clock = clock
         self._wall = wall
         self._states: dict[str, StageState] = {}
@@ -101,7 +135,16 @@ class StageTracker:
         for gone in set(self._names) - set(current):
             self._states.pop(gone, None)
             log.info("stage_removed", stage=gone)
-        wm.forget_stages(set(current))
+        for name in wm.forget_stages(set(current)):
+            # Paused before a restart (or a reload) that no longer has it: like
+            # its progress, the pause is forgotten; it holds nothing back.
+            log.warning(
+                "stage.pause_dropped",
+                stage=name,
+                stages=list(current),
+                message=f"stage {name} was paused but is no longer configured: its pause "
+                "is forgotten with its progress",
+            )
         self._names = current
         return current
 
@@ -113,8 +156,14 @@ class StageTracker:
         return self.watermarks.stages.get(name, self.watermarks.batch_id)
 
     def participants(self, batch_id: int) -> list[str]:
-        """The stages level with ``batch_id``: they run it on the live path."""
-        return [n for n in self._names if self.progress(n) == batch_id - 1]
+        """The stages level with ``batch_id`` and not paused: they run it live."""
+        return [
+            n for n in self._names if self.progress(n) == batch_id - 1 and not self.is_paused(n)
+        ]
+
+    def active(self) -> list[str]:
+        """The stages that are not paused."""
+        return [n for n in self._names if not self.is_paused(n)]
 
     def floor(self) -> int:
         """The last batch every stage committed."""
@@ -174,7 +223,8 @@ class StageTracker:
     # -- stages behind the live batches --------------------------------------
 
     def behind(self, live_id: int) -> list[str]:
-        return [n for n in self._names if self.progress(n) < live_id]
+        """Stages behind the live batches that may catch up (a paused one may not)."""
+        return [n for n in self._names if self.progress(n) < live_id and not self.is_paused(n)]
 
     def next_due(self, live_id: int) -> float | None:
         """When (planner clock) the next behind stage may run; None if none is behind."""
@@ -189,11 +239,86 @@ class StageTracker:
         oldest = min(self.progress(n) for n in ready)
         return oldest + 1, [n for n in ready if self.progress(n) == oldest]
 
+    # -- pause and resume (an operator's choice) -----------------------------
+
+    def is_paused(self, name: str) -> bool:
+        return name in self.watermarks.paused
+
+    def pause(self, name: str, *, reason: str | None = None, by: str | None = None) -> bool:
+        """Pause ``name`` from its next batch on; False if it was paused already
+        (then nothing changes: the first pause's time, reason and author stay).
+
+        A batch that runs for it right now still commits. Its failure streak
+        ends here: a paused stage is not retried, so it is not failing.
+        """
+        self._require(name)
+        if self.is_paused(name):
+            return False
+        pause = Pause(self._wall(), _text(by), _text(reason))
+        self.watermarks.paused[name] = pause
+        self._reset(name)
+        log.info(
+            "stage.paused",
+            stage=name,
+            reason=pause.reason,
+            by=pause.by,
+            batch_id=self.progress(name),
+        )
+        self._publish(name)
+        return True
+
+    def resume(self, name: str) -> bool:
+        """Resume ``name``: it catches up on the batches it missed, at once and
+        then with the usual backoff. False if it was not paused."""
+        self._require(name)
+        pause = self.watermarks.paused.pop(name, None)
+        if pause is None:
+            return False
+        self._reset(name)
+        log.info(
+            "stage.resumed",
+            stage=name,
+            paused_s=round(max(self._wall() - pause.since, 0.0), 3),
+            batch_id=self.progress(name),
+            behind_events=self.events_behind(name),
+        )
+        self._publish(name)
+        return True
+
+    def _require(self, name: str) -> None:
+        if name not in self._names:
+            raise UnknownStageError(name, self._names)
+
+    def _reset(self, name: str) -> None:
+        st = self._states.setdefault(name, StageState(name))
+        st.attempts = 0
+        st.failing_since = st.failing_since_wall = None
+        st.next_due = 0.0
+
+    def events_behind(self, name: str) -> int:
+        """Events (an LSN distance: an upper bound) from the first event of the
+        oldest batch ``name`` has not committed to the WAL head; 0 when level."""
+        if name not in self._names:
+            return 0
+        return self._events_behind(self.progress(name))
+
+    def over_limit(self, name: str) -> bool:
+        """Paused, and further behind than ``health.paused_max_lag_events``."""
+        limit = self.paused_max_lag_events
+        return bool(limit) and self.is_paused(name) and self.events_behind(name) > limit
+
+    def backlog_ratio(self, name: str) -> float:
+        """A paused stage's events behind over its limit (0 when not paused or no limit)."""
+        limit = self.paused_max_lag_events
+        if not limit or not self.is_paused(name):
+            return 0.0
+        return self.events_behind(name) / limit
+
     # -- reporting -----------------------------------------------------------
 
     def failing_for_s(self, name: str) -> float:
         st = self._states.get(name)
-        if st is None or st.failing_since is None:
+        if st is None or st.failing_since is None or self.is_paused(name):
             return 0.0
         return max(self._clock() - st.failing_since, 0.0)
 
@@ -203,30 +328,37 @@ class StageTracker:
 
     def report(self, live_id: int) -> list[dict[str, Any]]:
         """Per stage, for ``/v1/status``."""
-        out = []
         now = self._clock()
-        for name in self._names:
-            st = self._states[name]
-            done = self.progress(name)
-            out.append(
-                {
-                    "name": name,
-                    "batch_id": done,
-                    "behind_batches": max(live_id - done, 0),
-                    "failing": st.failing_since is not None,
-                    "stalled": self.stalled(name),
-                    "failing_since": st.failing_since_wall,
-                    "failing_for_s": round(self.failing_for_s(name), 3),
-                    "attempts": st.attempts,
-                    "last_error": st.error,
-                    "last_error_batch_id": st.error_batch_id,
-                    "next_retry_in_s": round(max(st.next_due - now, 0.0), 3)
-                    if st.failing_since is not None
-                    else None,
-                    "last_commit_at": st.last_commit_wall,
-                }
-            )
-        return out
+        return [self.entry(name, live_id, now) for name in self._names]
+
+    def entry(self, name: str, live_id: int, now: float | None = None) -> dict[str, Any]:
+        """One stage's ``/v1/status`` entry."""
+        now = self._clock() if now is None else now
+        st = self._states.setdefault(name, StageState(name))
+        done = self.progress(name)
+        pause = self.watermarks.paused.get(name)
+        failing = st.failing_since is not None and pause is None
+        return {
+            "name": name,
+            "batch_id": done,
+            "behind_batches": max(live_id - done, 0),
+            "behind_events": self.events_behind(name),
+            "failing": failing,
+            "stalled": self.stalled(name),
+            "failing_since": st.failing_since_wall if failing else None,
+            "failing_for_s": round(self.failing_for_s(name), 3),
+            "attempts": st.attempts,
+            "last_error": st.error,
+            "last_error_batch_id": st.error_batch_id,
+            "next_retry_in_s": round(max(st.next_due - now, 0.0), 3) if failing else None,
+            "last_commit_at": st.last_commit_wall,
+            "paused": pause is not None,
+            "paused_since": pause.since if pause else None,
+            "paused_for_s": round(max(self._wall() - pause.since, 0.0), 3) if pause else None,
+            "paused_by": pause.by if pause else None,
+            "paused_reason": pause.reason if pause else None,
+            "paused_over_limit": self.over_limit(name),
+        }
 
     def publish(self, live_id: int) -> None:
         """Refresh the per-stage lag gauges (the planner calls it after each batch)."""
@@ -246,6 +378,38 @@ class StageTracker:
         m.stage_failures.labels(stage=name)
         m.stage_failing_seconds.labels(stage=name).set_function(lambda: self.failing_for_s(name))
         m.stage_stalled.labels(stage=name).set_function(lambda: float(self.stalled(name)))
+        m.stage_paused.labels(stage=name).set_function(lambda: float(self.is_paused(name)))
+        m.stage_lag_events.labels(stage=name).set_function(lambda: self.events_behind(name))
+        m.stage_paused_backlog_ratio.labels(stage=name).set_function(
+            lambda: self.backlog_ratio(name)
+        )
+
+
+def paused_problem(stage: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The problem of a paused stage whose backlog passed
+    ``health.paused_max_lag_events``: what it holds, and the two ways out."""
+    name = stage["name"]
+    why = f" ({stage['paused_reason']})" if stage.get("paused_reason") else ""
+    return {
+        "part": f"stage {name}",
+        "stage": name,
+        "paused": True,
+        "since": stage["paused_since"],
+        "behind_batches": stage["behind_batches"],
+        "behind_events": stage["behind_events"],
+        "message": f"stage {name} is paused{why} and {stage['behind_events']:,} events behind, "
+        f"over health.paused_max_lag_events = {limit:,}: the WAL keeps all of them. "
+        f"Resume it (`eventplane resume {name}`), or remove it from the config and "
+        "restart to give up on its backlog",
+    }
+
+
+def _text(value: str | None) -> str | None:
+    """A pause's reason or author as stored: one line, bounded, None if empty."""
+    if value is None:
+        return None
+    text = " ".join(str(value).split())[:PAUSE_TEXT_CHARS]
+    return text or None
 
 
 def stage_names(executor: Any) -> Sequence[str]:

@@ -7,15 +7,25 @@ highest LSN the plane has seen (the heartbeat), so WAL retention keeps moving.
 The file is replaced atomically (temp file, fsync, rename, directory fsync)
 and carries the WAL's id and the ``cores`` count (invariant 13)::
 
-    {"format": "eventplane-watermarks", "version": 2, "wal_id": "...",
+    {"format": "eventplane-watermarks", "version": 3, "wal_id": "...",
      "cores": 4, "batch_id": 17, "lsns": [120, 118, 0, 119],
-     "stages": {"cdc:all": 19, "triggers": 17}, "crc32": ...}
+     "stages": {"cdc:all": 19, "triggers": 17},
+     "paused": {"triggers": {"since": 1740830400.0, "by": "ops@host",
+                             "reason": "receiver maintenance"}},
+     "crc32": ...}
 
 ``batch_id`` is the id of the last batch that every stage committed: plans
 above it are re-run after a restart, each for the stages whose own progress
 (``stages``: stage name -> last batch it committed) is below it (invariant
-6). ``crc32`` covers the canonical JSON of every other field. Version 1 files
-(no ``stages``) are read as every stage at ``batch_id``.
+6). ``paused`` lists the stages an operator paused (``eventplane pause``):
+they run no batch until resumed, and hold the watermarks where they stopped.
+``crc32`` covers the canonical JSON of every other field.
+
+Versions: 3 added ``paused``; a file is written as version 3 only while a
+stage is paused, else as version 2, so the release before pausing reads it
+(resume every stage before going back to it). Version 2 files (no
+``paused``) and version 1 files (no ``stages``: every stage at ``batch_id``)
+are read.
 """
 
 from __future__ import annotations
@@ -35,14 +45,38 @@ if TYPE_CHECKING:
     from daemon.service.metrics import Metrics
 
 FORMAT = "eventplane-watermarks"
-VERSION = 2
-# Versions this build reads: 1 had no per-stage progress.
-READ_VERSIONS = (1, 2)
+# Written while a stage is paused; without one the file is written as version
+# 2 (``UNPAUSED_VERSION``), which the release before pausing can read.
+VERSION = 3
+UNPAUSED_VERSION = 2
+# Versions this build reads: 1 had no per-stage progress, 2 no paused stages.
+READ_VERSIONS = (1, 2, 3)
 FILENAME = "watermarks.json"
 
 
 class WatermarkFileError(DaemonError):
     """The watermarks file is unreadable or damaged."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Why and since when an operator paused a stage (kept in the watermarks file)."""
+
+    since: float  # Unix time
+    by: str | None = None
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"since": self.since, "by": self.by, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Pause:
+        by, reason = doc.get("by"), doc.get("reason")
+        return cls(
+            float(doc["since"]),
+            None if by is None else str(by),
+            None if reason is None else str(reason),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +87,20 @@ class WatermarkSnapshot:
     lsns: tuple[int, ...]
     # Stage name -> the last batch that stage committed (>= batch_id).
     stages: tuple[tuple[str, int], ...] = ()
+    # Stage name -> its pause, for the stages an operator paused.
+    paused: tuple[tuple[str, Pause], ...] = ()
+
+    @property
+    def version(self) -> int:
+        """The file version that holds this snapshot (module docstring)."""
+        return VERSION if self.paused else UNPAUSED_VERSION
 
     def floor(self) -> int:
         """The lowest watermark: everything at or below it is committed on every core."""
         return min(self.lsns) if self.lsns else 0
 
 
-def _body(s: WatermarkSnapshot, version: int = VERSION) -> dict[str, Any]:
+def _body(s: WatermarkSnapshot, version: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "format": FORMAT,
         "version": version,
@@ -70,6 +111,8 @@ def _body(s: WatermarkSnapshot, version: int = VERSION) -> dict[str, Any]:
     }
     if version >= 2:
         body["stages"] = dict(s.stages)
+    if version >= 3:
+        body["paused"] = {name: pause.to_json() for name, pause in s.paused}
     return body
 
 
@@ -136,6 +179,9 @@ class WatermarkStore:
                 int(doc["batch_id"]),
                 tuple(int(x) for x in doc["lsns"]),
                 tuple(sorted((str(k), int(v)) for k, v in doc.get("stages", {}).items())),
+                tuple(
+                    sorted((str(k), Pause.from_json(v)) for k, v in doc.get("paused", {}).items())
+                ),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise WatermarkFileError(
@@ -166,8 +212,8 @@ class WatermarkStore:
         return snap
 
     def save(self, snap: WatermarkSnapshot) -> None:
-        body = _body(snap)
-        body["crc32"] = _crc(_body(snap))
+        body = _body(snap, snap.version)
+        body["crc32"] = _crc(_body(snap, snap.version))
         atomic_write(self.path, json.dumps(body, separators=(",", ":")).encode() + b"\n")
 
 
@@ -188,6 +234,8 @@ class Watermarks:
         self.batch_id = loaded.batch_id
         # Stage name -> last batch it committed; never below ``batch_id``.
         self.stages: dict[str, int] = {n: max(b, loaded.batch_id) for n, b in loaded.stages}
+        # Stage name -> its pause (``daemon.plane.stages``: paused stages run nothing).
+        self.paused: dict[str, Pause] = dict(loaded.paused)
         self.persisted = loaded
         self._metrics = metrics
         for core, lsn in enumerate(self.lsns):
@@ -204,6 +252,7 @@ class Watermarks:
             self.batch_id,
             tuple(self.lsns),
             tuple(sorted(self.stages.items())),
+            tuple(sorted(self.paused.items())),
         )
 
     def stage_done(self, stage: str, batch_id: int) -> None:
@@ -216,10 +265,15 @@ class Watermarks:
             )
         self.stages[stage] = batch_id
 
-    def forget_stages(self, keep: set[str]) -> None:
-        """Drop the progress of stages that are no longer configured."""
+    def forget_stages(self, keep: set[str]) -> list[str]:
+        """Drop the progress and pause of stages that are no longer configured;
+        returns the paused ones among them."""
         for name in [n for n in self.stages if n not in keep]:
             del self.stages[name]
+        dropped = sorted(n for n in self.paused if n not in keep)
+        for name in dropped:
+            del self.paused[name]
+        return dropped
 
     def commit(self, batch: MicroBatch) -> None:
         """Advance every core of a batch every stage committed to its slice's last LSN."""

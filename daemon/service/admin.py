@@ -13,6 +13,14 @@ never delays a health check, and so the two can bind different interfaces.
 - ``GET /readyz``: 200 once the daemon is ready and not draining, else 503.
 - ``GET /v1/status``: the injected ``status()`` document as JSON (the schema
   is the daemon's; ``eventplane status`` renders it).
+- ``GET /v1/stages``: every stage's status entry.
+- ``POST /v1/stages/{name}/pause`` (optional JSON body ``{"reason": "...",
+  "by": "..."}``) and ``POST /v1/stages/{name}/resume``: pause or resume a
+  stage (``daemon.plane.stages``), durably; 200 with ``changed`` (false when
+  it already was) and the stage's entry, 404 with the stage names for an
+  unknown one, 503 while the daemon starts or drains. These are the only
+  endpoints that change anything: keep the admin listener on loopback or a
+  management network (docs/operating.md, "Pausing a stage").
 """
 
 from __future__ import annotations
@@ -20,13 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import structlog
 from aiohttp import web
 
 from daemon.config import Config
+from daemon.plane.stages import PAUSE_TEXT_CHARS, StagesNotRunningError, UnknownStageError
 from daemon.service.metrics import Metrics
 
 log = structlog.get_logger("eventplane.admin")
@@ -40,6 +49,18 @@ TICK_S = 0.25
 # a few seconds (kubelet and systemd defaults are 1-10 s); 2 s is well past
 # any GC pause and well short of those.
 STALL_S = 2.0
+# A pause request's JSON body (a reason and an author) is small.
+MAX_PAUSE_BODY_BYTES = 16 * 1024
+
+
+class StageControl(Protocol):
+    """Pauses and resumes stages (``EventPlane``)."""
+
+    async def pause_stage(
+        self, name: str, *, reason: str | None = None, by: str | None = None
+    ) -> dict[str, Any]: ...
+
+    async def resume_stage(self, name: str) -> dict[str, Any]: ...
 
 
 def _json_default(value: Any) -> Any:
@@ -64,9 +85,11 @@ class AdminServer:
         ready: Callable[[], bool],
         *,
         problems: Callable[[], list[dict[str, Any]]] | None = None,
+        stages: StageControl | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self._listen = cfg.admin.listen
+        self._stages = stages
         self._metrics = metrics
         self._status = status
         self._ready = ready
@@ -83,6 +106,9 @@ class AdminServer:
         app.router.add_get("/healthz", self._get_healthz)
         app.router.add_get("/readyz", self._get_readyz)
         app.router.add_get("/v1/status", self._get_status)
+        app.router.add_get("/v1/stages", self._get_stages)
+        app.router.add_post("/v1/stages/{name}/pause", self._post_pause)
+        app.router.add_post("/v1/stages/{name}/resume", self._post_resume)
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=30.0)
         await runner.setup()
         self._runner = runner
@@ -197,3 +223,80 @@ class AdminServer:
             log.exception("admin.status_failed")
             return _json(500, {"error": "status_failed", "message": f"status failed: {exc}"})
         return _json(200, doc)
+
+    # -- stages: pause and resume ------------------------------------------
+
+    async def _get_stages(self, request: web.Request) -> web.StreamResponse:
+        try:
+            doc = self._status()
+        except Exception as exc:
+            log.exception("admin.status_failed")
+            return _json(500, {"error": "status_failed", "message": f"status failed: {exc}"})
+        return _json(200, {"stages": doc.get("stages", [])})
+
+    async def _post_pause(self, request: web.Request) -> web.StreamResponse:
+        body = await _pause_body(request)
+        if isinstance(body, web.Response):
+            return body
+        by = body.get("by") or f"admin API client {request.remote or 'unknown'}"
+        return await self._stage_action(
+            request, "pause", lambda c, name: c.pause_stage(name, reason=body.get("reason"), by=by)
+        )
+
+    async def _post_resume(self, request: web.Request) -> web.StreamResponse:
+        return await self._stage_action(request, "resume", lambda c, name: c.resume_stage(name))
+
+    async def _stage_action(
+        self, request: web.Request, action: str, call: Callable[[StageControl, str], Any]
+    ) -> web.StreamResponse:
+        name = request.match_info["name"]
+        control = self._stages
+        if control is None:
+            return _json(
+                503, {"error": "not_running", "message": "this daemon does not run stages"}
+            )
+        try:
+            answer: dict[str, Any] = await call(control, name)
+        except UnknownStageError as exc:
+            return _json(
+                404, {"error": "unknown_stage", "message": str(exc), "stages": list(exc.names)}
+            )
+        except StagesNotRunningError as exc:
+            return _json(503, {"error": "not_running", "message": str(exc)})
+        except Exception as exc:
+            log.exception("admin.stage_action_failed", action=action, stage=name)
+            return _json(
+                500,
+                {"error": f"{action}_failed", "message": f"{action} of stage {name} failed: {exc}"},
+            )
+        return _json(200, answer)  # the change itself is logged: stage.paused, stage.resumed
+
+
+async def _pause_body(request: web.Request) -> dict[str, str] | web.Response:
+    """The optional JSON body of a pause: ``reason`` and ``by``, strings."""
+    if request.content_length and request.content_length > MAX_PAUSE_BODY_BYTES:
+        return _json(413, {"error": "too_large", "message": "a pause body is a small JSON object"})
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        doc = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        return _json(400, {"error": "bad_json", "message": f"the body is not JSON: {exc}"})
+    if not isinstance(doc, dict):
+        return _json(400, {"error": "bad_body", "message": "the body must be a JSON object"})
+    out: dict[str, str] = {}
+    for key in ("reason", "by"):
+        value = doc.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or len(value) > PAUSE_TEXT_CHARS:
+            return _json(
+                400,
+                {
+                    "error": "bad_body",
+                    "message": f"{key} must be a string of at most {PAUSE_TEXT_CHARS} characters",
+                },
+            )
+        out[key] = value
+    return out

@@ -46,6 +46,7 @@ from daemon.errors import ConfigError, DaemonError
 from daemon.ingest.server import IngestServer
 from daemon.plane.batch import BatchStage, Executor, NullExecutor
 from daemon.plane.eventplane import EventPlane
+from daemon.plane.stages import paused_problem
 from daemon.service import logs
 from daemon.service.admin import AdminServer
 from daemon.service.deadline import Deadline
@@ -94,6 +95,8 @@ class Daemon:
         """The injectable shutdown trigger; a second call forces a fast exit."""
         if self.should_exit:
             self.force_exit = True
+            if self.ingest is not None:
+                self.ingest.hurry()  # no drain grace for producers: exit now
             log.warning("shutdown.forced", reason=reason)
         else:
             self.should_exit = True
@@ -191,7 +194,12 @@ class Daemon:
         # Step 4. Listeners: admin first so /healthz answers while ingest binds.
         self.startup_step = f"the admin listener ([admin] listen = {cfg.admin.listen})"
         self.admin = AdminServer(
-            cfg, self.metrics, status=self.status, ready=self.ready, problems=self.problems
+            cfg,
+            self.metrics,
+            status=self.status,
+            ready=self.ready,
+            problems=self.problems,
+            stages=self.plane,
         )
         await self.admin.start()
         self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"
@@ -452,7 +460,9 @@ class Daemon:
         A part is stalled when it has failed, or been held, for longer than
         ``health.stall_after_s`` without a commit in between: a stage (a CDC
         stream, the triggers, a handler) failing on its own, or the
-        micro-batch path as a whole (Spark down, every stage failing).
+        micro-batch path as a whole (Spark down, every stage failing). A
+        paused stage is not a problem until its backlog passes
+        ``health.paused_max_lag_events``.
         """
         out: list[dict[str, Any]] = []
         plane = self.plane
@@ -518,6 +528,8 @@ class Daemon:
                         f"batch(es) behind (limit {limit:g} s): {stage['last_error']}",
                     }
                 )
+            elif stage["paused_over_limit"]:
+                out.append(paused_problem(stage, self.cfg.health.paused_max_lag_events))
         return out
 
     def _wal_has_room(self, needed: int) -> bool:

@@ -268,6 +268,27 @@ class Metrics:
             ["stage"],
             registry=r,
         )
+        self.stage_lag_events = Gauge(
+            p + "stage_lag_events",
+            "Events from the first event of the oldest batch the stage has not committed "
+            "to the WAL head, an LSN distance (0: keeping up).",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_paused = Gauge(
+            p + "stage_paused",
+            "1 while an operator has the stage paused (eventplane pause): it runs no "
+            "batches and the WAL keeps everything it has not committed.",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_paused_backlog_ratio = Gauge(
+            p + "stage_paused_backlog_ratio",
+            "A paused stage's lag in events over health.paused_max_lag_events; above 1 "
+            "the daemon is unhealthy (0 when not paused or no limit).",
+            ["stage"],
+            registry=r,
+        )
 
         # Triggers
         self.trigger_fires = Counter(

@@ -7,6 +7,7 @@ Layout of a stream's ``path``::
     <path>/_eventplane/pending/b<id>.json   commit intent: staged file -> final file
     <path>/_eventplane/staging/b<id>/       where Spark writes a batch (invisible)
     <path>/_eventplane/lock                 flock: one writer per stream; names the holder
+    <path>/_common_metadata                 the table's schema (also in each collection=...)
 
 Readers (``spark.read.parquet(path)``, pyarrow, DuckDB) skip every path
 component that starts with ``_`` or ``.``, so only published files are seen.
@@ -30,6 +31,13 @@ Commit protocol for batch B of stream S (the steps are marked in the code):
    which also carries the WAL id and ``cores`` (identity, invariant 13);
    atomic replace + fsync. The batch is committed for this stream.
 5. **Clean.** Remove the intent and the staging folder.
+
+After step 4 the stream makes sure the table root and every ``collection=...``
+folder hold a ``_common_metadata`` file (a Parquet footer without rows) with
+the schema of the files it writes (:meth:`CdcSink._write_summaries`): Spark
+infers a table's schema from that file when it is there, and otherwise from
+any one data file, so a table with files from before ``event_id`` and
+``event_time`` existed would show those columns or not by chance.
 
 Recovery when a stream opens (before the first batch):
 
@@ -94,6 +102,8 @@ CDC_COLUMNS = (
     "old",
     "ingest_ts",
     "batch_id",
+    "event_id",
+    "event_time",
 )
 # The payloads' JSON text, written next to ``new``/``old`` (VARIANT) in every
 # file. pyarrow, pandas and Polars cannot decode VARIANT; they (and DuckDB)
@@ -106,16 +116,23 @@ TABLE_COLUMNS = (*CDC_COLUMNS, *JSON_COLUMNS)
 # dictionary for them alongside the plain values, then drop it at the first
 # page. Ten 100k-row batches measured 18-20 % less JVM CPU without those
 # dictionaries, and the same bytes on disk (docs/cdc.md, "Tuning the write").
+# A producer's ``event_id`` is meant to be unique too.
 PARQUET_OPTIONS = {
     "parquet.enable.dictionary#lsn": "false",
     "parquet.enable.dictionary#seq": "false",
     "parquet.enable.dictionary#key": "false",
+    "parquet.enable.dictionary#event_id": "false",
     # The payloads' text is nearly as unique: 200k events wrote with 13-16 %
     # less JVM CPU without its dictionary, in the same bytes (docs/cdc.md,
     # "Payload layout"; 15 % more only where payloads repeat a lot).
     "parquet.enable.dictionary#new_json": "false",
     "parquet.enable.dictionary#old_json": "false",
 }
+# The table's schema for readers that infer it: Spark (without ``mergeSchema``)
+# reads this file's footer first and only falls back to one data file's.
+SUMMARY_FILE = "_common_metadata"
+# Footer key under which Spark records the schema it wrote (and reads back).
+SPARK_SCHEMA_KEY = b"org.apache.spark.sql.parquet.row.metadata"
 
 # --------------------------------------------------------------------------
 # Crash points
@@ -365,6 +382,8 @@ class CdcSink:
         self.data_dir = data_dir  # the writing daemon's, named in the lock file
         self._ledger: Ledger | None = None
         self._lock_fd: int | None = None
+        # Folders whose _common_metadata this process checked or wrote.
+        self._summarized: set[Path] = set()
 
     @property
     def name(self) -> str:
@@ -495,6 +514,8 @@ class CdcSink:
         # Step 4. Ledger: the batch is committed for this stream.
         self._append_ledger(bid, batch.ranges(), rows, [final for _, final in files])
         crash_point("cdc.after_ledger")
+        if files:
+            self._write_summaries(files)
         # Step 5. Clean: intent and staging are no longer needed.
         self._clean(bid)
         return CommitResult(self.name, bid, rows, len(files), False, time.monotonic() - started)
@@ -571,6 +592,53 @@ class CdcSink:
                 crash_point("cdc.mid_publish")
         for d in sorted(touched):
             fsync_dir(d)
+
+    def _write_summaries(self, files: list[tuple[str, str]]) -> None:
+        """The table's schema, as the footer of a file just written, in
+        ``_common_metadata`` at the root and in every ``collection=...`` folder.
+
+        Spark's schema inference (``mergeSchema`` off, the default) reads a
+        ``_common_metadata`` footer when the folder it reads has one, and
+        otherwise one data file's, whichever its listing gives first. A table
+        that holds files from before a column existed would then lose that
+        column by chance (tests/spark/test_cdc.py). Readers that skip ``_``
+        names (pyarrow, DuckDB, Trino) ignore the file; it holds no rows, so
+        what a reader counts is unchanged.
+
+        The first commit of a process checks every folder; later ones only new
+        folders. A file whose Spark schema differs (an older daemon's) is
+        replaced atomically. Not part of the commit: a failure is logged and
+        retried at the next commit.
+        """
+        folders = {(self.path / final).parent for _, final in files}
+        if self.path not in self._summarized:
+            folders.add(self.path)
+            folders.update(
+                d for d in self.path.iterdir() if d.is_dir() and not d.name.startswith(("_", "."))
+            )
+        todo = sorted(folders - self._summarized)
+        if not todo:
+            return
+        try:
+            import pyarrow.parquet as pq
+
+            schema = pq.read_schema(self.path / files[0][1])
+            wanted = (schema.metadata or {}).get(SPARK_SCHEMA_KEY)
+            for folder in todo:
+                target = folder / SUMMARY_FILE
+                try:
+                    current = (pq.read_schema(target).metadata or {}).get(SPARK_SCHEMA_KEY)
+                except (OSError, ValueError):  # missing, or not a Parquet footer
+                    current = None
+                if current is None or current != wanted:
+                    tmp = folder / f".{SUMMARY_FILE}.{os.getpid()}.tmp"
+                    pq.write_metadata(schema, tmp)
+                    fsync_file(tmp)
+                    os.replace(tmp, target)
+                    fsync_dir(folder)
+                self._summarized.add(folder)
+        except (OSError, ValueError) as exc:
+            log.warning("cdc_summary_failed", stream=self.name, error=str(exc))
 
     def _append_ledger(
         self, batch_id: int, ranges: dict[int, tuple[int, int]], rows: int, files: list[str]
@@ -665,6 +733,10 @@ class CdcSink:
             for p in d.iterdir():
                 if p.name.startswith(".") and p.name.endswith(".tmp"):
                     p.unlink(missing_ok=True)
+        # An interrupted _write_summaries: in the root or a collection folder.
+        for d in (self.path, *self.path.glob("collection=*")):
+            for p in d.glob(f".{SUMMARY_FILE}.*.tmp"):
+                p.unlink(missing_ok=True)
 
     def _remove_staging(self, report: RecoveryReport) -> None:
         for p in sorted((self.meta / "staging").iterdir()):

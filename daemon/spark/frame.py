@@ -48,9 +48,10 @@ _MIN_ROW_GROUP = 5_000
 # (fewer when ``microbatch.build_max_bytes`` says so).
 _MAX_ROW_GROUP = 131_072
 # Arrow bytes of an inbox row beyond its payload's length: five fixed-width
-# columns (32 B) and six string offsets (24 B); the strings are at most the
-# payload (measured: 171 Arrow bytes per 133-byte payload).
-_ROW_FIXED_BYTES = 56
+# columns (32 B) and six string offsets (24 B), plus event_time (8 B) and
+# event_id's offset (4 B); the strings are at most the payload (measured: 171
+# Arrow bytes per 133-byte payload before event_id/event_time).
+_ROW_FIXED_BYTES = 68
 # ``microbatch.build_max_bytes``'s default, for callers without a config.
 BUILD_MAX_BYTES = MicrobatchConfig().build_max_bytes
 # Rows decoded into Python objects at a time while building a batch's table.
@@ -137,6 +138,8 @@ def _record_batch(
             # the Java it generates, so a new id per batch meant compiling the
             # job's code again each batch (20-40 ms; the same plan is cached).
             "batch_id": pa.repeat(pa.scalar(batch_id, pa.int64()), len(lsns)),
+            "event_id": pa.array([e.event_id for e in events], pa.string()),
+            "event_time": pa.array([e.event_time_us for e in events], pa.timestamp("us", tz="UTC")),
             "depth": pa.array([e.depth for e in events], pa.int32()),
             "source": pa.array([e.source for e in events], pa.string()),
         }
@@ -275,8 +278,8 @@ def payload_bytes(batch: MicroBatch) -> int:
 # the driver: measured 0.1-0.4 s per batch here, time in which no task runs.
 INBOX_SCHEMA = (
     "lsn BIGINT, core INT, seq BIGINT, collection STRING, op STRING, key STRING,"
-    " new_json STRING, old_json STRING, ingest_ts TIMESTAMP, batch_id BIGINT, depth INT,"
-    " source STRING"
+    " new_json STRING, old_json STRING, ingest_ts TIMESTAMP, batch_id BIGINT,"
+    " event_id STRING, event_time TIMESTAMP, depth INT, source STRING"
 )
 
 

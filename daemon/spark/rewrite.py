@@ -8,7 +8,8 @@ not (docs/cdc.md, "Payload layout"). ``rewrite_previous_layout`` turns every
 such file into the current layout under its own name:
 
 1. one Spark job per partition folder reads its files, adds
-   ``new_json``/``old_json`` as ``to_json(new)``/``to_json(old)``, and writes
+   ``new_json``/``old_json`` as ``to_json(new)``/``to_json(old)`` (and, null,
+   any column added since, such as ``event_id``/``event_time``), and writes
    each source file's rows into one file of its own under
    ``_eventplane/staging/rewrite-<pid>/`` (where no reader looks, and which
    the next ``CdcSink.open`` deletes if this dies);
@@ -41,8 +42,11 @@ from daemon.spark.cdc import (
     fsync_dir,
     fsync_file,
 )
+from daemon.spark.frame import INBOX_SCHEMA
 
 _SOURCE = "_file"
+# Spark types of the table's columns but new/old (the batch input file's).
+_TYPES = dict(col.strip().split(" ", 1) for col in INBOX_SCHEMA.split(","))
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +94,13 @@ def _rewrite_folder(spark: Any, sink: CdcSink, files: list[Path], staging: Path)
     by_name = {f.name: f for f in files}
     df = spark.read.parquet(*map(str, files))
     cols = [
-        F.to_json(c.removesuffix("_json")).alias(c) if c in JSON_COLUMNS else F.col(c)
+        F.to_json(c.removesuffix("_json")).alias(c)
+        if c in JSON_COLUMNS
+        else F.col(c)
+        if c in df.columns
+        else F.lit(None).cast(_TYPES[c]).alias(c)  # a column added since: null, as Spark reads it
         for c in TABLE_COLUMNS
-        if c != "collection" and (c in df.columns or c in JSON_COLUMNS)
+        if c != "collection"
     ]
     out = df.select(*cols, F.col("_metadata.file_name").alias(_SOURCE))
     # One task, so one file, per source file: never two files for one file's rows.

@@ -74,6 +74,29 @@ def test_an_empty_batch_gives_an_empty_table_with_the_full_schema() -> None:
     assert str(table.schema.field("ingest_ts").type) == "timestamp[us, tz=UTC]"
 
 
+def test_wal_payloads_without_event_fields_give_null_event_id_and_time() -> None:
+    """Old 8-element payloads (written before the fields existed), ingest's short
+    form, the 10-element form with values and an emit action's event (no
+    producer fields) share one table."""
+    import msgspec
+
+    from daemon.ingest.validate import _stored_payload
+
+    old = msgspec.msgpack.encode(["c0", "insert", "k1", b"{}", None, 1_000, 0, "t"])
+    short = _stored_payload("c0", "insert", "k2", b"{}", None, 2_000)
+    full = encode(StoredEvent("c0", "insert", "k3", b"{}", None, 3_000, 0, "", "e-3", 1_500))
+    derived = encode(StoredEvent("c0", "insert", "k4", b"{}", None, 4_000, 1, "t"))
+    payloads = (old, short, full, derived)
+    recs = [Record(i + 1, 0, i + 1, p) for i, p in enumerate(payloads)]
+
+    table = batch_table(MicroBatch(1, {0: Slice(0, 1, 4, recs)}))
+
+    assert table["event_id"].to_pylist() == [None, None, "e-3", None]
+    assert str(table.schema.field("event_time").type) == "timestamp[us, tz=UTC]"
+    assert table["event_time"].cast("int64").to_pylist() == [None, None, 1_500, None]
+    assert table["source"].to_pylist() == ["t", "", "", "t"]
+
+
 def test_streamed_inbox_file_holds_the_batch_table_in_bounded_row_groups(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,6 +10,7 @@ import pytest
 from daemon.errors import IdentityMismatchError, LsnRegressionError
 from daemon.plane.batch import MicroBatch, Slice
 from daemon.plane.watermarks import (
+    Pause,
     WatermarkFileError,
     Watermarks,
     WatermarkSnapshot,
@@ -116,3 +117,42 @@ def test_a_stage_commits_batches_in_id_order_only() -> None:
     with pytest.raises(LsnRegressionError, match="stage 'cdc:all' committed batch 4 after batch 4"):
         wm.stage_done("cdc:all", 4)
     assert wm.dirty
+
+
+def test_pauses_are_saved_as_version_3_and_a_file_without_one_stays_version_2(
+    tmp_path: Path,
+) -> None:
+    """A file without a paused stage is what the release before pausing wrote
+    (version 2), so going back to it works while nothing is paused."""
+    store = WatermarkStore(tmp_path / "w.json")
+    pause = Pause(1740830400.5, "ops@host", "receiver maintenance")
+    snap = WatermarkSnapshot("wal-a", 2, 7, (40, 39), (("cdc:all", 9),), (("triggers", pause),))
+    store.save(snap)
+    doc = json.loads(store.path.read_text())
+    assert doc["version"] == 3
+    assert doc["paused"] == {
+        "triggers": {"since": 1740830400.5, "by": "ops@host", "reason": "receiver maintenance"}
+    }
+    loaded = store.load("wal-a", 2)
+    assert loaded == snap and Watermarks(loaded).paused == {"triggers": pause}
+
+    wm = Watermarks(loaded)
+    del wm.paused["triggers"]
+    assert wm.dirty
+    store.save(wm.snapshot())
+    doc = json.loads(store.path.read_text())
+    assert doc["version"] == 2 and "paused" not in doc
+    assert store.load("wal-a", 2).paused == ()
+
+
+def test_a_damaged_pause_record_is_refused_not_dropped(tmp_path: Path) -> None:
+    import zlib
+
+    path = tmp_path / "w.json"
+    body = {"format": "eventplane-watermarks", "version": 3, "wal_id": "wal-a", "cores": 1,
+            "batch_id": 7, "lsns": [40], "stages": {},
+            "paused": {"cdc:all": {"by": "x"}}}  # fmt: skip
+    crc = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    path.write_text(json.dumps({**body, "crc32": crc}))
+    with pytest.raises(WatermarkFileError, match="not a valid watermarks file"):
+        WatermarkStore(path).load("wal-a", 1)

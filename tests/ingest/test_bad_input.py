@@ -184,7 +184,7 @@ async def test_invalid_events_are_listed_with_index_line_field_and_reason(
         (3, 4, "new"): 'an insert needs the "new" object',
         (3, 4, "old"): 'an insert has no previous row: send null or leave "old" out',
         (4, 5, "new"): 'a delete has no new row: send null or leave "new" out',
-        (4, 5, "extra"): "unknown field (fields: collection, op, key, new, old)",
+        (4, 5, "extra"): "unknown field (fields: collection, op, key, new, old, id, time)",
         (5, 6, "new"): "expected an object or null, got array",
         (6, 7, None): "expected an event object, got string",
     }

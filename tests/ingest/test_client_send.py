@@ -108,18 +108,24 @@ async def test_async_client_gives_up_after_max_retries(start_ingest: StartIngest
     assert err.value.retry_after == 1.0 and err.value.retriable
 
 
-async def test_async_client_retries_a_refused_connection_then_says_nothing_was_sent() -> None:
+async def test_a_refused_connection_is_retried_until_the_budget_then_nothing_was_stored() -> None:
+    """Refused connections are retried with a jittered exponential backoff (0.5 s
+    doubling, each wait between half and all of it) until ``retry_for_s`` is spent."""
     waits: list[float] = []
 
     async def sleep(s: float) -> None:
         waits.append(s)
 
     url = f"127.0.0.1:{free_port()}"
-    async with IngestClient(url, connect_retries=2, sleep=sleep) as client:
+    async with IngestClient(url, retry_for_s=3.0, sleep=sleep) as client:
         with pytest.raises(IngestConnectionError) as err:
             await client.send([event(1)])
-    assert err.value.maybe_sent is False
-    assert waits == [0.5, 1.0]
+    assert err.value.maybe_sent is False and err.value.maybe_stored is False
+    assert err.value.gave_up and err.value.attempts == len(waits) + 1
+    assert 2 <= len(waits) <= 3 and sum(waits) <= 3.0
+    for i, wait in enumerate(waits):
+        assert 0.25 * 2**i <= wait <= 0.5 * 2**i
+    assert "nothing of the request was stored" in str(err.value)
 
 
 # -- sync client ----------------------------------------------------------------------
@@ -246,15 +252,22 @@ async def test_send_retries_429_and_never_resends_an_acked_batch(
         tmp_path, server.url, ndjson([event(i) for i in range(6)]), "--batch", "2"
     )
     assert code == 0, err
-    assert "sent 6 events in 3 requests, LSN 1..6" in out
+    assert "sent 6 events in 3 requests (1 retried), LSN 1..6" in out
+    assert "request 2 (stdin lines 3-4): attempt 2 in 1.0 s " in err
+    assert "after HTTP 429 over_lag_limit: the slowest consumer is " in err
     assert [e.key for _, _, e in stored(wal)] == [f"k{i}" for i in range(6)]
 
 
-async def test_send_reports_an_unreachable_daemon(tmp_path: Path) -> None:
+async def test_send_reports_an_unreachable_daemon_once_its_retry_budget_is_spent(
+    tmp_path: Path,
+) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    code, _, err = await run_send(tmp_path, url, ndjson([event(1)]))
+    code, _, err = await run_send(tmp_path, url, ndjson([event(1)]), "--retry-for", "1")
     assert code == 1
-    assert "cannot connect to" in err and "acknowledged before it: 0 events" in err
+    assert "request 1 (stdin lines 1-1): gave up after " in err
+    assert "cannot connect to" in err
+    assert "acknowledged before it: 0 events; stdin lines 1-1 were not stored" in err
+    assert "to send the rest: tail -n +1" in err
 
 
 class FakeTty(io.StringIO):

@@ -32,7 +32,14 @@ def exposed_series() -> dict[str, set[str]]:
     m.ingest_requests.labels(code="200")
     m.batch_outcomes.labels(outcome="committed")
     m.trigger_failures.labels(trigger="t", kind="timeout")
-    for family in (m.stage_stalled, m.stage_failing_seconds, m.stage_lag_batches):
+    for family in (
+        m.stage_stalled,
+        m.stage_failing_seconds,
+        m.stage_lag_batches,
+        m.stage_lag_events,
+        m.stage_paused,
+        m.stage_paused_backlog_ratio,
+    ):
         family.labels(stage="cdc:all")
     out: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(m.render().decode()):

@@ -300,3 +300,25 @@ def test_problems_and_stages_are_listed_for_an_unhealthy_daemon() -> None:
     assert "problem     stage cdc:all has failed for 61 s" in text
     assert "cdc:all       7       3  STALLED for 61 s, attempt 4: OSError: full" in text
     assert "triggers     10       0  ok" in text
+
+
+def test_a_paused_stage_shows_since_when_by_whom_why_and_its_backlog() -> None:
+    doc = sample_status(
+        stages=[
+            {"name": "cdc:all", "batch_id": 7, "behind_batches": 5, "behind_events": 12_345,
+             "failing": False, "paused": True, "paused_since": NOW - 300,
+             "paused_by": "ops@host", "paused_reason": "table maintenance"},
+            {"name": "cdc:big", "batch_id": 2, "behind_batches": 10, "behind_events": 20_000_000,
+             "failing": False, "paused": True, "paused_since": NOW - 7200,
+             "paused_over_limit": True},
+            {"name": "triggers", "batch_id": 9, "behind_batches": 3, "behind_events": 600,
+             "failing": False, "paused": False},
+        ],
+    )  # fmt: skip
+    text = statuscmd.render(doc, now=NOW)
+    assert (
+        "cdc:all       7       5  paused for 5 min 0 s by ops@host: table maintenance; "
+        "12,345 events behind"
+    ) in text
+    assert "cdc:big       2      10  PAUSED, OVER ITS LIMIT for 2 h 0 min; 20,000,000" in text
+    assert "triggers      9       3  catching up, 600 events behind" in text

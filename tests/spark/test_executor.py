@@ -47,6 +47,8 @@ CONTRACT_TYPES = {
     "old": "variant",
     "ingest_ts": "timestamp",
     "batch_id": "bigint",
+    "event_id": "string",
+    "event_time": "timestamp",
     "depth": "int",
     "source": "string",
     "new_json": "string",

@@ -290,9 +290,14 @@ async def test_every_file_of_a_table_has_one_physical_schema(
         assert "Variant" not in text, f
 
 
+# The columns of a table written before 2026-11-25 (also before event_id/event_time).
+PREVIOUS_COLUMNS = tuple(c for c in CDC_COLUMNS if c not in ("event_id", "event_time"))
+
+
 async def write_mixed_table(spark: Any, ex: Any, batches: Sequence[MicroBatch]) -> None:
     """The first half of ``batches`` in the previous layout (Spark 4.3's defaults:
-    shredded, annotated, no JSON columns), the rest in the current one."""
+    shredded, annotated, no JSON columns, no event_id/event_time), the rest in
+    the current one."""
     previous = {
         "spark.sql.variant.writeShredding.enabled": "true",
         "spark.sql.parquet.variant.annotateLogicalType.enabled": "true",
@@ -302,7 +307,7 @@ async def write_mixed_table(spark: Any, ex: Any, batches: Sequence[MicroBatch]) 
     try:
         for k, v in previous.items():
             spark.conf.set(k, v)
-        with mock.patch("daemon.spark.cdc.TABLE_COLUMNS", CDC_COLUMNS):
+        with mock.patch("daemon.spark.cdc.TABLE_COLUMNS", PREVIOUS_COLUMNS):
             for b in batches[:half]:
                 await ex.execute(b)
     finally:
@@ -340,8 +345,11 @@ async def test_rewrite_turns_a_mixed_table_into_one_every_reader_reads(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
     """``eventplane cdc rewrite`` (daemon stopped) rewrites the previous layout's
-    files in place: same names, same ledger, and every reader sees every row once
-    with the producers' payload values; a second run has nothing to do."""
+    files in place: same names, same ledger, one physical schema in every file,
+    and every reader sees every row once with the producers' payload values; a
+    second run has nothing to do."""
+    import pyarrow.parquet as pq
+
     ex = await executor_factory()
     batches = shaped_batches(4, 50)
     await write_mixed_table(spark, ex, batches)
@@ -364,7 +372,9 @@ async def test_rewrite_turns_a_mixed_table_into_one_every_reader_reads(
 
     assert f"rewrote {len(old_files)} files (100 rows)" in out.getvalue()
     assert _layouts(table) == {True}
-    assert sorted(p.relative_to(table) for p in table.glob("collection=*/*.parquet")) == names
+    files = sorted(table.glob("collection=*/*.parquet"))
+    assert sorted(p.relative_to(table) for p in files) == names
+    assert len({pq.read_schema(f).remove_metadata() for f in files}) == 1  # one schema
     assert (table / META_DIR / "ledger.json").read_bytes() == ledger
     assert not list((table / META_DIR / "staging").iterdir())
     want = expected(batches)

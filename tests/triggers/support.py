@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -106,24 +107,25 @@ def event(
     old: Any = None,
     depth: int = 0,
     source: str = "",
+    event_id: str | None = None,
+    event_time: datetime | None = None,
 ) -> dict[str, Any]:
     return {
         "lsn": lsn, "core": lsn % 4, "seq": lsn, "collection": collection, "op": op,
         "key": key if key is not None else f"k{lsn}", "new": new, "old": old,
-        "depth": depth, "source": source,
+        "event_id": event_id, "event_time": event_time, "depth": depth, "source": source,
     }  # fmt: skip
 
 
 _SCHEMA = (
     "lsn BIGINT, core INT, seq BIGINT, collection STRING, op STRING, key STRING, "
-    "new STRING, old STRING, ingest_ts TIMESTAMP, batch_id BIGINT, depth INT, source STRING"
+    "new STRING, old STRING, ingest_ts TIMESTAMP, batch_id BIGINT, "
+    "event_id STRING, event_time TIMESTAMP, depth INT, source STRING"
 )
 
 
 def batch_df(spark: Any, events: Iterable[Mapping[str, Any]], batch_id: int = 1) -> Any:
     """The executor's batch DataFrame (new/old VARIANT via parse_json) for ``events``."""
-    from datetime import UTC, datetime
-
     from pyspark.sql import functions as F
 
     ts = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -132,7 +134,7 @@ def batch_df(spark: Any, events: Iterable[Mapping[str, Any]], batch_id: int = 1)
             e["lsn"], e["core"], e["seq"], e["collection"], e["op"], e["key"],
             None if e["new"] is None else json.dumps(e["new"]),
             None if e["old"] is None else json.dumps(e["old"]),
-            ts, batch_id, e["depth"], e["source"],
+            ts, batch_id, e.get("event_id"), e.get("event_time"), e["depth"], e["source"],
         )
         for e in events
     ]  # fmt: skip
@@ -154,11 +156,19 @@ async def run_batch(engine: TriggerEngine, spark: Any, df: Any, batch_id: int = 
 
 def doc(e: Mapping[str, Any], batch_id: int = 1) -> bytes:
     """A row document as Spark renders it (without the idempotency key)."""
-    full = {**e, "ingest_ts": BASE_TS, "batch_id": batch_id}
+    full = {"event_id": None, **e, "ingest_ts": BASE_TS, "batch_id": batch_id}
+    full["event_time"] = _doc_time(e.get("event_time"))
     ordered = {k: full[k] for k in (
         "lsn", "core", "seq", "collection", "op", "key", "new", "old", "ingest_ts",
-        "batch_id", "depth", "source")}  # fmt: skip
+        "batch_id", "event_id", "event_time", "depth", "source")}  # fmt: skip
     return json.dumps(ordered, separators=(",", ":")).encode()
+
+
+def _doc_time(value: datetime | None) -> str | None:
+    """A timestamp as a row document renders it (UTC, microseconds, "Z")."""
+    if value is None:
+        return None
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def hand_evaluation(
