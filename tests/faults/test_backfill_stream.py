@@ -98,7 +98,9 @@ def test_new_stream_backfills_from_earliest_across_sigkill_exactly_once_while_a_
         assert bf["start_lsn"] == 1 and bf["events_total"] > FIRST_RUN_EVENTS, bf
         assert bf["events_remaining"] > 0, "the backfill ended before the SIGKILL"
         status = daemon.status()
-        assert status["wal"]["retained_floor"] == 1, status["wal"]
+        # Retention keeps what b still has to read, far below every watermark.
+        nxt = stage(status, "cdc:b")["backfill"]["next_lsns"]
+        assert status["wal"]["retained_floor"] <= min(nxt), (status["wal"], nxt)
         assert min(c["watermark"] for c in status["cores"]) > FIRST_RUN_EVENTS
         remaining = metric(daemon, 'eventplane_stage_backfill_remaining_events{stage="cdc:b"}')
         assert remaining is not None and remaining > 0
