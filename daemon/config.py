@@ -136,6 +136,10 @@ class CdcStream:
     name: str
     collections: tuple[str, ...]  # ("*",) means every collection
     path: Path
+    # Where a stream new to the data_dir starts: "head" (the live batches from
+    # now on), "earliest" (the oldest retained event) or an LSN; the events
+    # below the live batches are backfilled from the WAL (docs/cdc.md).
+    start: str | int = "head"
 
     def wants(self, collection: str) -> bool:
         return self.collections == ("*",) or collection in self.collections
@@ -326,6 +330,17 @@ def _path(value: Any, path: str, errors: list[str]) -> Any:
     return Path(value)
 
 
+def _start(value: Any, path: str, errors: list[str]) -> Any:
+    if value in ("head", "earliest"):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    errors.append(
+        f'{path}: expected "head", "earliest" or an LSN (an integer >= 1), got {_show(value)}'
+    )
+    return None
+
+
 def _function_ref(value: Any, path: str, errors: list[str]) -> Any:
     if isinstance(value, str):
         mod, sep, func = value.partition(":")
@@ -477,11 +492,11 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
     seen: dict[str, int] = {}
     for i, table in enumerate(_array_of_tables(body.get("streams", []), "cdc.streams", errors)):
         where = f"cdc.streams[{i}]"
-        spec = {"name": _str(), "collections": _collections, "path": _path}
+        spec = {"name": _str(), "collections": _collections, "path": _path, "start": _start}
         got = _section(table, where, spec, errors)
         if not _required(table, ("name", "collections", "path"), where, errors):
             continue
-        if len(got) != 3:
+        if len(got) != len(table):
             continue
         if got["name"] in seen:
             errors.append(
@@ -490,7 +505,9 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
             )
             continue
         seen[got["name"]] = i
-        streams.append(CdcStream(got["name"], got["collections"], got["path"]))
+        streams.append(
+            CdcStream(got["name"], got["collections"], got["path"], got.get("start", "head"))
+        )
     handlers: list[CdcHandler] = []
     for i, table in enumerate(_array_of_tables(body.get("handlers", []), "cdc.handlers", errors)):
         where = f"cdc.handlers[{i}]"
@@ -654,7 +671,9 @@ def _resolve_paths(cfg: Config) -> Config:
     daemon = DaemonConfig(
         resolve(cfg.daemon.data_dir), cfg.daemon.cores, cfg.daemon.shutdown_timeout_s
     )
-    streams = tuple(CdcStream(s.name, s.collections, resolve(s.path)) for s in cfg.cdc.streams)
+    streams = tuple(
+        CdcStream(s.name, s.collections, resolve(s.path), s.start) for s in cfg.cdc.streams
+    )
     fields = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
     fields.update(daemon=daemon, cdc=CdcConfig(streams, cfg.cdc.handlers))
     return Config(**fields)

@@ -218,7 +218,7 @@ def _stage_row(st: Mapping[str, Any], now: float) -> tuple[str, ...]:
 
 
 def stage_state(st: Mapping[str, Any], now: float) -> str:
-    """A stage's state in words: ok, catching up, failing, STALLED or paused."""
+    """A stage's state in words: ok, catching up, backfilling, failing, STALLED or paused."""
     behind = st.get("behind_events")
     events = f"{_count(behind)} events behind" if isinstance(behind, int) else ""
     if st.get("paused"):
@@ -237,6 +237,19 @@ def stage_state(st: Mapping[str, Any], now: float) -> str:
         if isinstance(since, int | float):
             state += f" for {_duration(since)}"
         return state + f", attempt {st.get('attempts', '-')}: {st.get('last_error')}"
+    backfill = _obj(st.get("backfill"))
+    if st.get("backfilling") and backfill:
+        text = (
+            f"backfilling from LSN {_int(backfill.get('start_lsn'))}: "
+            f"{_count(backfill.get('events_done'))} of {_count(backfill.get('events_total'))} "
+            "events"
+        )
+        rate, eta = backfill.get("rate_per_s"), backfill.get("eta_s")
+        if isinstance(rate, int | float) and rate > 0:
+            text += f", {_count(int(rate))}/s"
+        if isinstance(eta, int | float):
+            text += f", about {_duration(eta)} left"
+        return text
     if isinstance(st.get("behind_batches"), int) and st["behind_batches"] > 0:
         return "catching up" + (f", {events}" if events else "")
     return "ok"

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from daemon.errors import ConsumerFailedError, DaemonError, LsnRegressionError
-from daemon.plane.consumer import Consumer, WalReader, read_range
+from daemon.plane.consumer import Consumer, WalReader, floor_error, read_range
+from daemon.plane.parts import Part, join_small_parts, split_part
 from daemon.plane.planlog import FILENAME as PLANS_FILENAME
 from daemon.plane.planlog import PlanLog
 from daemon.plane.planner import Planner
@@ -41,6 +42,7 @@ from daemon.plane.stages import StagesNotRunningError
 from daemon.plane.tasks import uncancellable, wait_event
 from daemon.plane.watermarks import FILENAME as WATERMARKS_FILENAME
 from daemon.plane.watermarks import Watermarks, WatermarkSnapshot, WatermarkStore
+from wal.errors import BelowRetainedFloorError
 from wal.reader import RecordBatch
 from wal.record import Record
 
@@ -177,6 +179,34 @@ class EventPlane:
                 sleep=self._sleep,
             )
 
+        async def read_chunk(core: int, first: int, last: int, limit: int) -> list[Part]:
+            """Up to ``limit`` events of ``core`` in ``first..last`` (a backfill chunk)."""
+
+            def read() -> list[Part]:
+                out: list[RecordBatch] = []
+                rows = 0
+                it = self.wal.read_batches(first, core=core, to_lsn=last)
+                try:
+                    for part in it:
+                        if rows + len(part) > limit:
+                            head, _ = split_part(part, limit - rows)
+                            assert isinstance(head, RecordBatch)
+                            part = head
+                        out.append(part)
+                        rows += len(part)
+                        if rows >= limit:
+                            break
+                finally:
+                    close = getattr(it, "close", None)
+                    if callable(close):
+                        close()  # releases the segment file at once
+                return list(join_small_parts(out))
+
+            try:
+                return await asyncio.to_thread(read)
+            except BelowRetainedFloorError as exc:
+                raise floor_error(core, exc) from exc
+
         planner = self.planner = Planner(
             cores=self.cores,
             cfg=cfg.microbatch,
@@ -193,7 +223,19 @@ class EventPlane:
             stall_after_s=cfg.health.stall_after_s,
             paused_max_lag_events=cfg.health.paused_max_lag_events,
             head_lsn=lambda: self.rings.pushed_lsn,
+            read_chunk=read_chunk,
+            retained_floor=self.wal.retained_floor,
         )
+        # A new CDC stream that starts below the live batches (docs/cdc.md,
+        # "Adding a stream: backfill"): durable before any batch runs.
+        try:
+            if planner.prepare_backfills():
+                snap = wm.snapshot()
+                await asyncio.to_thread(self._store.save, snap)
+                wm.persisted = snap
+        except BaseException:
+            self._plan_log.close()
+            raise
         self._reader = concurrent.futures.ThreadPoolExecutor(
             max_workers=REPLAY_THREADS, thread_name_prefix="eventplane-replay"
         )
@@ -408,6 +450,10 @@ class EventPlane:
         plan_floor = self.planner.plan_floor(snap.batch_id)
         if plan_floor is not None:
             floor = min(floor, plan_floor)
+        # What a new stream's backfill still has to read (docs/cdc.md).
+        backfill_floor = self.planner.backfill_floor()
+        if backfill_floor is not None:
+            floor = min(floor, backfill_floor)
         if floor <= 0:
             return
         removed = await asyncio.to_thread(self.wal.truncate_below, floor + 1)

@@ -26,6 +26,14 @@ whose backlog passes ``health.paused_max_lag_events`` is over its limit
 (the daemon reports a problem; nothing is dropped). Pauses are kept in the
 watermarks file, so they survive restarts.
 
+A CDC stream new to the data_dir with ``start = "earliest"`` or an LSN
+**backfills** (docs/cdc.md, "Adding a stream: backfill"): its progress stays
+at the batch it was added at while the planner commits chunks read from the
+WAL, below the live batches; meanwhile it runs no batch, live or behind, and
+holds the watermarks like a stage behind, but it is not failing unless a
+chunk fails. Once filled, it is an ordinary stage behind: it runs the
+batches planned since it was added, then joins the live ones.
+
 This module keeps the bookkeeping: progress and pauses live in
 :class:`Watermarks`, failure state and backoff here. It does no I/O and never
 blocks.
@@ -98,6 +106,7 @@ class StageTracker:
         stall_after_s: float = 60.0,
         paused_max_lag_events: int = 0,
         events_behind: Callable[[int], int] = lambda progress: 0,
+        backfill_report: Callable[[str], dict[str, Any] | None] = lambda name: None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -109,6 +118,8 @@ class StageTracker:
         self.paused_max_lag_events = paused_max_lag_events
         # progress -> events (LSN distance) from the oldest batch above it to the head.
         self._events_behind = events_behind
+        # stage -> its backfill's progress for status (None: not backfilling).
+        self._backfill_report = backfill_report
         self._clock = clock
         self._wall = wall
         self._states: dict[str, StageState] = {}
@@ -158,12 +169,15 @@ class StageTracker:
     def participants(self, batch_id: int) -> list[str]:
         """The stages level with ``batch_id`` and not paused: they run it live."""
         return [
-            n for n in self._names if self.progress(n) == batch_id - 1 and not self.is_paused(n)
+            n
+            for n in self._names
+            if self.progress(n) == batch_id - 1 and not self.is_paused(n)
+            if not self.is_backfilling(n)
         ]
 
     def active(self) -> list[str]:
-        """The stages that are not paused."""
-        return [n for n in self._names if not self.is_paused(n)]
+        """The stages that take batches: not paused, not backfilling."""
+        return [n for n in self._names if not self.is_paused(n) and not self.is_backfilling(n)]
 
     def floor(self) -> int:
         """The last batch every stage committed."""
@@ -223,12 +237,44 @@ class StageTracker:
     # -- stages behind the live batches --------------------------------------
 
     def behind(self, live_id: int) -> list[str]:
-        """Stages behind the live batches that may catch up (a paused one may not)."""
-        return [n for n in self._names if self.progress(n) < live_id and not self.is_paused(n)]
+        """Stages behind the live batches that may catch up (a paused or a
+        backfilling one may not)."""
+        return [
+            n
+            for n in self._names
+            if self.progress(n) < live_id and not self.is_paused(n)
+            if not self.is_backfilling(n)
+        ]
 
     def next_due(self, live_id: int) -> float | None:
-        """When (planner clock) the next behind stage may run; None if none is behind."""
-        return min((self._states[n].next_due for n in self.behind(live_id)), default=None)
+        """When (planner clock) the next behind or backfilling stage may run;
+        None if none is."""
+        todo = [*self.behind(live_id), *self.backfilling()]
+        return min((self._states[n].next_due for n in todo), default=None)
+
+    # -- backfill (a new CDC stream filling from the WAL) ---------------------
+
+    def is_backfilling(self, name: str) -> bool:
+        return name in self.watermarks.backfill
+
+    def backfilling(self) -> list[str]:
+        """Backfilling stages that may run a chunk (not paused)."""
+        return [n for n in self._names if self.is_backfilling(n) and not self.is_paused(n)]
+
+    def backfill_due(self) -> str | None:
+        """A backfilling stage whose backoff allows a chunk now."""
+        now = self._clock()
+        st = self._states
+        return next((n for n in self.backfilling() if st[n].next_due <= now), None)
+
+    def chunk_committed(self, name: str) -> None:
+        """A backfill chunk committed: the stage's failure streak ends (its
+        progress does not move: chunks are below it)."""
+        st = self._states.setdefault(name, StageState(name))
+        if st.failing_since is not None:
+            log.info("stage_recovered", stage=name, failed_attempts=st.attempts)
+        self._reset(name)
+        st.last_commit_wall = self._wall()
 
     def due(self, live_id: int) -> tuple[int, list[str]] | None:
         """The oldest batch that behind stages due now need, and those stages."""
@@ -358,6 +404,8 @@ class StageTracker:
             "paused_by": pause.by if pause else None,
             "paused_reason": pause.reason if pause else None,
             "paused_over_limit": self.over_limit(name),
+            "backfilling": self.is_backfilling(name),
+            "backfill": self._backfill_report(name),
         }
 
     def publish(self, live_id: int) -> None:
@@ -382,6 +430,9 @@ class StageTracker:
         m.stage_lag_events.labels(stage=name).set_function(lambda: self.events_behind(name))
         m.stage_paused_backlog_ratio.labels(stage=name).set_function(
             lambda: self.backlog_ratio(name)
+        )
+        m.stage_backfill_remaining.labels(stage=name).set_function(
+            lambda: (self._backfill_report(name) or {}).get("events_remaining", 0)
         )
 
 

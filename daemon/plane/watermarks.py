@@ -21,11 +21,21 @@ above it are re-run after a restart, each for the stages whose own progress
 they run no batch until resumed, and hold the watermarks where they stopped.
 ``crc32`` covers the canonical JSON of every other field.
 
-Versions: 3 added ``paused``; a file is written as version 3 only while a
-stage is paused, else as version 2, so the release before pausing reads it
-(resume every stage before going back to it). Version 2 files (no
-``paused``) and version 1 files (no ``stages``: every stage at ``batch_id``)
-are read.
+``backfill`` lists the CDC streams that fill from the retained WAL before
+they join the live batches (docs/cdc.md, "Adding a stream: backfill"): the
+first LSN asked for, the last LSN of each core it fills up to (the hand-over:
+every later event of that core is in a batch above the stream's progress),
+when it started and how many events it may take at most (an LSN distance)::
+
+     "backfill": {"cdc:new": {"start": 1, "until": [118, 120], "since": ...,
+                              "total": 120}}
+
+Versions: 4 added ``backfill``, 3 ``paused``. A file is written as version 4
+only while a stream backfills, as version 3 only while a stage is paused,
+else as version 2, so the release before either feature reads it (let the
+backfills finish and resume every stage before going back to it). Version 3,
+version 2 (no ``paused``) and version 1 files (no ``stages``: every stage at
+``batch_id``) are read.
 """
 
 from __future__ import annotations
@@ -47,10 +57,12 @@ if TYPE_CHECKING:
 FORMAT = "eventplane-watermarks"
 # Written while a stage is paused; without one the file is written as version
 # 2 (``UNPAUSED_VERSION``), which the release before pausing can read.
-VERSION = 3
+VERSION = 4
+PAUSED_VERSION = 3
 UNPAUSED_VERSION = 2
-# Versions this build reads: 1 had no per-stage progress, 2 no paused stages.
-READ_VERSIONS = (1, 2, 3)
+# Versions this build reads: 1 had no per-stage progress, 2 no paused stages,
+# 3 no backfills.
+READ_VERSIONS = (1, 2, 3, 4)
 FILENAME = "watermarks.json"
 
 
@@ -80,6 +92,33 @@ class Pause:
 
 
 @dataclass(frozen=True, slots=True)
+class Backfill:
+    """A CDC stream filling from the retained WAL before it joins the live batches."""
+
+    start: int  # first LSN it takes
+    until: tuple[int, ...]  # per core: the last LSN it takes (the hand-over)
+    since: float  # Unix time it started
+    total: int  # events it may take at most (an LSN distance, an upper bound)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "until": list(self.until),
+            "since": self.since,
+            "total": self.total,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Backfill:
+        return cls(
+            int(doc["start"]),
+            tuple(int(x) for x in doc["until"]),
+            float(doc["since"]),
+            int(doc["total"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class WatermarkSnapshot:
     wal_id: str
     cores: int
@@ -89,11 +128,15 @@ class WatermarkSnapshot:
     stages: tuple[tuple[str, int], ...] = ()
     # Stage name -> its pause, for the stages an operator paused.
     paused: tuple[tuple[str, Pause], ...] = ()
+    # Stage name -> its backfill, for the CDC streams still filling.
+    backfill: tuple[tuple[str, Backfill], ...] = ()
 
     @property
     def version(self) -> int:
         """The file version that holds this snapshot (module docstring)."""
-        return VERSION if self.paused else UNPAUSED_VERSION
+        if self.backfill:
+            return VERSION
+        return PAUSED_VERSION if self.paused else UNPAUSED_VERSION
 
     def floor(self) -> int:
         """The lowest watermark: everything at or below it is committed on every core."""
@@ -113,6 +156,8 @@ def _body(s: WatermarkSnapshot, version: int) -> dict[str, Any]:
         body["stages"] = dict(s.stages)
     if version >= 3:
         body["paused"] = {name: pause.to_json() for name, pause in s.paused}
+    if version >= 4:
+        body["backfill"] = {name: b.to_json() for name, b in s.backfill}
     return body
 
 
@@ -182,13 +227,19 @@ class WatermarkStore:
                 tuple(
                     sorted((str(k), Pause.from_json(v)) for k, v in doc.get("paused", {}).items())
                 ),
+                tuple(
+                    sorted(
+                        (str(k), Backfill.from_json(v)) for k, v in doc.get("backfill", {}).items()
+                    )
+                ),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise WatermarkFileError(
                 f"{self.path}: not a valid watermarks file ({exc}); restore it from a backup, "
                 "or move it aside to replay every core from the start of the WAL"
             ) from exc
-        if crc != _crc(_body(snap, version)) or len(snap.lsns) != snap.cores:
+        bad_until = any(len(b.until) != snap.cores for _, b in snap.backfill)
+        if crc != _crc(_body(snap, version)) or len(snap.lsns) != snap.cores or bad_until:
             raise WatermarkFileError(
                 f"{self.path}: checksum mismatch ({len(raw)} bytes); the file is damaged. "
                 "Restore it from a backup, or move it aside to replay every core from the "
@@ -236,6 +287,8 @@ class Watermarks:
         self.stages: dict[str, int] = {n: max(b, loaded.batch_id) for n, b in loaded.stages}
         # Stage name -> its pause (``daemon.plane.stages``: paused stages run nothing).
         self.paused: dict[str, Pause] = dict(loaded.paused)
+        # Stage name -> its backfill (CDC streams filling from the WAL, docs/cdc.md).
+        self.backfill: dict[str, Backfill] = dict(loaded.backfill)
         self.persisted = loaded
         self._metrics = metrics
         for core, lsn in enumerate(self.lsns):
@@ -253,6 +306,7 @@ class Watermarks:
             tuple(self.lsns),
             tuple(sorted(self.stages.items())),
             tuple(sorted(self.paused.items())),
+            tuple(sorted(self.backfill.items())),
         )
 
     def stage_done(self, stage: str, batch_id: int) -> None:
@@ -273,6 +327,8 @@ class Watermarks:
         dropped = sorted(n for n in self.paused if n not in keep)
         for name in dropped:
             del self.paused[name]
+        for name in [n for n in self.backfill if n not in keep]:
+            del self.backfill[name]
         return dropped
 
     def commit(self, batch: MicroBatch) -> None:

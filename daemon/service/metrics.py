@@ -290,6 +290,14 @@ class Metrics:
             registry=r,
         )
 
+        self.stage_backfill_remaining = Gauge(
+            p + "stage_backfill_remaining_events",
+            "Events a new CDC stream still has to fill from the WAL before it joins the "
+            "live batches, an LSN distance (an upper bound; 0 when not backfilling).",
+            ["stage"],
+            registry=r,
+        )
+
         # Triggers
         self.trigger_fires = Counter(
             p + "trigger_fires_total",

@@ -216,6 +216,24 @@ class SparkExecutor:
             *(handler_stage(ref) for ref, _ in self._handlers),
         ]
 
+    def _sink_of(self, stage: str) -> CdcSink | None:
+        return next((s for s in self._sinks if sink_stage(s) == stage), None)
+
+    def stream_start(self, stage: str) -> str | int | None:
+        """Where the CDC stream of ``stage`` starts when new ([[cdc.streams]] start);
+        None when ``stage`` is not a stream (``Planner.prepare_backfills``)."""
+        sink = self._sink_of(stage)
+        return None if sink is None else sink.stream.start
+
+    def stream_position(self, stage: str) -> tuple[int, dict[int, int]]:
+        """The stream's ledger: its last committed batch id, and per core the
+        last committed LSN (where a backfill goes on after a restart)."""
+        sink = self._sink_of(stage)
+        if sink is None:
+            raise ExecutorError(f"no CDC stream for stage {stage!r}")
+        ledger = sink.ledger
+        return ledger.last_batch_id, dict(ledger.high_lsn)
+
     def _default_factory(self) -> Any:
         s = self.cfg.spark
         return sparkmod.build_session(s.master, s.app_name, s.ui, s.log_level, s.conf, s.remote)
