@@ -379,3 +379,21 @@ async def test_cli_previews_then_applies_retention_and_refuses_a_held_stream(
     assert {str(f.parent.relative_to(table)) for _, f in committed_files(table)} == {
         q.rel for q in p.kept
     }
+
+
+async def test_daemon_runs_retention_off_the_batch_thread_and_reports_it(
+    executor_factory: Any, tmp_path: Path, metrics: Any
+) -> None:
+    """The executor with a retention stream runs it at start (nothing to remove
+    yet) and on demand; status and the metric show what went."""
+    ex = await committed_table(executor_factory, tmp_path, retention_s=TWO_DAYS)
+    expired = retention.plan(ex.cfg.cdc.streams[0]).expired
+    answer = await ex.run_retention("all")
+    assert answer["partitions"] == len(expired) > 0
+    status = ex.status()["streams"]["all"]["retention"]
+    assert status["partitions_removed"] >= len(expired) and status["last_error"] is None
+    assert status["oldest_kept"] == retention.plan(ex.cfg.cdc.streams[0]).oldest_kept
+    removed = metrics.registry.get_sample_value(
+        "eventplane_cdc_retention_removed_partitions_total", {"stream": "all"}
+    )
+    assert removed is not None and removed >= len(expired)
