@@ -13,6 +13,7 @@ configuration reference and the top-level ``config.toml`` document each one.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -140,6 +141,14 @@ class CdcStream:
     # now on), "earliest" (the oldest retained event) or an LSN; the events
     # below the live batches are backfilled from the WAL (docs/cdc.md).
     start: str | int = "head"
+    # Hive partition columns of the table, in folder order: "collection" first,
+    # then optionally "date" (UTC day of ingest_ts) and "hour" (docs/cdc.md,
+    # "Time partitioning and retention").
+    partition_by: tuple[str, ...] = ("collection",)
+    # Seconds after which a whole time partition is removed; None keeps forever.
+    retention_s: int | None = None
+    # How often the daemon looks for expired partitions of this stream.
+    retention_check_s: float = 300.0
 
     def wants(self, collection: str) -> bool:
         return self.collections == ("*",) or collection in self.collections
@@ -341,6 +350,37 @@ def _start(value: Any, path: str, errors: list[str]) -> Any:
     return None
 
 
+PARTITION_LAYOUTS = (("collection",), ("collection", "date"), ("collection", "date", "hour"))
+_RETENTION_UNITS = {"d": 86_400, "h": 3_600}
+
+
+def _partition_by(value: Any, path: str, errors: list[str]) -> Any:
+    if isinstance(value, list) and tuple(value) in PARTITION_LAYOUTS:
+        return tuple(value)
+    shown = " | ".join("[" + ", ".join(f'"{c}"' for c in lay) + "]" for lay in PARTITION_LAYOUTS)
+    errors.append(f"{path}: expected one of {shown}, got {_show(value)}")
+    return None
+
+
+def parse_retention(value: Any) -> int | None:
+    """``"30d"`` or ``"12h"`` -> seconds; None when not such a string."""
+    if isinstance(value, str) and len(value) >= 2 and value[-1] in _RETENTION_UNITS:
+        n = value[:-1]
+        if n.isdigit() and int(n) >= 1:
+            return int(n) * _RETENTION_UNITS[value[-1]]
+    return None
+
+
+def _retention(value: Any, path: str, errors: list[str]) -> Any:
+    seconds = parse_retention(value)
+    if seconds is None:
+        errors.append(
+            f'{path}: expected a duration like "30d" or "12h" (days or hours, >= 1), '
+            f"got {_show(value)}"
+        )
+    return seconds
+
+
 def _function_ref(value: Any, path: str, errors: list[str]) -> Any:
     if isinstance(value, str):
         mod, sep, func = value.partition(":")
@@ -492,11 +532,28 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
     seen: dict[str, int] = {}
     for i, table in enumerate(_array_of_tables(body.get("streams", []), "cdc.streams", errors)):
         where = f"cdc.streams[{i}]"
-        spec = {"name": _str(), "collections": _collections, "path": _path, "start": _start}
+        spec = {
+            "name": _str(),
+            "collections": _collections,
+            "path": _path,
+            "start": _start,
+            "partition_by": _partition_by,
+            "retention": _retention,
+            "retention_check_s": _float(0.0),
+        }
         got = _section(table, where, spec, errors)
         if not _required(table, ("name", "collections", "path"), where, errors):
             continue
         if len(got) != len(table):
+            continue
+        partition_by = got.get("partition_by", ("collection",))
+        if "retention" in got and "date" not in partition_by:
+            errors.append(
+                f"{where}.retention: needs a time partition: set partition_by = "
+                f'["collection", "date"] (or ["collection", "date", "hour"]). Retention '
+                f"removes whole date/hour folders; removing rows from inside files would "
+                f"not be atomic for readers"
+            )
             continue
         if got["name"] in seen:
             errors.append(
@@ -506,7 +563,15 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
             continue
         seen[got["name"]] = i
         streams.append(
-            CdcStream(got["name"], got["collections"], got["path"], got.get("start", "head"))
+            CdcStream(
+                got["name"],
+                got["collections"],
+                got["path"],
+                got.get("start", "head"),
+                partition_by,
+                got.get("retention"),
+                got.get("retention_check_s", 300.0),
+            )
         )
     handlers: list[CdcHandler] = []
     for i, table in enumerate(_array_of_tables(body.get("handlers", []), "cdc.handlers", errors)):
@@ -671,9 +736,7 @@ def _resolve_paths(cfg: Config) -> Config:
     daemon = DaemonConfig(
         resolve(cfg.daemon.data_dir), cfg.daemon.cores, cfg.daemon.shutdown_timeout_s
     )
-    streams = tuple(
-        CdcStream(s.name, s.collections, resolve(s.path), s.start) for s in cfg.cdc.streams
-    )
+    streams = tuple(dataclasses.replace(s, path=resolve(s.path)) for s in cfg.cdc.streams)
     fields = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
     fields.update(daemon=daemon, cdc=CdcConfig(streams, cfg.cdc.handlers))
     return Config(**fields)

@@ -123,3 +123,42 @@ def test_build_max_bytes_is_a_checked_microbatch_key() -> None:
     assert info.value.errors == [
         "microbatch.build_max_bytes: expected an integer >= 65536, got 1024"
     ]
+
+
+def _stream(**extra: object) -> dict[str, object]:
+    return {"cdc": {"streams": [{"name": "s", "collections": "*", "path": "x", **extra}]}}
+
+
+def test_stream_partition_by_and_retention_parse_with_defaults() -> None:
+    plain = config.parse(_stream()).cdc.streams[0]
+    assert plain.partition_by == ("collection",)
+    assert plain.retention_s is None and plain.retention_check_s == 300.0
+    s = config.parse(
+        _stream(partition_by=["collection", "date", "hour"], retention="12h", retention_check_s=60)
+    ).cdc.streams[0]
+    assert s.partition_by == ("collection", "date", "hour")
+    assert s.retention_s == 12 * 3600 and s.retention_check_s == 60.0
+    assert (
+        config.parse(_stream(partition_by=["collection", "date"], retention="30d"))
+        .cdc.streams[0]
+        .retention_s
+        == 30 * 86400
+    )
+
+
+def test_retention_without_a_time_partition_is_refused_saying_why() -> None:
+    with pytest.raises(ConfigError) as info:
+        config.parse(_stream(retention="30d"))
+    (error,) = info.value.errors
+    assert error.startswith("cdc.streams[0].retention: needs a time partition")
+    assert 'partition_by = ["collection", "date"]' in error
+
+
+def test_bad_partition_by_and_retention_values_name_what_is_allowed() -> None:
+    with pytest.raises(ConfigError) as info:
+        config.parse(_stream(partition_by=["date", "collection"], retention="90m"))
+    errors = info.value.errors
+    assert any(e.startswith("cdc.streams[0].partition_by: expected one of") for e in errors)
+    assert any(
+        e.startswith('cdc.streams[0].retention: expected a duration like "30d"') for e in errors
+    )

@@ -1,5 +1,7 @@
 """``eventplane cdc show STREAM [--limit N]``: the latest committed rows of a CDC stream;
-``eventplane cdc rewrite STREAM``: its files of the previous payload layout, rewritten.
+``eventplane cdc rewrite STREAM``: its files of the previous payload layout, rewritten;
+``eventplane cdc retention STREAM [--apply]``: the stream's expired time partitions
+(docs/cdc.md, "Time partitioning and retention"), removed with ``--apply``.
 
 ``show`` reads only what a plain reader would see (published files), newest
 batches first, using the stream's ledger to open just enough files for
@@ -108,6 +110,8 @@ def main(
 ) -> int:
     """Print the latest rows; 1 when the stream is unknown. ``session``: reuse (tests)."""
     out = out or sys.stdout
+    if args.cdc_command == "retention":
+        return retention_main(args, cfg, out)
     if args.cdc_command not in ("show", "rewrite"):
         print(f"eventplane cdc: unknown action {args.cdc_command!r}", file=sys.stderr)
         return 2
@@ -183,6 +187,82 @@ def rewrite(stream: CdcStream, *, session: Any = None, out: TextIO) -> int:
     print(
         f"stream {stream.name!r} ({stream.path}): rewrote {result.files} files "
         f"({result.rows} rows) into the current layout in {result.seconds:.1f} s",
+        file=out,
+    )
+    return 0
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    x = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        x /= 1024
+        if x < 1024 or unit == "GiB":
+            break
+    return f"{x:.1f} {unit}"
+
+
+def retention_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
+    """Preview, or with ``--apply`` remove, the expired partitions of a stream.
+
+    ``--apply`` takes the stream's lock (``_eventplane/lock``) for the run, so
+    it refuses while the daemon writes the stream: the daemon applies
+    retention itself every ``retention_check_s``.
+    """
+    from daemon.spark import retention
+    from wal import lockfile
+
+    stream = next((s for s in cfg.cdc.streams if s.name == args.stream), None)
+    if stream is None:
+        known = ", ".join(s.name for s in cfg.cdc.streams) or "none configured"
+        print(
+            f"eventplane cdc retention: no stream named {args.stream!r} (streams: {known})",
+            file=sys.stderr,
+        )
+        return 1
+    if stream.retention_s is None:
+        print(
+            f"eventplane cdc retention: stream {stream.name!r} has no retention "
+            f'(set retention = "30d" and partition_by = ["collection", "date"])',
+            file=sys.stderr,
+        )
+        return 1
+    plan = retention.plan(stream)
+    verb = "removing" if args.apply else "would remove"
+    print(
+        f"stream {stream.name!r} ({stream.path}): retention {stream.retention_s // 3600} h, "
+        f"{verb} {len(plan.expired)} partitions; {len(plan.kept)} kept, "
+        f"oldest kept {plan.oldest_kept or '-'}",
+        file=out,
+    )
+    for part in plan.expired:
+        rows = "?" if part.rows is None else str(part.rows)
+        print(f"  {part.rel}  files {part.files}  {_size(part.bytes)}  rows {rows}", file=out)
+    if not args.apply or not plan.expired:
+        return 0
+    meta = Path(stream.path) / "_eventplane"
+    try:
+        fd = lockfile.take(meta / "lock", {"stream": stream.name, "command": "cdc retention"})
+    except lockfile.LockHeld as exc:
+        print(
+            f"eventplane cdc retention: stream {stream.name!r} is locked: {exc}. The daemon "
+            f"that writes it removes expired partitions itself every "
+            f"{stream.retention_check_s:g} s; stop it to apply by hand.",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        retention.recover(Path(stream.path), stream.name)
+        result = retention.apply(stream)
+    finally:
+        import os
+
+        os.close(fd)
+    done = result.to_json()
+    print(
+        f"removed {done['partitions']} partitions, {done['files']} files, "
+        f"{_size(done['bytes'])}, {done['rows']} rows",
         file=out,
     )
     return 0

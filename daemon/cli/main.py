@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config(q)
     q.add_argument("stream")
+    q = cdc_sub.add_parser(
+        "retention", help="preview (or --apply) removing a CDC stream's expired partitions"
+    )
+    _add_config(q)
+    q.add_argument("stream")
+    q.add_argument("--apply", action="store_true", help="remove them (needs the stream's lock)")
     return parser
 
 

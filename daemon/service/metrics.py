@@ -367,6 +367,19 @@ class Metrics:
         )
         self.build_info.labels(version=_version(), python=platform.python_version()).set(1)
 
+        self.cdc_retention_removed = Counter(
+            p + "cdc_retention_removed_partitions_total",
+            "Time partitions of a CDC stream removed by its retention (docs/cdc.md, "
+            '"Time partitioning and retention").',
+            ["stream"],
+            registry=r,
+        )
+        self.cdc_retention_runs = Counter(
+            p + "cdc_retention_runs_total",
+            "Retention runs of a CDC stream, by outcome (ok, failed).",
+            ["stream", "outcome"],
+            registry=r,
+        )
         # process_* series (memory, CPU, open fds) for this registry; Linux /proc only.
         ProcessCollector(registry=r)
 

@@ -47,7 +47,13 @@ Recovery when a stream opens (before the first batch):
 - staging folders without an intent are rolled back (deleted): Spark wrote
   them, but nothing was promised;
 - published-looking files (``part-b<id>-*``) with an id above the ledger's
-  last and no intent are orphans and are deleted, as are temp files.
+  last and no intent are orphans and are deleted, as are temp files;
+- partitions a retention run had hidden (``.expired-*``) are logged if they
+  were not yet, and deleted (``daemon/spark/retention.py``).
+
+``partition_by`` (``[[cdc.streams]]``) adds ``date``/``hour`` folders under
+each ``collection=...`` (``with_time_columns``); the ledger records it, and a
+stream whose ``partition_by`` changed after its first commit refuses to open.
 
 Crash points: ``EVENTPLANE_CRASH_AT=<name>[@<n>]`` makes the process SIGKILL
 itself the n-th time (default: first) it reaches ``crash_point(name)``; the
@@ -146,6 +152,11 @@ CRASH_POINTS = (
     "cdc.after_publish",  # all files visible, ledger not updated
     "cdc.after_ledger",  # committed, intent and staging not cleaned
     "executor.after_commit",  # every sink and stage done, execute() not returned
+    # Retention of one partition (daemon/spark/retention.py):
+    "cdc.retention.before_rename",  # partition visible, nothing done
+    "cdc.retention.after_rename",  # partition hidden (.expired-*), not logged
+    "cdc.retention.after_log",  # hidden and logged, files not deleted
+    "cdc.retention.mid_delete",  # hidden, logged, first file deleted
 )
 _crash_hits: dict[str, int] = {}
 _crash_lock = threading.Lock()
@@ -191,6 +202,10 @@ class CdcRecoveryError(CdcError):
 
 class CdcStreamLockedError(CdcError):
     """Another process writes this stream."""
+
+
+class CdcLayoutError(CdcError):
+    """The stream's partition_by differs from the layout its table was written with."""
 
 
 # --------------------------------------------------------------------------
@@ -276,6 +291,9 @@ class Ledger:
     high_lsn: dict[int, int] = field(default_factory=dict)  # core -> last committed LSN
     rows_total: int = 0
     batches: list[LedgerEntry] = field(default_factory=list)  # newest last, bounded
+    # The table's partition columns ([[cdc.streams]] partition_by) when it was
+    # created; ledgers from before the key existed were ["collection"].
+    partition_by: list[str] = field(default_factory=lambda: ["collection"])
 
     def entry(self, batch_id: int) -> LedgerEntry | None:
         for e in reversed(self.batches):
@@ -303,6 +321,7 @@ class Ledger:
             "high_lsn": {str(c): v for c, v in sorted(self.high_lsn.items())},
             "rows_total": self.rows_total,
             "batches": [e.to_json() for e in self.batches],
+            "partition_by": self.partition_by,
         }
 
     @classmethod
@@ -317,6 +336,7 @@ class Ledger:
             high_lsn={int(c): int(v) for c, v in raw["high_lsn"].items()},
             rows_total=int(raw.get("rows_total", 0)),
             batches=[LedgerEntry.from_json(e) for e in raw["batches"]],
+            partition_by=[str(c) for c in raw.get("partition_by", ["collection"])],
         )
 
 
@@ -413,6 +433,9 @@ class CdcSink:
             self._complete_pending(report)
             self._remove_staging(report)
             self._remove_orphans(report)
+            from daemon.spark import retention  # it imports this module
+
+            retention.recover(self.path, self.name)
         except BaseException:
             self.close()
             raise
@@ -450,8 +473,10 @@ class CdcSink:
         ledger = read_ledger(self.path)
         if ledger is None:
             ledger = Ledger(self.name, self.wal_id, self.cores)
+            ledger.partition_by = list(self.stream.partition_by)
             atomic_write_json(self.meta / "ledger.json", ledger.to_json())
             return ledger
+        self._check_layout(ledger)
         changed = []
         if ledger.cores != self.cores:
             changed.append(f"cores {ledger.cores} -> {self.cores}")
@@ -467,6 +492,26 @@ class CdcSink:
             ledger.wal_id = self.wal_id
             atomic_write_json(self.meta / "ledger.json", ledger.to_json())
         return ledger
+
+    def _check_layout(self, ledger: Ledger) -> None:
+        """Refuse a partition_by other than the table's: Spark's partition
+        discovery fails on a folder that mixes ``collection=x/part-*`` and
+        ``collection=x/date=d/part-*``. An empty table takes the new layout."""
+        wanted = list(self.stream.partition_by)
+        if ledger.partition_by == wanted:
+            return
+        if ledger.last_batch_id == 0 and not committed_files(self.path):
+            ledger.partition_by = wanted
+            atomic_write_json(self.meta / "ledger.json", ledger.to_json())
+            return
+        raise CdcLayoutError(
+            f"stream {self.name!r}: partition_by = {wanted} but {self.path} was written "
+            f"with partition_by = {ledger.partition_by} (batches up to "
+            f"{ledger.last_batch_id}). One folder cannot mix layouts: readers' partition "
+            f"discovery fails on it. Set partition_by back to {ledger.partition_by}, or "
+            f'point the stream\'s path at a new folder (and add start = "earliest" to fill '
+            f"it from the retained WAL)."
+        )
 
     # -- commit ------------------------------------------------------------
 
@@ -526,11 +571,12 @@ class CdcSink:
         out = df.select(*TABLE_COLUMNS)
         if self.stream.collections != ("*",):
             out = out.where(F.col("collection").isin(list(self.stream.collections)))
-        return out
+        return with_time_columns(out, self.stream.partition_by)
 
     def _write_staged(self, df: Any, staging: Path) -> None:
         """The Spark write of step 1 (tests wrap this to inject write failures)."""
-        writer = df.write.mode("overwrite").partitionBy("collection").options(**PARQUET_OPTIONS)
+        partition_by = self.stream.partition_by
+        writer = df.write.mode("overwrite").partitionBy(*partition_by).options(**PARQUET_OPTIONS)
         writer.parquet(str(staging))
 
     def _staging_dir(self, batch_id: int) -> Path:
@@ -573,7 +619,9 @@ class CdcSink:
             src, dst = staging / rel, self.path / final_rel
             if not dst.parent.is_dir():
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                touched.add(dst.parent.parent)
+                # New folders (collection=x, then date=d, ...) are entries of
+                # their parents: fsync each folder from the table root down.
+                touched.update(d for d in dst.parent.parents if self.path in (d, *d.parents))
             if src.exists():
                 if dst.exists():
                     # Both names: a rename whose source removal did not survive a
@@ -610,7 +658,10 @@ class CdcSink:
         replaced atomically. Not part of the commit: a failure is logged and
         retried at the next commit.
         """
-        folders = {(self.path / final).parent for _, final in files}
+        # The root and each top-level partition folder (collection=...), also
+        # when the table is partitioned further by time: those are the folders
+        # readers point at, and retention never removes them.
+        folders = {self.path / Path(final).parts[0] for _, final in files}
         if self.path not in self._summarized:
             folders.add(self.path)
             folders.update(
@@ -653,6 +704,7 @@ class CdcSink:
             dict(ledger.high_lsn),
             ledger.rows_total,
             list(ledger.batches),
+            list(ledger.partition_by),
         )
         candidate.append(entry, self.keep_batches)
         atomic_write_json(self.meta / "ledger.json", candidate.to_json())
@@ -745,26 +797,49 @@ class CdcSink:
 
     def _remove_orphans(self, report: RecoveryReport) -> None:
         last = self.ledger.last_batch_id
-        for part_dir in self.path.iterdir():
-            if not part_dir.is_dir() or part_dir.name.startswith(("_", ".")):
-                continue
-            for f in part_dir.iterdir():
-                m = _PUBLISHED.match(f.name)
-                if m and int(m.group(1)) > last:
-                    f.unlink()
-                    report.orphans_removed.append(str(f.relative_to(self.path)))
+        for batch_id, f in _published(self.path):
+            if batch_id > last:
+                f.unlink()
+                report.orphans_removed.append(str(f.relative_to(self.path)))
+
+
+def with_time_columns(df: Any, partition_by: tuple[str, ...]) -> Any:
+    """``df`` plus the time partition columns of ``partition_by``: ``date``, the
+    UTC day of ``ingest_ts`` as ``yyyy-MM-dd``, and ``hour``, ``00``..``23``.
+    Computed from epoch seconds, so Spark's session time zone does not matter."""
+    from pyspark.sql import functions as F
+
+    secs = F.unix_seconds(F.col("ingest_ts"))
+    if "date" in partition_by:
+        day = F.floor(secs / 86_400).cast("int")
+        df = df.withColumn("date", F.date_add(F.lit("1970-01-01").cast("date"), day).cast("string"))
+    if "hour" in partition_by:
+        hour = F.pmod(F.floor(secs / 3_600), F.lit(24)).cast("string")
+        df = df.withColumn("hour", F.lpad(hour, 2, "0"))
+    return df
+
+
+def _published(path: Path) -> list[tuple[int, Path]]:
+    """(batch_id, file) of every ``part-b<id>-*`` file in the table's visible
+    partition folders, at any depth (``collection=x/date=d/hour=h``). Folders
+    whose names start with ``_`` or ``.`` are not read by readers and skipped
+    (``_eventplane``, a partition being expired)."""
+    out: list[tuple[int, Path]] = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]
+        if root == str(path):
+            continue  # files at the root are not data
+        for n in names:
+            m = _PUBLISHED.match(n)
+            if m:
+                out.append((int(m.group(1)), Path(root) / n))
+    return out
 
 
 def committed_files(path: Path) -> list[tuple[int, Path]]:
     """(batch_id, file) for every published file of a stream, newest batch first."""
     out: list[tuple[int, Path]] = []
     with contextlib.suppress(FileNotFoundError):
-        for part_dir in path.iterdir():
-            if not part_dir.is_dir() or part_dir.name.startswith(("_", ".")):
-                continue
-            for f in part_dir.iterdir():
-                m = _PUBLISHED.match(f.name)
-                if m:
-                    out.append((int(m.group(1)), f))
+        out = _published(path)
     out.sort(key=lambda t: (-t[0], str(t[1])))
     return out

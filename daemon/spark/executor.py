@@ -192,6 +192,10 @@ class SparkExecutor:
         self._ready = asyncio.Event()
         self._lock = asyncio.Lock()
         self._boot_task: asyncio.Task[None] | None = None
+        self._retention_task: asyncio.Task[None] | None = None
+        # Per stream with retention: last run, partitions removed, oldest kept.
+        self._retention: dict[str, dict[str, Any]] = {}
+        self._retention_lock = asyncio.Lock()  # one run at a time (loop or on demand)
         self._status = _Status()
 
     # -- wiring ------------------------------------------------------------
@@ -257,6 +261,8 @@ class SparkExecutor:
         self._sinks = await loop.run_in_executor(self._pool, self._open_sinks)
         for sink in self._sinks:
             self._status.streams[sink.name] = sink.last_batch_id
+        if any(s.stream.retention_s is not None for s in self._sinks):
+            self._retention_task = asyncio.create_task(self._retention_loop(), name="cdc-retention")
         if self._session is not None:
             await loop.run_in_executor(self._pool, self._adopt, self._session)
             self._mark_ready()
@@ -338,6 +344,10 @@ class SparkExecutor:
             return
         self._status.state = State.STOPPING
         self._ready.set()  # release waiters; they see STOPPING and raise
+        if self._retention_task is not None:
+            self._retention_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retention_task
         if self._boot_task is not None and not self._boot_task.done():
             self._boot_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -380,12 +390,58 @@ class SparkExecutor:
             "last_error_batch_id": st.last_error_batch_id,
             "last_error_at": st.last_error_at,
             "streams": {
-                s.name: {"path": str(s.path), "last_batch_id": st.streams.get(s.name)}
+                s.name: {
+                    "path": str(s.path),
+                    "last_batch_id": st.streams.get(s.name),
+                    **({"retention": self._retention[s.name]} if s.name in self._retention else {}),
+                }
                 for s in self._sinks
             },
             "stages": [s.name for s in self._stages],
             "handlers": [ref for ref, _ in self._handlers],
         }
+
+    # -- retention -----------------------------------------------------------
+
+    async def _retention_loop(self) -> None:
+        """Each stream with ``retention``: remove its expired partitions every
+        ``retention_check_s`` (daemon/spark/retention.py). Runs in a thread of
+        its own, never in the batch thread: a batch does not wait for it."""
+        due = {s.name: 0.0 for s in self._sinks if s.stream.retention_s is not None}
+        while True:
+            now = time.monotonic()
+            for sink in self._sinks:
+                if sink.name not in due or due[sink.name] > now:
+                    continue
+                due[sink.name] = now + sink.stream.retention_check_s
+                await self.run_retention(sink.name)
+            await asyncio.sleep(max(0.05, min(due.values()) - time.monotonic()))
+
+    async def run_retention(self, stream: str) -> dict[str, Any]:
+        """One retention run of ``stream`` now; its result (also in ``status()``)."""
+        from daemon.spark import retention
+
+        sink = next((s for s in self._sinks if s.name == stream), None)
+        if sink is None or sink.stream.retention_s is None:
+            raise ExecutorError(f"no CDC stream {stream!r} with retention")
+        entry = self._retention.setdefault(stream, {"partitions_removed": 0})
+        try:
+            async with self._retention_lock:
+                result = await asyncio.to_thread(retention.apply, sink.stream)
+        except Exception as exc:
+            self.metrics.cdc_retention_runs.labels(stream, "failed").inc()
+            entry.update(last_run_at=time.time(), last_error=f"{type(exc).__name__}: {exc}")
+            log.warning("cdc.retention_failed", stream=stream, error=entry["last_error"])
+            return {"stream": stream, "error": entry["last_error"]}
+        self.metrics.cdc_retention_runs.labels(stream, "ok").inc()
+        self.metrics.cdc_retention_removed.labels(stream).inc(len(result.removed))
+        entry.update(
+            last_run_at=time.time(),
+            last_error=None,
+            partitions_removed=entry["partitions_removed"] + len(result.removed),
+            oldest_kept=result.oldest_kept,
+        )
+        return result.to_json()
 
     # -- start-up ----------------------------------------------------------
 

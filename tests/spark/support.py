@@ -27,14 +27,14 @@ def core_of(collection: str, key: str, cores: int = CORES) -> int:
     return zlib.crc32(f"{collection}\0{key}".encode()) % cores
 
 
-def event_for(lsn: int, keys: int = 50) -> StoredEvent:
+def event_for(lsn: int, keys: int = 50, ns_per_lsn: int = 1000) -> StoredEvent:
     """Event number ``lsn``: a few keys per collection see many updates (order tests)."""
     collection = COLLECTIONS[lsn % len(COLLECTIONS)]
     key = f"k{(lsn * 7919) % keys}"
     op = "insert" if lsn % 5 == 1 else "update"
     new = json.dumps({"amount": lsn * 10 % 2000, "note": "x" * 40, "lsn": lsn}).encode()
     old = None if op == "insert" else json.dumps({"amount": lsn % 7}).encode()
-    return StoredEvent(collection, op, key, new, old, BASE_TS_NS + lsn * 1000)
+    return StoredEvent(collection, op, key, new, old, BASE_TS_NS + lsn * ns_per_lsn)
 
 
 def make_batches(
@@ -45,15 +45,17 @@ def make_batches(
     first_lsn: int = 1,
     cores: int = CORES,
     keys: int = 50,
+    ns_per_lsn: int = 1000,
 ) -> list[MicroBatch]:
-    """``n_batches`` consecutive batches of ``per_batch`` events, LSNs from ``first_lsn``."""
+    """``n_batches`` consecutive batches of ``per_batch`` events, LSNs from ``first_lsn``;
+    event ``lsn`` was ingested at ``BASE_TS_NS + lsn * ns_per_lsn``."""
     batches = []
     seq = dict.fromkeys(range(cores), 0)
     lsn = first_lsn
     for b in range(n_batches):
         per_core: dict[int, list[Record]] = {}
         for _ in range(per_batch):
-            ev = event_for(lsn, keys)
+            ev = event_for(lsn, keys, ns_per_lsn)
             c = core_of(ev.collection, ev.key, cores)
             seq[c] += 1
             per_core.setdefault(c, []).append(Record(lsn, c, seq[c], encode(ev)))
@@ -77,6 +79,8 @@ def make_config(
     master: str = "local[2]",
     remote: str = "",
     cores: int = CORES,
+    partition_by: Sequence[str] = ("collection",),
+    retention_s: int | None = None,
 ) -> Config:
     return Config(
         daemon=DaemonConfig(data_dir=root / "var", cores=cores),
@@ -89,7 +93,14 @@ def make_config(
         ),
         cdc=CdcConfig(
             streams=tuple(
-                CdcStream(name, tuple(cols), root / "cdc" / name) for name, cols in streams
+                CdcStream(
+                    name,
+                    tuple(cols),
+                    root / "cdc" / name,
+                    partition_by=tuple(partition_by),
+                    retention_s=retention_s,
+                )
+                for name, cols in streams
             ),
             handlers=tuple(CdcHandler(h) for h in handlers),
         ),
