@@ -1430,6 +1430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "latency_p50_s": pct(r.latencies, 0.5) if r.latencies else None,
                     "latency_p99_s": pct(r.latencies, 0.99) if r.latencies else None,
                     "latency_requests": len(r.latencies),
+                    "latencies_s": r.latencies,
                     "reference": r.reference,
                     "rows_checked": r.rows_checked,
                     "error": r.error,
