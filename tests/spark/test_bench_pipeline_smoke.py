@@ -84,3 +84,17 @@ def test_bench_pipeline_runs_the_postgresql_outbox_peer(
     assert side["name"] == "outbox" and not side["error"] and not side["skipped"]
     assert side["rows_checked"] == 1000 + 3000 + 1400
     assert side["cpu_s"]["database"] > 0 and side["latency_requests"] > 0
+
+
+def test_best_of_rounds_takes_the_fastest_round_and_the_lowest_p99() -> None:
+    slow = bench_pipeline.SideResult("landing", events=10, visible_s=2.0, cpu={"spark": 1.0})
+    slow.latencies = [0.1, 0.2]
+    fast = bench_pipeline.SideResult("landing", events=10, visible_s=1.0, cpu={"spark": 3.0})
+    fast.latencies = [0.5, 0.9]
+    failed = bench_pipeline.SideResult("outbox", error="boom")
+    (landing, outbox) = bench_pipeline.best_of([slow, fast, failed])
+    assert landing.visible_s == 1.0 and landing.cpu == {"spark": 3.0}
+    assert landing.latencies == [0.1, 0.2]
+    assert outbox.error == "boom"
+    text = bench_pipeline.render_rounds([(1, slow), (2, fast), (1, failed)])
+    assert "| 2 | landing | 1.00 | 300000.0 |" in text and "| 1 | outbox | boom |" in text
