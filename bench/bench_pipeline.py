@@ -61,6 +61,11 @@ The landing side's ``availableNow`` run alone (its Spark driver's time and
 CPU, landing not counted) is also reported: that is ``bench_cdc``'s peer,
 Structured Streaming over files already on disk, kept as a reference row.
 
+``--rounds N`` runs every side N times, in reverse order every other round
+(load on a shared machine drifts over minutes): the table shows each side's
+fastest round with that round's CPU, and its lowest p99; every round is listed.
+Results and analysis: docs/performance.md.
+
 The PostgreSQL side needs ``pg_ctl``/``initdb`` (``/usr/lib/postgresql/*/bin``)
 and the JDBC jar (``/usr/share/java/postgresql*.jar``); without them it is
 skipped with the install command. As root, PostgreSQL runs as the
