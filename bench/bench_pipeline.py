@@ -1360,9 +1360,6 @@ def render(results: Sequence[SideResult], args: argparse.Namespace) -> str:
             f"- CPU s per million events below every peer's: {ep_cpu:.1f} vs {low_cpu:.1f} "
             f"({verdict[ep_cpu < low_cpu]})",
         ]
-    for r in results:
-        if r.error and r.events:
-            out.append(f"\nWARNING: {r.name}: {r.error}")
     return "\n".join(out)
 
 
@@ -1505,7 +1502,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rounds": [{"round": n, **_as_json(r)} for n, r in rounds],
         }
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
-    return 1 if any(r.error for r in results) else 0
+    errors = [(n, r) for n, r in rounds if r.error]
+    for n, r in errors:
+        print(f"ERROR: round {n}, {r.name}: {r.error}")
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
