@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -131,6 +131,14 @@ class CdcStream:
     name: str
     collections: tuple[str, ...]  # ("*",) means every collection
     path: Path
+    # Compaction (docs/cdc.md, "Compaction"): merge a partition's small files
+    # into files near target_file_bytes, in the background, once a size tier
+    # of the partition holds compact_min_files files; checked every
+    # compact_interval_s.
+    compaction: bool = True
+    target_file_bytes: int = 128 * MiB
+    compact_min_files: int = 16
+    compact_interval_s: float = 60.0
 
     def wants(self, collection: str) -> bool:
         return self.collections == ("*",) or collection in self.collections
@@ -464,11 +472,10 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
     seen: dict[str, int] = {}
     for i, table in enumerate(_array_of_tables(body.get("streams", []), "cdc.streams", errors)):
         where = f"cdc.streams[{i}]"
-        spec = {"name": _str(), "collections": _collections, "path": _path}
-        got = _section(table, where, spec, errors)
+        got = _section(table, where, _STREAM, errors)
         if not _required(table, ("name", "collections", "path"), where, errors):
             continue
-        if len(got) != 3:
+        if len(got) != len(table):
             continue
         if got["name"] in seen:
             errors.append(
@@ -477,7 +484,7 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
             )
             continue
         seen[got["name"]] = i
-        streams.append(CdcStream(got["name"], got["collections"], got["path"]))
+        streams.append(CdcStream(**got))
     handlers: list[CdcHandler] = []
     for i, table in enumerate(_array_of_tables(body.get("handlers", []), "cdc.handlers", errors)):
         where = f"cdc.handlers[{i}]"
@@ -485,6 +492,17 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
         if _required(table, ("function",), where, errors) and "function" in got:
             handlers.append(CdcHandler(got["function"]))
     return CdcConfig(tuple(streams), tuple(handlers))
+
+
+_STREAM: dict[str, Checker] = {
+    "name": _str(),
+    "collections": lambda v, p, e: _collections(v, p, e),
+    "path": _path,
+    "compaction": _bool,
+    "target_file_bytes": _int(1 * KiB, unit="bytes"),
+    "compact_min_files": _int(2),
+    "compact_interval_s": _float(0.0),
+}
 
 
 def _collections(value: Any, path: str, errors: list[str]) -> Any:
@@ -641,7 +659,7 @@ def _resolve_paths(cfg: Config) -> Config:
     daemon = DaemonConfig(
         resolve(cfg.daemon.data_dir), cfg.daemon.cores, cfg.daemon.shutdown_timeout_s
     )
-    streams = tuple(CdcStream(s.name, s.collections, resolve(s.path)) for s in cfg.cdc.streams)
+    streams = tuple(replace(s, path=resolve(s.path)) for s in cfg.cdc.streams)
     fields = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
     fields.update(daemon=daemon, cdc=CdcConfig(streams, cfg.cdc.handlers))
     return Config(**fields)

@@ -7,10 +7,16 @@ Layout of a stream's ``path``::
     <path>/_eventplane/pending/b<id>.json   commit intent: staged file -> final file
     <path>/_eventplane/staging/b<id>/       where Spark writes a batch (invisible)
     <path>/_eventplane/lock                 flock: one writer per stream; names the holder
+    <path>/_eventplane/compact/c<id>.json   compaction intent (daemon/spark/compact.py)
+    <path>/_eventplane/compact/c<id>/       where a compaction builds a partition folder
 
 Readers (``spark.read.parquet(path)``, pyarrow, DuckDB) skip every path
 component that starts with ``_`` or ``.``, so only published files are seen.
-Published names carry the batch id, which is how recovery recognises them.
+Published names carry the batch id, which is how recovery recognises them;
+files a compaction merged are named ``part-c<id>-b<first>-b<last>-...`` (the
+batches they hold) and are never orphans (:mod:`daemon.spark.compact`).
+Publishing and the ledger write take ``CdcSink.commit_lock``, under which a
+compaction swaps a partition folder and records itself.
 
 Commit protocol for batch B of stream S (the steps are marked in the code):
 
@@ -38,6 +44,8 @@ Recovery when a stream opens (before the first batch):
   renames already done are recognised), intents at or below it are removed;
 - staging folders without an intent are rolled back (deleted): Spark wrote
   them, but nothing was promised;
+- interrupted compactions roll forward (their folder swap happened) or back
+  (:func:`daemon.spark.compact.recover`);
 - published-looking files (``part-b<id>-*``) with an id above the ledger's
   last and no intent are orphans and are deleted, as are temp files.
 
@@ -57,7 +65,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +90,10 @@ META_DIR = "_eventplane"
 # with 40 files per batch (fsync included, ad-hoc script).
 KEEP_BATCHES = 128
 _PUBLISHED = re.compile(r"^part-b(\d{12})-")
+# A compaction's merged file: compaction id, first and last batch it holds.
+_COMPACTED = re.compile(r"^part-c(\d{12})-b(\d{12})-b(\d{12})-")
+# Compactions the ledger remembers (the ledger is rewritten on every commit).
+KEEP_COMPACTIONS = 16
 # Contract columns of a CDC table (README, "CDC tables"), in order.
 CDC_COLUMNS = (
     "lsn",
@@ -110,7 +122,7 @@ PARQUET_OPTIONS = {
 # Crash points
 
 ENV_CRASH_AT = "EVENTPLANE_CRASH_AT"
-CRASH_POINTS = (
+COMMIT_CRASH_POINTS = (
     "cdc.before_stage",  # nothing of the batch written
     "cdc.after_stage",  # staged files exist, no intent
     "cdc.after_intent",  # intent durable, nothing published
@@ -119,6 +131,18 @@ CRASH_POINTS = (
     "cdc.after_ledger",  # committed, intent and staging not cleaned
     "executor.after_commit",  # every sink and stage done, execute() not returned
 )
+# A compaction's steps (daemon/spark/compact.py): rolled back up to the swap,
+# forward after it.
+COMPACT_CRASH_POINTS = (
+    "cdc.compact.after_write",  # merged files staged, no intent
+    "cdc.compact.after_intent",  # intent durable, partition untouched
+    "cdc.compact.mid_build",  # new folder partly built (hidden)
+    "cdc.compact.before_swap",  # new folder complete and durable, not swapped
+    "cdc.compact.after_swap",  # merged files visible, ledger not updated
+    "cdc.compact.after_ledger",  # recorded; old folder, intent not removed
+    "cdc.compact.mid_clean",  # old folder removed, intent not yet
+)
+CRASH_POINTS = COMMIT_CRASH_POINTS + COMPACT_CRASH_POINTS
 _crash_hits: dict[str, int] = {}
 _crash_lock = threading.Lock()
 
@@ -248,6 +272,23 @@ class Ledger:
     high_lsn: dict[int, int] = field(default_factory=dict)  # core -> last committed LSN
     rows_total: int = 0
     batches: list[LedgerEntry] = field(default_factory=list)  # newest last, bounded
+    # Compactions (daemon/spark/compact.py): the last id, and the newest
+    # records (id, partition, inputs, outputs, batch range), bounded.
+    last_compaction_id: int = 0
+    compactions: list[dict[str, Any]] = field(default_factory=list)
+
+    def copy(self) -> Ledger:
+        return replace(
+            self,
+            high_lsn=dict(self.high_lsn),
+            batches=list(self.batches),
+            compactions=list(self.compactions),
+        )
+
+    def add_compaction(self, record: dict[str, Any], keep: int = KEEP_COMPACTIONS) -> None:
+        self.compactions.append(record)
+        del self.compactions[:-keep]
+        self.last_compaction_id = max(self.last_compaction_id, int(record["id"]))
 
     def entry(self, batch_id: int) -> LedgerEntry | None:
         for e in reversed(self.batches):
@@ -275,6 +316,8 @@ class Ledger:
             "high_lsn": {str(c): v for c, v in sorted(self.high_lsn.items())},
             "rows_total": self.rows_total,
             "batches": [e.to_json() for e in self.batches],
+            "last_compaction_id": self.last_compaction_id,
+            "compactions": self.compactions,
         }
 
     @classmethod
@@ -289,6 +332,8 @@ class Ledger:
             high_lsn={int(c): int(v) for c, v in raw["high_lsn"].items()},
             rows_total=int(raw.get("rows_total", 0)),
             batches=[LedgerEntry.from_json(e) for e in raw["batches"]],
+            last_compaction_id=int(raw.get("last_compaction_id", 0)),
+            compactions=[dict(c) for c in raw.get("compactions", [])],
         )
 
 
@@ -327,13 +372,17 @@ class RecoveryReport:
     intents_removed: list[int] = field(default_factory=list)
     staging_removed: list[str] = field(default_factory=list)
     orphans_removed: list[str] = field(default_factory=list)
+    compactions_rolled_forward: list[int] = field(default_factory=list)
+    compactions_rolled_back: list[int] = field(default_factory=list)
 
 
 class CdcSink:
     """One CDC stream: stages with Spark, publishes with renames, commits in its ledger.
 
     ``open`` and ``commit`` block (file system, py4j); the executor calls them
-    from its worker thread. Not thread-safe: one batch at a time.
+    from its worker thread. One batch at a time; a compaction may run in
+    another thread meanwhile, and ``commit_lock`` orders the steps where the
+    two touch the same folders and the ledger (publish, ledger, swap).
     """
 
     def __init__(
@@ -354,6 +403,7 @@ class CdcSink:
         self.data_dir = data_dir  # the writing daemon's, named in the lock file
         self._ledger: Ledger | None = None
         self._lock_fd: int | None = None
+        self.commit_lock = threading.RLock()
 
     @property
     def name(self) -> str:
@@ -382,11 +432,20 @@ class CdcSink:
             self._remove_temp_files()
             self._complete_pending(report)
             self._remove_staging(report)
+            from daemon.spark import compact
+
+            compact.recover(self, report)
             self._remove_orphans(report)
         except BaseException:
             self.close()
             raise
-        if report.rolled_forward or report.staging_removed or report.orphans_removed:
+        if (
+            report.rolled_forward
+            or report.staging_removed
+            or report.orphans_removed
+            or report.compactions_rolled_forward
+            or report.compactions_rolled_back
+        ):
             log.warning(
                 "cdc_recovered",
                 stream=self.name,
@@ -394,6 +453,8 @@ class CdcSink:
                 intents_removed=report.intents_removed,
                 staging_removed=report.staging_removed,
                 orphans_removed=report.orphans_removed,
+                compactions_rolled_forward=report.compactions_rolled_forward,
+                compactions_rolled_back=report.compactions_rolled_back,
             )
         return report
 
@@ -535,6 +596,10 @@ class CdcSink:
         )
 
     def _publish(self, batch_id: int, files: list[tuple[str, str]]) -> None:
+        with self.commit_lock:  # a compaction swaps partition folders under it
+            self._publish_files(batch_id, files)
+
+    def _publish_files(self, batch_id: int, files: list[tuple[str, str]]) -> None:
         staging = self._staging_dir(batch_id)
         touched: set[Path] = set()
         for i, (rel, final_rel) in enumerate(files):
@@ -564,20 +629,20 @@ class CdcSink:
     def _append_ledger(
         self, batch_id: int, ranges: dict[int, tuple[int, int]], rows: int, files: list[str]
     ) -> None:
-        ledger = self.ledger
         entry = LedgerEntry(batch_id, ranges, rows, files, time.time())
-        candidate = Ledger(
-            ledger.stream,
-            ledger.wal_id,
-            ledger.cores,
-            ledger.last_batch_id,
-            dict(ledger.high_lsn),
-            ledger.rows_total,
-            list(ledger.batches),
-        )
-        candidate.append(entry, self.keep_batches)
-        atomic_write_json(self.meta / "ledger.json", candidate.to_json())
-        self._ledger = candidate  # only after it is durable
+        with self.commit_lock:  # a compaction records itself in the same file
+            candidate = self.ledger.copy()
+            candidate.append(entry, self.keep_batches)
+            atomic_write_json(self.meta / "ledger.json", candidate.to_json())
+            self._ledger = candidate  # only after it is durable
+
+    def record_compaction(self, record: dict[str, Any]) -> None:
+        """Append a compaction's record to the ledger (atomic replace + fsync)."""
+        with self.commit_lock:
+            candidate = self.ledger.copy()
+            candidate.add_compaction(record)
+            atomic_write_json(self.meta / "ledger.json", candidate.to_json())
+            self._ledger = candidate
 
     def _clean(self, batch_id: int) -> None:
         try:
@@ -672,16 +737,29 @@ class CdcSink:
                     report.orphans_removed.append(str(f.relative_to(self.path)))
 
 
+def file_batch(name: str) -> int | None:
+    """The newest batch a published or compacted data file holds, from its name."""
+    m = _PUBLISHED.match(name)
+    if m:
+        return int(m.group(1))
+    m = _COMPACTED.match(name)
+    return int(m.group(3)) if m else None
+
+
 def committed_files(path: Path) -> list[tuple[int, Path]]:
-    """(batch_id, file) for every published file of a stream, newest batch first."""
+    """(batch_id, file) for every published file of a stream, newest batch first.
+
+    A compacted file counts as its newest batch: every row of a batch B is in a
+    file whose key is >= B, so the files keyed >= B hold all of B's rows.
+    """
     out: list[tuple[int, Path]] = []
     with contextlib.suppress(FileNotFoundError):
         for part_dir in path.iterdir():
             if not part_dir.is_dir() or part_dir.name.startswith(("_", ".")):
                 continue
             for f in part_dir.iterdir():
-                m = _PUBLISHED.match(f.name)
-                if m:
-                    out.append((int(m.group(1)), f))
+                b = file_batch(f.name)
+                if b is not None:
+                    out.append((b, f))
     out.sort(key=lambda t: (-t[0], str(t[1])))
     return out

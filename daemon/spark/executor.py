@@ -44,8 +44,11 @@
   re-runs with the same id and rows, and the CDC ledgers commit it once.
   ``needs_restart()`` turns true after ``health.session_restart_attempts``
   failed builds in a row.
-- ``stop()`` waits for the batch in flight, closes the streams and stops the
-  session it built.
+- Compaction (``daemon.spark.compact``): a ``CompactionService`` merges the
+  streams' small files in its own thread, on the same session, beside the
+  batches (``compaction``; status per stream under ``streams``).
+- ``stop()`` waits for the batch in flight, stops compaction, closes the
+  streams and stops the session it built.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from daemon.service.metrics import Metrics
 from daemon.spark import frame
 from daemon.spark import session as sparkmod
 from daemon.spark.cdc import CDC_COLUMNS, CdcSink, CommitResult, crash_point
+from daemon.spark.compact import CompactionService
 
 log = structlog.get_logger("eventplane.spark")
 
@@ -181,6 +185,7 @@ class SparkExecutor:
         self._factory = session_factory or self._default_factory
         self._sleep = sleep
         self._sinks: list[CdcSink] = []
+        self.compaction: CompactionService | None = None
         self._inbox: Path | None = cfg.data_dir / "spark-inbox" if uses_inbox(cfg) else None
         self._cores: int | None = None  # Spark's default parallelism, asked once
         self._built: Any | None = None  # what the factory returned, even if unused
@@ -239,6 +244,10 @@ class SparkExecutor:
         self._sinks = await loop.run_in_executor(self._pool, self._open_sinks)
         for sink in self._sinks:
             self._status.streams[sink.name] = sink.last_batch_id
+        self.compaction = CompactionService(
+            self._sinks, lambda: self._session if self.ready() else None, self.metrics
+        )
+        self.compaction.start()
         if self._session is not None:
             await loop.run_in_executor(self._pool, self._adopt, self._session)
             self._mark_ready()
@@ -325,6 +334,8 @@ class SparkExecutor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._boot_task
         loop = asyncio.get_running_loop()
+        if self.compaction is not None:
+            await asyncio.to_thread(self.compaction.stop)
         async with self._lock:
             try:
                 # Queued behind any build still running in the thread, so a session
@@ -362,7 +373,11 @@ class SparkExecutor:
             "last_error_batch_id": st.last_error_batch_id,
             "last_error_at": st.last_error_at,
             "streams": {
-                s.name: {"path": str(s.path), "last_batch_id": st.streams.get(s.name)}
+                s.name: {
+                    "path": str(s.path),
+                    "last_batch_id": st.streams.get(s.name),
+                    "compaction": self.compaction.status(s.name) if self.compaction else None,
+                }
                 for s in self._sinks
             },
             "stages": [s.name for s in self._stages],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,9 @@ def make_config(
     master: str = "local[2]",
     remote: str = "",
     cores: int = CORES,
+    stream_options: Mapping[str, Any] | None = None,
 ) -> Config:
+    """``stream_options``: more keys of every ``[[cdc.streams]]`` (compaction)."""
     return Config(
         daemon=DaemonConfig(data_dir=root / "var", cores=cores),
         spark=SparkConfig(
@@ -89,7 +91,8 @@ def make_config(
         ),
         cdc=CdcConfig(
             streams=tuple(
-                CdcStream(name, tuple(cols), root / "cdc" / name) for name, cols in streams
+                CdcStream(name, tuple(cols), root / "cdc" / name, **(stream_options or {}))
+                for name, cols in streams
             ),
             handlers=tuple(CdcHandler(h) for h in handlers),
         ),
