@@ -1,4 +1,5 @@
 """``eventplane cdc show STREAM [--limit N]``: the latest committed rows of a CDC stream.
+``eventplane cdc compact STREAM [--dry-run]``: merge its small files now (``compact``).
 
 Reads only what a plain reader would see (published files), newest batches
 first, using the stream's ledger to open just enough files for ``--limit``
@@ -84,6 +85,10 @@ def main(
 ) -> int:
     """Print the latest rows; 1 when the stream is unknown. ``session``: reuse (tests)."""
     out = out or sys.stdout
+    if args.cdc_command == "compact":
+        from daemon.cli import compact
+
+        return compact.main(args, cfg, session=session, out=out)
     if args.cdc_command != "show":
         print(f"eventplane cdc: unknown action {args.cdc_command!r}", file=sys.stderr)
         return 2

@@ -191,7 +191,12 @@ class Daemon:
         # Step 4. Listeners: admin first so /healthz answers while ingest binds.
         self.startup_step = f"the admin listener ([admin] listen = {cfg.admin.listen})"
         self.admin = AdminServer(
-            cfg, self.metrics, status=self.status, ready=self.ready, problems=self.problems
+            cfg,
+            self.metrics,
+            status=self.status,
+            ready=self.ready,
+            problems=self.problems,
+            compaction=getattr(self.executor, "compaction", None),
         )
         await self.admin.start()
         self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"

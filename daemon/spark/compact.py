@@ -672,10 +672,12 @@ def compact_stream(
     full: bool,
     on_progress: Callable[[Progress], None] | None = None,
     stop: threading.Event | None = None,
+    done: list[Progress] | None = None,
 ) -> list[Progress]:
-    """Every compaction the stream's policy asks for now, one partition at a time."""
+    """Every compaction the stream's policy asks for now, one partition at a time;
+    the finished ones (also appended to ``done`` as they finish)."""
     recover(sink)  # an earlier attempt that failed after its swap rolls forward first
-    done: list[Progress] = []
+    done = [] if done is None else done
     for plan in plan_stream(sink, full=full):
         if stop is not None and stop.is_set():
             break
@@ -850,10 +852,15 @@ class CompactionService:
 
         def running(p: Progress) -> None:
             p.request = request
+            if st.running is not None and st.running.step == "done":
+                st.last = st.running  # the one before, in the same run
             st.running = p
 
+        done: list[Progress] = []
         try:
-            done = compact_stream(st.sink, spark, full=full, on_progress=running, stop=self._stop)
+            compact_stream(
+                st.sink, spark, full=full, on_progress=running, stop=self._stop, done=done
+            )
         except Exception as exc:
             failed = st.running
             st.running = None
@@ -864,6 +871,7 @@ class CompactionService:
                 st.last = failed
             backoff = min(interval * 2**st.failures, MAX_BACKOFF_S)
             st.next_check = self._clock() + max(backoff, 1.0)
+            self._finished(done, st, started)
             self._count("failed", 0, time.monotonic() - started, st)
             log.error(
                 "cdc.compaction_failed",
@@ -881,11 +889,7 @@ class CompactionService:
             st.last_error = None
             if done:
                 st.last = done[-1]
-            removed = sum(p.inputs - len(p.outputs) for p in done)
-            st.compactions += len(done)
-            st.files_removed += removed
-            if done:
-                self._count("done", removed, time.monotonic() - started, st, n=len(done))
+            self._finished(done, st, started)
             st.next_check = self._clock() + interval
         finally:
             with contextlib.suppress(Exception):
@@ -894,6 +898,13 @@ class CompactionService:
             if request is not None:
                 st.requests_done = max(st.requests_done, request)
             self._scan(st)
+
+    def _finished(self, done: list[Progress], st: _StreamState, started: float) -> None:
+        removed = sum(p.inputs - len(p.outputs) for p in done)
+        st.compactions += len(done)
+        st.files_removed += removed
+        if done:
+            self._count("done", removed, time.monotonic() - started, st, n=len(done))
 
     def _scan(self, st: _StreamState) -> None:
         try:

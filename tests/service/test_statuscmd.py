@@ -300,3 +300,20 @@ def test_problems_and_stages_are_listed_for_an_unhealthy_daemon() -> None:
     assert "problem     stage cdc:all has failed for 61 s" in text
     assert "cdc:all       7       3  STALLED for 61 s, attempt 4: OSError: full" in text
     assert "triggers     10       0  ok" in text
+
+
+def test_each_cdc_stream_shows_its_files_and_compactions() -> None:
+    compaction = {
+        "enabled": True,
+        "files": 40,
+        "max_files_per_partition": 22,
+        "last": {"id": 12, "step": "done", "finished_at": NOW - 180},
+        "running": {"id": 13, "partition": "collection=orders", "step": "writing"},
+        "last_error": None,
+    }
+    spark = {"ready": True, "streams": {"all": {"path": "/t", "compaction": compaction}}}
+    text = statuscmd.render(sample_status(spark=spark), now=NOW)
+    assert (
+        "cdc all     files 40 (max 22 per partition)  last compaction #12 done 3 min 0 s ago"
+        "  running #13 collection=orders writing"
+    ) in text

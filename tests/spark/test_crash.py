@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from daemon.spark.cdc import CRASH_POINTS, ENV_CRASH_AT, META_DIR, read_ledger
+from daemon.spark.cdc import COMMIT_CRASH_POINTS, ENV_CRASH_AT, META_DIR, read_ledger
 from tests.spark.support import batch_lsns, make_batches
 
 pytestmark = [pytest.mark.spark, pytest.mark.crash]
@@ -70,10 +70,10 @@ def visible(spark: Any, table: Path) -> list[int]:
 
 
 def test_every_crash_point_is_covered() -> None:
-    assert set(BEFORE_RECOVERY) == set(CRASH_POINTS)
+    assert set(BEFORE_RECOVERY) == set(COMMIT_CRASH_POINTS)
 
 
-@pytest.mark.parametrize("point", CRASH_POINTS)
+@pytest.mark.parametrize("point", COMMIT_CRASH_POINTS)
 async def test_sigkill_at_commit_step_recovers_to_exactly_once(
     spark: Any, executor_factory: Any, tmp_path: Path, point: str
 ) -> None:
