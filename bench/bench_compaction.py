@@ -9,7 +9,9 @@ ingest with compaction running vs without. Same events, same run, same session.
    target, ``compact_min_files`` 16, but ``compact_interval_s`` 1 s instead of
    60 so that a run of a minute sees what an hour of batches would), in
    alternating order for ``--rounds`` rounds; the best of each counts. Timed
-   from the first ``execute`` to the last commit.
+   from the first ``execute`` to the last commit, with the CPU seconds of this
+   process and its JVM over the same span (a shared machine moves wall time
+   more than CPU time).
 2. **Tables.** From the same events: ``small`` (the compaction-off run: one
    file per collection per batch), ``tiered`` (the compaction-on run, after
    its service had its last look), ``full`` (``small`` after ``eventplane cdc
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_cdc import CORES, make_batches
+from bench.common import process_tree, total_cpu_seconds
 from daemon.config import CdcConfig, CdcStream, Config, DaemonConfig, SparkConfig
 from daemon.plane.batch import MicroBatch
 from daemon.service.metrics import Metrics
@@ -58,13 +62,16 @@ def _config(root: Path, table: Path, **stream: Any) -> Config:
 
 async def ingest(
     spark: Any, root: Path, table: Path, batches: Sequence[MicroBatch], *, compaction: bool
-) -> tuple[float, int]:
-    """Commit every batch; seconds, and compactions the service ran meanwhile."""
+) -> tuple[float, float, int]:
+    """Commit every batch; seconds, CPU seconds (this process and its JVM) and
+    compactions the service ran meanwhile."""
     shutil.rmtree(table, ignore_errors=True)
     stream = {"compaction": compaction, "compact_interval_s": 1.0}
     ex = SparkExecutor(_config(root, table, **stream), Metrics(), wal_id="bench", session=spark)
     await ex.start()
     try:
+        pids = process_tree(os.getpid())
+        cpu = total_cpu_seconds(pids)
         started = time.perf_counter()
         for i, b in enumerate(batches):
             running = asyncio.ensure_future(ex.execute(b))
@@ -72,6 +79,7 @@ async def ingest(
                 ex.prepare(batches[i + 1])  # what the planner does with a full next batch
             await running
         seconds = time.perf_counter() - started
+        cpu = total_cpu_seconds(pids) - cpu
         assert ex.compaction is not None
         done = ex.compaction.status("all") or {}
         if compaction:  # let it finish what it started and take one more look
@@ -81,7 +89,7 @@ async def ingest(
                 done = ex.compaction.status("all") or {}
                 if done["running"] is None:
                     break
-        return seconds, int(done.get("compactions") or 0)
+        return seconds, cpu, int(done.get("compactions") or 0)
     finally:
         await ex.stop()
 
@@ -146,18 +154,18 @@ async def run(spark: Any, root: Path, args: argparse.Namespace) -> int:
     await ingest(spark, root, root / "warm", warm, compaction=False)
 
     # 1. Ingest, compaction off and on, alternating.
-    times: dict[bool, list[float]] = {False: [], True: []}
+    times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     compactions = 0
     for r in range(args.rounds):
         for on in (False, True) if r % 2 == 0 else (True, False):
             target = tables["tiered" if on else "small"]
-            seconds, n = await ingest(spark, root, target, batches, compaction=on)
-            times[on].append(seconds)
+            seconds, cpu, n = await ingest(spark, root, target, batches, compaction=on)
+            times[on].append((seconds, cpu))
             if on:
                 compactions = n
             print(
-                f"round {r + 1}: compaction {'on ' if on else 'off'} {seconds:.2f} s"
-                + (f" ({n} compactions)" if on else ""),
+                f"round {r + 1}: compaction {'on ' if on else 'off'} {seconds:.2f} s, "
+                f"{cpu:.1f} CPU s" + (f" ({n} compactions)" if on else ""),
                 flush=True,
             )
 
@@ -182,16 +190,18 @@ async def run(spark: Any, root: Path, args: argparse.Namespace) -> int:
                 reads.setdefault((name, query), []).append(read_once(spark, t, query))
     med = {k: statistics.median(v) for k, v in reads.items()}
 
-    best = {on: min(v) for on, v in times.items()}
+    best = {on: min(v) for on, v in times.items()}  # best round by time
     print()
     print(f"{events:,} events in {len(batches)} micro-batches, {args.master}")
     print()
-    print("| ingest | best s | events/s | vs off |")
-    print("|---|---:|---:|---:|")
+    print("| ingest | best s | events/s | vs off | CPU s | CPU vs off |")
+    print("|---|---:|---:|---:|---:|---:|")
     for on in (False, True):
+        (s, c), (s0, c0) = best[on], best[False]
+        label = f"on ({compactions} compactions)" if on else "off"
         print(
-            f"| compaction {'on (' + str(compactions) + ' compactions)' if on else 'off'} "
-            f"| {best[on]:.2f} | {events / best[on]:,.0f} | {best[False] / best[on]:.2f}x |"
+            f"| compaction {label} | {s:.2f} | {events / s:,.0f} | {s0 / s:.2f}x "
+            f"| {c:.1f} | {c / c0:.2f}x |"
         )
     print()
     print(f"full compaction of `small`: {len(full)} partitions in {full_s:.2f} s")
@@ -210,7 +220,7 @@ async def run(spark: Any, root: Path, args: argparse.Namespace) -> int:
         print(
             json.dumps(
                 {
-                    "ingest_s": {"off": times[False], "on": times[True]},
+                    "ingest_s_cpu_s": {"off": times[False], "on": times[True]},
                     "compactions": compactions,
                     "reads_median_s": {f"{n}/{q}": v for (n, q), v in med.items()},
                     "files_per_partition": {n: files_per_partition(t) for n, t in tables.items()},

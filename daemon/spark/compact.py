@@ -39,11 +39,12 @@ Steps of compaction C of partition P (marked in :func:`run_compaction`):
    ``part-c<C>-b<first>-b<last>-...`` (the batches they hold), and every file
    of P that is not an input gets a hard link there; fsync.
 5. **Swap.** Under the sink's ``commit_lock`` (no batch publishes meanwhile;
-   held for a few milliseconds): files P gained or replaced since step 4 are
-   linked, then ``RENAME_EXCHANGE`` of the new folder with P, fsync of both
-   parents. *This is the commit point.*
+   held for about a millisecond): files P gained or replaced since step 4 are
+   linked, then ``RENAME_EXCHANGE`` of the new folder with P. *This is the
+   commit point.* Then fsync of both parents.
 6. **Ledger.** The compaction is recorded in the stream's ledger (id,
-   partition, input count and bytes, outputs, batch range, rows).
+   partition, input count and bytes, outputs, batch range, rows), under the
+   commit lock like a batch's ledger write.
 7. **Clean.** The old folder (now ``c<C>/collection=X``), ``out/`` and the
    intent are deleted.
 
@@ -121,6 +122,9 @@ _TASK = re.compile(r"^part-(\d{5})-")
 DONE_RATIO = 0.5
 # Most bins (output files) one compaction writes; more wait for the next one.
 MAX_BINS = 8
+# Spark scheduler pool of compaction jobs: with spark.scheduler.mode = FAIR they
+# share the executors with the batches instead of going first (FIFO).
+POOL = "eventplane-compaction"
 # Backoff of a stream whose compaction failed: doubling from the interval, up to this.
 MAX_BACKOFF_S = 3600.0
 
@@ -415,6 +419,7 @@ class Progress:
             "seconds": None
             if self.finished_at is None
             else round(self.finished_at - self.started_at, 3),
+            "lock_wait_s": round(self.lock_wait_s, 6),
             "lock_held_s": round(self.lock_held_s, 6),
             "error": self.error,
             "request": self.request,
@@ -589,12 +594,12 @@ def run_compaction(
             crash_point("cdc.compact.before_swap")
             exchange(new, folder)
             swapped = True
-            fsync_dir(sink.path)
-            fsync_dir(work)
-            crash_point("cdc.compact.after_swap")
-            # Step 6. Ledger.
-            sink.record_compaction({**record, "at": time.time()})
             progress.lock_held_s = time.monotonic() - held
+        fsync_dir(sink.path)  # the swap is durable before the ledger names it
+        fsync_dir(work)
+        crash_point("cdc.compact.after_swap")
+        # Step 6. Ledger (under the commit lock again, like a batch's ledger write).
+        sink.record_compaction({**record, "at": time.time()})
         crash_point("cdc.compact.after_ledger")
         # Step 7. Clean: the old folder (now under work/), out/, the intent.
         progress.step = "cleaning"
@@ -848,7 +853,11 @@ class CompactionService:
         started = time.monotonic()
         self._spark = spark
         with contextlib.suppress(Exception):
-            spark.addTag(self._tag)
+            spark.addTag(self._tag)  # what stop() interrupts
+        with contextlib.suppress(Exception):  # classic Spark only (not Connect)
+            sc = spark.sparkContext
+            sc.setLocalProperty("spark.scheduler.pool", POOL)  # used in FAIR mode
+            sc.setJobDescription(f"eventplane compaction of stream {st.sink.name}")
 
         def running(p: Progress) -> None:
             p.request = request

@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 
+from daemon.cli import cdc as cdccmd
 from daemon.spark import compact
 from daemon.spark.cdc import META_DIR, committed_files, read_ledger
 from daemon.spark.compact import (
@@ -21,7 +22,7 @@ from daemon.spark.compact import (
     data_files,
     plan_partition,
 )
-from tests.spark.support import batch_lsns, make_batches, read_table
+from tests.spark.support import COLLECTIONS, batch_lsns, make_batches, read_table
 
 pytestmark = pytest.mark.spark
 
@@ -39,6 +40,10 @@ def arrow_lsns(path: Path) -> list[int]:
 
     table = ds.dataset(str(path), format="parquet", partitioning="hive").to_table(columns=["lsn"])
     return sorted(table.column("lsn").to_pylist())
+
+
+def collection_of(lsn: int) -> str:
+    return COLLECTIONS[lsn % len(COLLECTIONS)]  # as tests.spark.support.event_for
 
 
 def missing_file(exc: BaseException) -> bool:
@@ -164,7 +169,9 @@ async def test_compaction_merges_files_and_every_reader_sees_each_row_once(
     assert rec["rows"] == sum(1 for r in before if r.collection == "orders")
     assert rec["outputs"] == [merged[0].name]
     assert compaction_leftovers(table) == []
-    assert {b for b, _ in committed_files(table)} >= {20}
+    assert {b for b, _ in committed_files(table)} == {20}
+    rows = cdccmd.latest_rows(spark, sink.stream, 3)  # eventplane cdc show
+    assert [r["lsn"] for r in rows] == [1200, 1199, 1198]
 
     for b in batches[20:22]:
         await ex.execute(b)
@@ -301,6 +308,7 @@ async def test_concurrent_readers_see_every_committed_row_exactly_once(
     ex = await executor_factory(stream_options={"compact_min_files": 3, "compact_interval_s": 0.1})
     table = tmp_path / "cdc" / "all"
     batches = make_batches(30, 40)
+    batch_of = {r.lsn: b.batch_id for b in batches for sl in b.slices.values() for r in sl.records}
     committed = [0]  # batches committed so far (in order)
     started = [0]  # batches whose commit began
     stop = threading.Event()
@@ -317,6 +325,15 @@ async def test_concurrent_readers_see_every_committed_row_exactly_once(
             problems.append(f"{kind}: {len(must - set(lsns))} committed rows missing")
         if not set(lsns) <= may:
             problems.append(f"{kind}: rows of batches not begun")
+        # Per partition, a moment of the table: every batch below the newest one
+        # seen there is whole (the newest may be mid-publish).
+        for c in COLLECTIONS:
+            seen = {x for x in lsns if collection_of(x) == c}
+            if seen:
+                newest = max(batch_of[x] for x in seen)
+                whole = {x for x in batch_lsns(batches[: newest - 1]) if collection_of(x) == c}
+                if not whole <= seen:
+                    problems.append(f"{kind}: {c} misses rows of batches before {newest}")
         observations.append((kind, len(lsns)))
 
     def reader(kind: str, read: Any) -> None:
