@@ -29,8 +29,9 @@ Steps of compaction C of partition P (marked in :func:`run_compaction`):
 
 1. **Pick.** Files of P whose batches are committed (id <= the ledger's last),
    smaller than half the target, chosen by the size-tier policy below.
-2. **Write.** One Spark job reads exactly those files (``mergeSchema``: files
-   from before a column existed keep their rows) and writes one file per bin
+2. **Write.** One Spark job reads exactly those files (with the schema their
+   footers agree on, else ``mergeSchema``: files from before a column existed
+   keep their rows) and writes one file per bin
    (inputs packed up to ``target_file_bytes``), rows sorted by ``lsn``, with
    the sink's Parquet options, under ``out/``. The row counts of the outputs'
    footers must equal the inputs'; then the outputs are fsynced.
@@ -118,6 +119,8 @@ _AT_FDCWD = -100
 _INTENT = re.compile(r"c(\d{12})\.json")
 _WORK = re.compile(r"c(\d{12})")
 _TASK = re.compile(r"^part-(\d{5})-")
+# Footer key under which Spark records the schema it wrote.
+SPARK_SCHEMA_KEY = b"org.apache.spark.sql.parquet.row.metadata"
 # A file this large (relative to the target) is done: never an input again.
 DONE_RATIO = 0.5
 # Most bins (output files) one compaction writes; more wait for the next one.
@@ -448,13 +451,35 @@ def _footer_rows(files: Iterable[Path]) -> int:
     return sum(pq.read_metadata(f).num_rows for f in files)
 
 
+def _common_schema(files: Iterable[Path]) -> Any:
+    """The Spark schema every file's footer records, or None when they differ
+    (or one records none)."""
+    import pyarrow.parquet as pq
+    from pyspark.sql.types import StructType
+
+    found: set[bytes] = set()
+    for f in files:
+        found.add((pq.read_metadata(f).metadata or {}).get(SPARK_SCHEMA_KEY, b""))
+        if len(found) > 1:
+            return None
+    text = found.pop() if found else b""
+    if not text:
+        return None
+    try:
+        return StructType.fromJson(json.loads(text))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def write_merged(spark: Any, folder: Path, plan: Plan, out: Path) -> None:
     """Step 2's Spark job: one output file per bin under ``out`` (tests wrap it)."""
-    inputs = [str(folder / f.name) for f in plan.inputs]
-    # One schema for every bin: the union of the inputs' (a file from before a
+    # One schema for every bin: the inputs' Spark schema when their footers
+    # agree (no Spark job), else the union Spark merges (a file from before a
     # column existed must not decide the output's columns).
-    reader = spark.read.option("mergeSchema", "true").option("basePath", str(folder))
-    schema = reader.parquet(*inputs).schema
+    schema = _common_schema(folder / f.name for f in plan.inputs)
+    if schema is None:
+        reader = spark.read.option("mergeSchema", "true").option("basePath", str(folder))
+        schema = reader.parquet(*(str(folder / f.name) for f in plan.inputs)).schema
     frames = []
     for b in plan.bins:
         df = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from pathlib import Path
@@ -427,4 +428,64 @@ async def test_stop_interrupts_a_running_compaction_and_rolls_it_back(
         await ex.stop()
     table = tmp_path / "cdc" / "all"
     assert compaction_leftovers(table) == []
+    assert visible_lsns(spark, table) == batch_lsns(batches)
+
+
+async def test_a_failing_compaction_is_reported_and_retried_and_batches_go_on(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory(stream_options={"compaction": False, "compact_interval_s": 0.1})
+    batches = make_batches(5, 40)
+    for b in batches[:4]:
+        await ex.execute(b)
+    assert ex.compaction is not None
+
+    def fail(spark: Any, folder: Path, plan: Any, out: Path) -> None:
+        raise RuntimeError("Job aborted: lost executor")
+
+    with mock.patch.object(compact, "write_merged", side_effect=fail):
+        ex.compaction.request("all")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = ex.status()["streams"]["all"]["compaction"]
+            if status["requests_done"] == 1:
+                break
+            await asyncio.sleep(0.1)
+        await ex.execute(batches[4])  # a live batch is not held by it
+    assert status["failures_in_a_row"] == 1 and "lost executor" in status["last_error"]
+    assert status["last"]["step"] == "failed" and status["next_check_in_s"] > 0
+    text = ex.metrics.render().decode()
+    assert 'eventplane_cdc_compactions_total{outcome="failed",stream="all"} 1.0' in text
+
+    ex.compaction.request("all")  # the retry works once Spark does
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status = ex.status()["streams"]["all"]["compaction"]
+        if status["requests_done"] == 2:
+            break
+        await asyncio.sleep(0.2)
+    assert status["last_error"] is None and status["compactions"] == 2
+    assert visible_lsns(spark, tmp_path / "cdc" / "all") == batch_lsns(batches)
+
+
+async def test_files_from_before_a_column_existed_keep_their_rows(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """Inputs whose footers disagree (an older daemon wrote one without ``seq``)
+    are merged with the union of their schemas: the older rows get nulls."""
+    ex = await executor_factory(stream_options={"compaction": False})
+    batches = make_batches(3, 40)
+    for b in batches:
+        await ex.execute(b)
+    table = tmp_path / "cdc" / "all"
+    old = sorted(table.glob("collection=orders/part-b000000000001-*"))[0]
+    staged = tmp_path / "older"
+    spark.read.parquet(str(old)).drop("seq").coalesce(1).write.parquet(str(staged))
+    (written,) = staged.glob("part-*.parquet")
+    os.replace(written, old)
+
+    await asyncio.to_thread(compact_stream, ex.sinks[0], spark, full=True)
+    (merged,) = table.glob("collection=orders/part-c*")
+    rows = spark.read.parquet(str(merged)).select("lsn", "seq").collect()
+    assert sum(1 for r in rows if r.seq is None) == sum(1 for r in rows if r.lsn <= 40)
     assert visible_lsns(spark, table) == batch_lsns(batches)
