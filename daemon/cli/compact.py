@@ -118,7 +118,7 @@ def via_daemon(base: str, stream: CdcStream, dry_run: bool, timeout: float, out:
         if code >= 400:
             print(f"eventplane cdc compact: {status.get('message')}", file=sys.stderr)
             return 1
-        for p in (status.get("running"), status.get("last")):
+        for p in (status.get("last"), status.get("running")):
             if p and p.get("request") == request and (p["id"], p["step"]) not in seen:
                 seen.add((p["id"], p["step"]))
                 print("  " + describe_progress(p), file=out)

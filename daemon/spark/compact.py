@@ -40,7 +40,7 @@ Steps of compaction C of partition P (marked in :func:`run_compaction`):
    ``part-c<C>-b<first>-b<last>-...`` (the batches they hold), and every file
    of P that is not an input gets a hard link there; fsync.
 5. **Swap.** Under the sink's ``commit_lock`` (no batch publishes meanwhile;
-   held for about a millisecond): files P gained or replaced since step 4 are
+   held for well under a millisecond): files P gained or replaced since step 4 are
    linked, then ``RENAME_EXCHANGE`` of the new folder with P. *This is the
    commit point.* Then fsync of both parents.
 6. **Ledger.** The compaction is recorded in the stream's ledger (id,
