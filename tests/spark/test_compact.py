@@ -298,6 +298,7 @@ async def test_a_failed_spark_write_or_a_row_mismatch_changes_nothing(
     assert ledger is not None and ledger.last_compaction_id == 0
 
 
+@pytest.mark.timeout(600)
 async def test_concurrent_readers_see_every_committed_row_exactly_once(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:

@@ -137,6 +137,7 @@ class Readers:
             time.sleep(0.02)
 
 
+@pytest.mark.timeout(900)  # three worker JVMs; 3 min on a quiet machine
 async def test_sigkill_at_random_moments_with_readers_counting_rows(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
