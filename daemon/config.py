@@ -149,6 +149,14 @@ class CdcStream:
     retention_s: int | None = None
     # How often the daemon looks for expired partitions of this stream.
     retention_check_s: float = 300.0
+    # Compaction (docs/cdc.md, "Compaction"): merge a partition's small files
+    # into files near target_file_bytes, in the background, once a size tier
+    # of the partition holds compact_min_files files; checked every
+    # compact_interval_s.
+    compaction: bool = True
+    target_file_bytes: int = 128 * MiB
+    compact_min_files: int = 16
+    compact_interval_s: float = 60.0
 
     def wants(self, collection: str) -> bool:
         return self.collections == ("*",) or collection in self.collections
@@ -540,6 +548,7 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
             "partition_by": _partition_by,
             "retention": _retention,
             "retention_check_s": _float(0.0),
+            **_COMPACTION,
         }
         got = _section(table, where, spec, errors)
         if not _required(table, ("name", "collections", "path"), where, errors):
@@ -571,6 +580,7 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
                 partition_by,
                 got.get("retention"),
                 got.get("retention_check_s", 300.0),
+                **{k: got[k] for k in _COMPACTION if k in got},
             )
         )
     handlers: list[CdcHandler] = []
@@ -580,6 +590,14 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
         if _required(table, ("function",), where, errors) and "function" in got:
             handlers.append(CdcHandler(got["function"]))
     return CdcConfig(tuple(streams), tuple(handlers))
+
+
+_COMPACTION: dict[str, Checker] = {
+    "compaction": _bool,
+    "target_file_bytes": _int(1 * KiB, unit="bytes"),
+    "compact_min_files": _int(2),
+    "compact_interval_s": _float(0.0),
+}
 
 
 def _collections(value: Any, path: str, errors: list[str]) -> Any:

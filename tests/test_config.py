@@ -162,3 +162,34 @@ def test_bad_partition_by_and_retention_values_name_what_is_allowed() -> None:
     assert any(
         e.startswith('cdc.streams[0].retention: expected a duration like "30d"') for e in errors
     )
+
+
+def test_cdc_stream_compaction_keys_have_defaults_and_are_checked(tmp_path: Path) -> None:
+    stream = {"name": "s", "collections": "*", "path": "out"}
+    cfg = config.parse({"cdc": {"streams": [stream]}}, tmp_path / "c.toml")
+    s = cfg.cdc.streams[0]
+    assert (s.compaction, s.target_file_bytes, s.compact_min_files, s.compact_interval_s) == (
+        True,
+        128 * 1024 * 1024,
+        16,
+        60.0,
+    )
+    tuned = {**stream, "compaction": False, "target_file_bytes": 1 << 20, "compact_min_files": 4}
+    cfg = config.parse({"cdc": {"streams": [{**tuned, "compact_interval_s": 5}]}}, tmp_path / "c")
+    s = cfg.cdc.streams[0]
+    assert (s.compaction, s.target_file_bytes, s.compact_min_files, s.compact_interval_s) == (
+        False,
+        1 << 20,
+        4,
+        5.0,
+    )
+    assert s.path == tmp_path / "out"
+    bad = {**stream, "compaction": "yes", "compact_min_files": 1, "target_file_bytes": 10}
+    with pytest.raises(ConfigError) as err:
+        config.parse({"cdc": {"streams": [bad]}})
+    text = str(err.value)
+    assert "cdc.streams[0].compaction" in text
+    assert "cdc.streams[0].compact_min_files: expected an integer >= 2" in text
+    assert "cdc.streams[0].target_file_bytes" in text
+    shipped = config.load(ROOT / "config.toml").cdc.streams[0]
+    assert (shipped.compaction, shipped.target_file_bytes) == (True, 128 * 1024 * 1024)

@@ -2,6 +2,7 @@
 ``eventplane cdc rewrite STREAM``: its files of the previous payload layout, rewritten;
 ``eventplane cdc retention STREAM [--apply]``: the stream's expired time partitions
 (docs/cdc.md, "Time partitioning and retention"), removed with ``--apply``.
+``eventplane cdc compact STREAM [--dry-run]``: merge its small files now (``compact``).
 
 ``show`` reads only what a plain reader would see (published files), newest
 batches first, using the stream's ledger to open just enough files for
@@ -112,6 +113,10 @@ def main(
     out = out or sys.stdout
     if args.cdc_command == "retention":
         return retention_main(args, cfg, out)
+    if args.cdc_command == "compact":
+        from daemon.cli import compact
+
+        return compact.main(args, cfg, session=session, out=out)
     if args.cdc_command not in ("show", "rewrite"):
         print(f"eventplane cdc: unknown action {args.cdc_command!r}", file=sys.stderr)
         return 2

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(q)
     q.add_argument("--trigger", help="only this trigger's entries")
 
-    p = sub.add_parser("cdc", help="look at CDC tables")
+    p = sub.add_parser("cdc", help="look at and compact CDC tables")
     cdc_sub = p.add_subparsers(dest="cdc_command", required=True, metavar="ACTION")
     q = cdc_sub.add_parser("show", help="print the latest rows of a CDC stream")
     _add_config(q)
@@ -147,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(q)
     q.add_argument("stream")
     q.add_argument("--apply", action="store_true", help="remove them (needs the stream's lock)")
+    q = cdc_sub.add_parser(
+        "compact",
+        help="merge a CDC stream's small files now (through the daemon when it runs)",
+    )
+    _add_config(q)
+    q.add_argument("stream")
+    q.add_argument("--dry-run", action="store_true", help="print what would be merged")
+    q.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+    q.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds to wait for the daemon (3600)"
+    )
     return parser
 
 

@@ -148,6 +148,10 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
     failing = _obj(_obj(doc.get("triggers")).get("failing"))
     for name, error in failing.items():
         lines.append(f"            trigger {name} failing: {error}")
+    for name, stream in _obj(spark.get("streams")).items():
+        compaction = _obj(_obj(stream).get("compaction"))
+        if compaction:
+            lines.append(f"cdc {name:<7} {_compaction(compaction, now)}")
 
     stages = doc.get("stages")
     if isinstance(stages, list) and stages:
@@ -253,6 +257,29 @@ def stage_state(st: Mapping[str, Any], now: float) -> str:
     if isinstance(st.get("behind_batches"), int) and st["behind_batches"] > 0:
         return "catching up" + (f", {events}" if events else "")
     return "ok"
+
+
+def _compaction(c: Mapping[str, Any], now: float) -> str:
+    """``files 40 (max 22 per partition)  last #12 3 min ago  running #13 writing``."""
+    parts = [
+        f"files {_count(c.get('files'))} (max {_count(c.get('max_files_per_partition'))} "
+        f"per partition)"
+    ]
+    if not c.get("enabled"):
+        parts.append("compaction off")
+    last = _obj(c.get("last"))
+    if last:
+        at = _timestamp(last.get("finished_at"))
+        ago = f" {_duration(now - at)} ago" if at is not None else ""
+        parts.append(f"last compaction #{last.get('id')} {last.get('step')}{ago}")
+    running = _obj(c.get("running"))
+    if running:
+        parts.append(
+            f"running #{running.get('id')} {running.get('partition')} {running.get('step')}"
+        )
+    if c.get("last_error"):
+        parts.append(f"failing: {c['last_error']}")
+    return "  ".join(parts)
 
 
 def _catchup(value: Any) -> str:

@@ -21,6 +21,9 @@ never delays a health check, and so the two can bind different interfaces.
   unknown one, 503 while the daemon starts or drains. These are the only
   endpoints that change anything: keep the admin listener on loopback or a
   management network (docs/operating.md, "Pausing a stage").
+- ``POST /v1/cdc/{stream}/compact`` (``?dry_run=1``: only the plan) and
+  ``GET /v1/cdc/{stream}/compaction``: ``eventplane cdc compact`` asks the
+  daemon's compaction service (``daemon.spark.compact``) through these.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class AdminServer:
         problems: Callable[[], list[dict[str, Any]]] | None = None,
         stages: StageControl | None = None,
         clock: Callable[[], float] | None = None,
+        compaction: Any = None,
     ) -> None:
         self._listen = cfg.admin.listen
         self._stages = stages
@@ -95,6 +99,7 @@ class AdminServer:
         self._ready = ready
         self._problems = problems
         self._clock = clock
+        self._compaction = compaction  # daemon.spark.compact.CompactionService
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -109,6 +114,8 @@ class AdminServer:
         app.router.add_get("/v1/stages", self._get_stages)
         app.router.add_post("/v1/stages/{name}/pause", self._post_pause)
         app.router.add_post("/v1/stages/{name}/resume", self._post_resume)
+        app.router.add_post("/v1/cdc/{stream}/compact", self._post_compact)
+        app.router.add_get("/v1/cdc/{stream}/compaction", self._get_compaction)
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=30.0)
         await runner.setup()
         self._runner = runner
@@ -270,6 +277,41 @@ class AdminServer:
                 {"error": f"{action}_failed", "message": f"{action} of stage {name} failed: {exc}"},
             )
         return _json(200, answer)  # the change itself is logged: stage.paused, stage.resumed
+
+    # -- CDC compaction ------------------------------------------------------
+
+    def _compaction_for(self, request: web.Request) -> tuple[Any, str, web.Response | None]:
+        svc, stream = self._compaction, request.match_info["stream"]
+        if svc is None or stream not in svc.streams():
+            known = ", ".join(svc.streams()) if svc is not None else ""
+            return (
+                svc,
+                stream,
+                _json(
+                    404,
+                    {
+                        "error": "unknown_stream",
+                        "message": f"no CDC stream named {stream!r} (streams: {known or 'none'})",
+                    },
+                ),
+            )
+        return svc, stream, None
+
+    async def _post_compact(self, request: web.Request) -> web.StreamResponse:
+        svc, stream, missing = self._compaction_for(request)
+        if missing is not None:
+            return missing
+        if request.query.get("dry_run", "").lower() in ("1", "true", "yes"):
+            plans = await asyncio.to_thread(svc.plan, stream)
+            return _json(200, {"stream": stream, "dry_run": True, "plans": plans})
+        rid = svc.request(stream)
+        return _json(202, {"stream": stream, "request": rid, "status": svc.status(stream)})
+
+    async def _get_compaction(self, request: web.Request) -> web.StreamResponse:
+        svc, stream, missing = self._compaction_for(request)
+        if missing is not None:
+            return missing
+        return _json(200, svc.status(stream))
 
 
 async def _pause_body(request: web.Request) -> dict[str, str] | web.Response:

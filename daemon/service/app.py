@@ -200,6 +200,7 @@ class Daemon:
             ready=self.ready,
             problems=self.problems,
             stages=self.plane,
+            compaction=getattr(self.executor, "compaction", None),
         )
         await self.admin.start()
         self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"

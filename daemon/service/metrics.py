@@ -237,6 +237,33 @@ class Metrics:
             registry=r,
         )
 
+        # CDC compaction (daemon/spark/compact.py)
+        self.cdc_compactions = Counter(
+            p + "cdc_compactions_total",
+            "CDC compactions (one partition folder each), by outcome (done, failed).",
+            ["stream", "outcome"],
+            registry=r,
+        )
+        self.cdc_compaction_files_removed = Counter(
+            p + "cdc_compaction_files_removed_total",
+            "Data files a CDC compaction took out of a table (inputs minus merged outputs).",
+            ["stream"],
+            registry=r,
+        )
+        self.cdc_compaction_seconds = Histogram(
+            p + "cdc_compaction_seconds",
+            "Wall time of one compaction run of a stream (planning, Spark job, swap, clean).",
+            ["stream"],
+            buckets=_BATCH,
+            registry=r,
+        )
+        self.cdc_table_files = Gauge(
+            p + "cdc_table_files",
+            "Data files in a CDC table at the compaction service's last look.",
+            ["stream"],
+            registry=r,
+        )
+
         # Stages: each CDC stream, the triggers, each handler (per-stage progress)
         self.stage_batch_id = Gauge(
             p + "stage_committed_batch_id",

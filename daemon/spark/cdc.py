@@ -8,10 +8,16 @@ Layout of a stream's ``path``::
     <path>/_eventplane/staging/b<id>/       where Spark writes a batch (invisible)
     <path>/_eventplane/lock                 flock: one writer per stream; names the holder
     <path>/_common_metadata                 the table's schema (also in each collection=...)
+    <path>/_eventplane/compact/c<id>.json   compaction intent (daemon/spark/compact.py)
+    <path>/_eventplane/compact/c<id>/       where a compaction builds a partition folder
 
 Readers (``spark.read.parquet(path)``, pyarrow, DuckDB) skip every path
 component that starts with ``_`` or ``.``, so only published files are seen.
-Published names carry the batch id, which is how recovery recognises them.
+Published names carry the batch id, which is how recovery recognises them;
+files a compaction merged are named ``part-c<id>-b<first>-b<last>-...`` (the
+batches they hold) and are never orphans (:mod:`daemon.spark.compact`).
+Publishing and the ledger write take ``CdcSink.commit_lock``, under which a
+compaction swaps a partition folder and records itself.
 
 Commit protocol for batch B of stream S (the steps are marked in the code):
 
@@ -46,6 +52,8 @@ Recovery when a stream opens (before the first batch):
   renames already done are recognised), intents at or below it are removed;
 - staging folders without an intent are rolled back (deleted): Spark wrote
   them, but nothing was promised;
+- interrupted compactions roll forward (their folder swap happened) or back
+  (:func:`daemon.spark.compact.recover`);
 - published-looking files (``part-b<id>-*``) with an id above the ledger's
   last and no intent are orphans and are deleted, as are temp files;
 - partitions a retention run had hidden (``.expired-*``) are logged if they
@@ -71,7 +79,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +104,10 @@ META_DIR = "_eventplane"
 # with 40 files per batch (fsync included, ad-hoc script).
 KEEP_BATCHES = 128
 _PUBLISHED = re.compile(r"^part-b(\d{12})-")
+# A compaction's merged file: compaction id, first and last batch it holds.
+_COMPACTED = re.compile(r"^part-c(\d{12})-b(\d{12})-b(\d{12})-")
+# Compactions the ledger remembers (the ledger is rewritten on every commit).
+KEEP_COMPACTIONS = 16
 # Contract columns of a CDC table (README, "CDC tables"), in order.
 CDC_COLUMNS = (
     "lsn",
@@ -144,7 +156,7 @@ SPARK_SCHEMA_KEY = b"org.apache.spark.sql.parquet.row.metadata"
 # Crash points
 
 ENV_CRASH_AT = "EVENTPLANE_CRASH_AT"
-CRASH_POINTS = (
+COMMIT_CRASH_POINTS = (
     "cdc.before_stage",  # nothing of the batch written
     "cdc.after_stage",  # staged files exist, no intent
     "cdc.after_intent",  # intent durable, nothing published
@@ -152,12 +164,26 @@ CRASH_POINTS = (
     "cdc.after_publish",  # all files visible, ledger not updated
     "cdc.after_ledger",  # committed, intent and staging not cleaned
     "executor.after_commit",  # every sink and stage done, execute() not returned
-    # Retention of one partition (daemon/spark/retention.py):
+)
+# Retention of one partition (daemon/spark/retention.py):
+RETENTION_CRASH_POINTS = (
     "cdc.retention.before_rename",  # partition visible, nothing done
     "cdc.retention.after_rename",  # partition hidden (.expired-*), not logged
     "cdc.retention.after_log",  # hidden and logged, files not deleted
     "cdc.retention.mid_delete",  # hidden, logged, first file deleted
 )
+# A compaction's steps (daemon/spark/compact.py): rolled back up to the swap,
+# forward after it.
+COMPACT_CRASH_POINTS = (
+    "cdc.compact.after_write",  # merged files staged, no intent
+    "cdc.compact.after_intent",  # intent durable, partition untouched
+    "cdc.compact.mid_build",  # new folder partly built (hidden)
+    "cdc.compact.before_swap",  # new folder complete and durable, not swapped
+    "cdc.compact.after_swap",  # merged files visible, ledger not updated
+    "cdc.compact.after_ledger",  # recorded; old folder, intent not removed
+    "cdc.compact.mid_clean",  # old folder removed, intent not yet
+)
+CRASH_POINTS = COMMIT_CRASH_POINTS + RETENTION_CRASH_POINTS + COMPACT_CRASH_POINTS
 _crash_hits: dict[str, int] = {}
 _crash_lock = threading.Lock()
 
@@ -294,6 +320,24 @@ class Ledger:
     # The table's partition columns ([[cdc.streams]] partition_by) when it was
     # created; ledgers from before the key existed were ["collection"].
     partition_by: list[str] = field(default_factory=lambda: ["collection"])
+    # Compactions (daemon/spark/compact.py): the last id, and the newest
+    # records (id, partition, inputs, outputs, batch range), bounded.
+    last_compaction_id: int = 0
+    compactions: list[dict[str, Any]] = field(default_factory=list)
+
+    def copy(self) -> Ledger:
+        return replace(
+            self,
+            high_lsn=dict(self.high_lsn),
+            batches=list(self.batches),
+            compactions=list(self.compactions),
+            partition_by=list(self.partition_by),
+        )
+
+    def add_compaction(self, record: dict[str, Any], keep: int = KEEP_COMPACTIONS) -> None:
+        self.compactions.append(record)
+        del self.compactions[:-keep]
+        self.last_compaction_id = max(self.last_compaction_id, int(record["id"]))
 
     def entry(self, batch_id: int) -> LedgerEntry | None:
         for e in reversed(self.batches):
@@ -322,6 +366,8 @@ class Ledger:
             "rows_total": self.rows_total,
             "batches": [e.to_json() for e in self.batches],
             "partition_by": self.partition_by,
+            "last_compaction_id": self.last_compaction_id,
+            "compactions": self.compactions,
         }
 
     @classmethod
@@ -337,6 +383,8 @@ class Ledger:
             rows_total=int(raw.get("rows_total", 0)),
             batches=[LedgerEntry.from_json(e) for e in raw["batches"]],
             partition_by=[str(c) for c in raw.get("partition_by", ["collection"])],
+            last_compaction_id=int(raw.get("last_compaction_id", 0)),
+            compactions=[dict(c) for c in raw.get("compactions", [])],
         )
 
 
@@ -375,13 +423,17 @@ class RecoveryReport:
     intents_removed: list[int] = field(default_factory=list)
     staging_removed: list[str] = field(default_factory=list)
     orphans_removed: list[str] = field(default_factory=list)
+    compactions_rolled_forward: list[int] = field(default_factory=list)
+    compactions_rolled_back: list[int] = field(default_factory=list)
 
 
 class CdcSink:
     """One CDC stream: stages with Spark, publishes with renames, commits in its ledger.
 
     ``open`` and ``commit`` block (file system, py4j); the executor calls them
-    from its worker thread. Not thread-safe: one batch at a time.
+    from its worker thread. One batch at a time; a compaction may run in
+    another thread meanwhile, and ``commit_lock`` orders the steps where the
+    two touch the same folders and the ledger (publish, ledger, swap).
     """
 
     def __init__(
@@ -404,6 +456,7 @@ class CdcSink:
         self._lock_fd: int | None = None
         # Folders whose _common_metadata this process checked or wrote.
         self._summarized: set[Path] = set()
+        self.commit_lock = threading.RLock()
 
     @property
     def name(self) -> str:
@@ -432,6 +485,9 @@ class CdcSink:
             self._remove_temp_files()
             self._complete_pending(report)
             self._remove_staging(report)
+            from daemon.spark import compact
+
+            compact.recover(self, report)
             self._remove_orphans(report)
             from daemon.spark import retention  # it imports this module
 
@@ -439,7 +495,13 @@ class CdcSink:
         except BaseException:
             self.close()
             raise
-        if report.rolled_forward or report.staging_removed or report.orphans_removed:
+        if (
+            report.rolled_forward
+            or report.staging_removed
+            or report.orphans_removed
+            or report.compactions_rolled_forward
+            or report.compactions_rolled_back
+        ):
             log.warning(
                 "cdc_recovered",
                 stream=self.name,
@@ -447,6 +509,8 @@ class CdcSink:
                 intents_removed=report.intents_removed,
                 staging_removed=report.staging_removed,
                 orphans_removed=report.orphans_removed,
+                compactions_rolled_forward=report.compactions_rolled_forward,
+                compactions_rolled_back=report.compactions_rolled_back,
             )
         return report
 
@@ -613,6 +677,10 @@ class CdcSink:
         )
 
     def _publish(self, batch_id: int, files: list[tuple[str, str]]) -> None:
+        with self.commit_lock:  # a compaction swaps partition folders under it
+            self._publish_files(batch_id, files)
+
+    def _publish_files(self, batch_id: int, files: list[tuple[str, str]]) -> None:
         staging = self._staging_dir(batch_id)
         touched: set[Path] = set()
         for i, (rel, final_rel) in enumerate(files):
@@ -694,21 +762,20 @@ class CdcSink:
     def _append_ledger(
         self, batch_id: int, ranges: dict[int, tuple[int, int]], rows: int, files: list[str]
     ) -> None:
-        ledger = self.ledger
         entry = LedgerEntry(batch_id, ranges, rows, files, time.time())
-        candidate = Ledger(
-            ledger.stream,
-            ledger.wal_id,
-            ledger.cores,
-            ledger.last_batch_id,
-            dict(ledger.high_lsn),
-            ledger.rows_total,
-            list(ledger.batches),
-            list(ledger.partition_by),
-        )
-        candidate.append(entry, self.keep_batches)
-        atomic_write_json(self.meta / "ledger.json", candidate.to_json())
-        self._ledger = candidate  # only after it is durable
+        with self.commit_lock:  # a compaction records itself in the same file
+            candidate = self.ledger.copy()
+            candidate.append(entry, self.keep_batches)
+            atomic_write_json(self.meta / "ledger.json", candidate.to_json())
+            self._ledger = candidate  # only after it is durable
+
+    def record_compaction(self, record: dict[str, Any]) -> None:
+        """Append a compaction's record to the ledger (atomic replace + fsync)."""
+        with self.commit_lock:
+            candidate = self.ledger.copy()
+            candidate.add_compaction(record)
+            atomic_write_json(self.meta / "ledger.json", candidate.to_json())
+            self._ledger = candidate
 
     def _clean(self, batch_id: int) -> None:
         try:
@@ -836,10 +903,30 @@ def _published(path: Path) -> list[tuple[int, Path]]:
     return out
 
 
+def file_batch(name: str) -> int | None:
+    """The newest batch a published or compacted data file holds, from its name."""
+    m = _PUBLISHED.match(name)
+    if m:
+        return int(m.group(1))
+    m = _COMPACTED.match(name)
+    return int(m.group(3)) if m else None
+
+
 def committed_files(path: Path) -> list[tuple[int, Path]]:
-    """(batch_id, file) for every published file of a stream, newest batch first."""
+    """(batch_id, file) for every published file of a stream, newest batch first.
+
+    A compacted file counts as its newest batch: every row of a batch B is in a
+    file whose key is >= B, so the files keyed >= B hold all of B's rows.
+    """
     out: list[tuple[int, Path]] = []
     with contextlib.suppress(FileNotFoundError):
-        out = _published(path)
+        for root, dirs, names in os.walk(path):
+            dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]
+            if root == str(path):
+                continue  # files at the root are not data
+            for n in names:
+                b = file_batch(n)
+                if b is not None:
+                    out.append((b, Path(root) / n))
     out.sort(key=lambda t: (-t[0], str(t[1])))
     return out

@@ -44,8 +44,11 @@
   re-runs with the same id and rows, and the CDC ledgers commit it once.
   ``needs_restart()`` turns true after ``health.session_restart_attempts``
   failed builds in a row.
-- ``stop()`` waits for the batch in flight, closes the streams and stops the
-  session it built.
+- Compaction (``daemon.spark.compact``): a ``CompactionService`` merges the
+  streams' small files in its own thread, on the same session, beside the
+  batches (``compaction``; status per stream under ``streams``).
+- ``stop()`` waits for the batch in flight, stops compaction, closes the
+  streams and stops the session it built.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ from daemon.service.metrics import Metrics
 from daemon.spark import frame
 from daemon.spark import session as sparkmod
 from daemon.spark.cdc import CDC_COLUMNS, CdcSink, CommitResult, crash_point
+from daemon.spark.compact import CompactionService
 
 log = structlog.get_logger("eventplane.spark")
 
@@ -181,6 +185,7 @@ class SparkExecutor:
         self._factory = session_factory or self._default_factory
         self._sleep = sleep
         self._sinks: list[CdcSink] = []
+        self.compaction: CompactionService | None = None
         self._inbox: Path | None = cfg.data_dir / "spark-inbox" if uses_inbox(cfg) else None
         self._cores: int | None = None  # Spark's default parallelism, asked once
         self._built: Any | None = None  # what the factory returned, even if unused
@@ -263,6 +268,10 @@ class SparkExecutor:
             self._status.streams[sink.name] = sink.last_batch_id
         if any(s.stream.retention_s is not None for s in self._sinks):
             self._retention_task = asyncio.create_task(self._retention_loop(), name="cdc-retention")
+        self.compaction = CompactionService(
+            self._sinks, lambda: self._session if self.ready() else None, self.metrics
+        )
+        self.compaction.start()
         if self._session is not None:
             await loop.run_in_executor(self._pool, self._adopt, self._session)
             self._mark_ready()
@@ -353,6 +362,8 @@ class SparkExecutor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._boot_task
         loop = asyncio.get_running_loop()
+        if self.compaction is not None:
+            await asyncio.to_thread(self.compaction.stop)
         async with self._lock:
             try:
                 # Queued behind any build still running in the thread, so a session
@@ -394,6 +405,7 @@ class SparkExecutor:
                     "path": str(s.path),
                     "last_batch_id": st.streams.get(s.name),
                     **({"retention": self._retention[s.name]} if s.name in self._retention else {}),
+                    "compaction": self.compaction.status(s.name) if self.compaction else None,
                 }
                 for s in self._sinks
             },

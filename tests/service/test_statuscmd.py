@@ -322,3 +322,20 @@ def test_a_paused_stage_shows_since_when_by_whom_why_and_its_backlog() -> None:
     ) in text
     assert "cdc:big       2      10  PAUSED, OVER ITS LIMIT for 2 h 0 min; 20,000,000" in text
     assert "triggers      9       3  catching up, 600 events behind" in text
+
+
+def test_each_cdc_stream_shows_its_files_and_compactions() -> None:
+    compaction = {
+        "enabled": True,
+        "files": 40,
+        "max_files_per_partition": 22,
+        "last": {"id": 12, "step": "done", "finished_at": NOW - 180},
+        "running": {"id": 13, "partition": "collection=orders", "step": "writing"},
+        "last_error": None,
+    }
+    spark = {"ready": True, "streams": {"all": {"path": "/t", "compaction": compaction}}}
+    text = statuscmd.render(sample_status(spark=spark), now=NOW)
+    assert (
+        "cdc all     files 40 (max 22 per partition)  last compaction #12 done 3 min 0 s ago"
+        "  running #13 collection=orders writing"
+    ) in text

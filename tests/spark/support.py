@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,9 @@ def make_config(
     cores: int = CORES,
     partition_by: Sequence[str] = ("collection",),
     retention_s: int | None = None,
+    stream_options: Mapping[str, Any] | None = None,
 ) -> Config:
+    """``stream_options``: more keys of every ``[[cdc.streams]]`` (compaction)."""
     return Config(
         daemon=DaemonConfig(data_dir=root / "var", cores=cores),
         spark=SparkConfig(
@@ -99,6 +101,7 @@ def make_config(
                     root / "cdc" / name,
                     partition_by=tuple(partition_by),
                     retention_s=retention_s,
+                    **(stream_options or {}),
                 )
                 for name, cols in streams
             ),

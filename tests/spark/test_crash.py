@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from daemon.spark.cdc import CRASH_POINTS, ENV_CRASH_AT, META_DIR, read_ledger
+from daemon.spark.cdc import COMMIT_CRASH_POINTS, ENV_CRASH_AT, META_DIR, read_ledger
 from tests.spark.support import batch_lsns, make_batches
 
 pytestmark = [pytest.mark.spark, pytest.mark.crash]
@@ -69,15 +69,11 @@ def visible(spark: Any, table: Path) -> list[int]:
     return sorted(r.lsn for r in spark.read.parquet(str(table)).select("lsn").collect())
 
 
-# Retention's points are tested in tests/spark/test_retention.py.
-COMMIT_POINTS = tuple(p for p in CRASH_POINTS if not p.startswith("cdc.retention."))
-
-
 def test_every_crash_point_is_covered() -> None:
-    assert set(BEFORE_RECOVERY) == set(COMMIT_POINTS)
+    assert set(BEFORE_RECOVERY) == set(COMMIT_CRASH_POINTS)
 
 
-@pytest.mark.parametrize("point", COMMIT_POINTS)
+@pytest.mark.parametrize("point", COMMIT_CRASH_POINTS)
 async def test_sigkill_at_commit_step_recovers_to_exactly_once(
     spark: Any, executor_factory: Any, tmp_path: Path, point: str
 ) -> None:

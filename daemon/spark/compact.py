@@ -1,0 +1,971 @@
+"""Compaction of CDC tables: a partition's small files merged into few large ones.
+
+A stream writes at least one file per collection per micro-batch; nothing
+else would ever merge them (750k files a day at 1 s batches, and reads 7-11x
+slower than the same rows in few files). Compaction merges the small files of
+one partition folder (``<path>/collection=X``) into files near
+``target_file_bytes``, and a reader never sees a row twice or misses one
+(invariant 16).
+
+**Why a folder swap.** Readers list folders: that is the table's contract
+(``spark.read.parquet`` of the root or of one partition, a glob, pyarrow,
+DuckDB). Replacing N files by one inside a folder cannot be atomic with
+renames: between them a listing sees both the merged file and some of its
+inputs (duplicates) or neither (missing rows). A whole folder can be swapped
+atomically: ``renameat2(..., RENAME_EXCHANGE)`` (Linux 3.15+: ext4, xfs,
+btrfs, tmpfs; not NFS) exchanges two names in one step, so a ``readdir`` of
+the partition sees the old folder or the new one, never a mix. A file system
+without it refuses compaction with :class:`CompactionUnsupportedError`; the
+table keeps working uncompacted.
+
+Layout (under ``<path>/_eventplane/``, which no reader lists)::
+
+    compact/c<C>.json                 intent: partition, inputs, outputs
+    compact/c<C>/out/                 where Spark writes the merged files
+    compact/c<C>/collection=X/        the new folder, built here; after the
+                                      swap, the old folder (deleted)
+
+Steps of compaction C of partition P (marked in :func:`run_compaction`):
+
+1. **Pick.** Files of P whose batches are committed (id <= the ledger's last),
+   smaller than half the target, chosen by the size-tier policy below.
+2. **Write.** One Spark job reads exactly those files (with the schema their
+   footers agree on, else ``mergeSchema``: files from before a column existed
+   keep their rows) and writes one file per bin
+   (inputs packed up to ``target_file_bytes``), rows sorted by ``lsn``, with
+   the sink's Parquet options, under ``out/``. The row counts of the outputs'
+   footers must equal the inputs'; then the outputs are fsynced.
+3. **Intent.** ``c<C>.json`` (atomic replace + fsync).
+4. **Build.** The merged files move into ``c<C>/collection=X/`` as
+   ``part-c<C>-b<first>-b<last>-...`` (the batches they hold), and every file
+   of P that is not an input gets a hard link there; fsync.
+5. **Swap.** Under the sink's ``commit_lock`` (no batch publishes meanwhile;
+   held for well under a millisecond): files P gained or replaced since step 4 are
+   linked, then ``RENAME_EXCHANGE`` of the new folder with P. *This is the
+   commit point.* Then fsync of both parents.
+6. **Ledger.** The compaction is recorded in the stream's ledger (id,
+   partition, input count and bytes, outputs, batch range, rows), under the
+   commit lock like a batch's ledger write.
+7. **Clean.** The old folder (now ``c<C>/collection=X``), ``out/`` and the
+   intent are deleted.
+
+**Recovery** (:func:`recover`, when a stream opens and before each
+compaction): an intent whose outputs are in P rolls forward (ledger, clean);
+one whose outputs are not rolls back (its folder is deleted; P was never
+touched). A ``c<C>`` folder without intent is deleted.
+
+**Readers across a swap.** A reader that listed P before the swap and opens
+an input afterwards finds it gone: Spark fails the query with
+``[FAILED_READ_FILE.FILE_NOT_EXIST] ... It is possible the underlying files
+have been updated``, pyarrow with ``FileNotFoundError``. That is retryable
+(list again), never wrong rows. A reader that opened a file keeps reading it.
+Spark's ``spark.sql.files.ignoreMissingFiles = true`` would turn that error
+into missing rows: do not set it on readers of a CDC table.
+
+**Policy (size tiers).** Re-merging a growing file with each new handful of
+small files would rewrite it again and again (a day at 1 s batches and a
+check a minute would rewrite ~64 MiB per partition per check). Files below
+half the target are sorted into tiers by size, a factor ``F =
+compact_min_files`` apart: tier 0 is [T/2F, T/2), tier 1 [T/2F², T/2F), ...
+When a tier holds F files, they and every smaller file are merged; the result
+lands at least one tier up. Each row is rewritten about ``log_F(T / batch
+file size)`` times (3-4 at the defaults), and a partition keeps fewer than F
+files per tier plus files near the target: the count grows with the data, not
+with the batches. ``eventplane cdc compact`` merges every file below half the
+target at once (``full``).
+
+Compactions of a daemon run one at a time in their own thread
+(:class:`CompactionService`), beside the batches: a compaction's Spark job
+never holds a live commit, which only waits for the swap's lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from daemon.spark.cdc import (
+    _COMPACTED,
+    _PUBLISHED,
+    PARQUET_OPTIONS,
+    CdcError,
+    CdcRecoveryError,
+    CdcSink,
+    RecoveryReport,
+    atomic_write_json,
+    crash_point,
+    fsync_dir,
+    fsync_file,
+)
+
+log = structlog.get_logger("eventplane.cdc")
+
+COMPACT_DIR = "compact"
+RENAME_EXCHANGE = 1 << 1  # <linux/fs.h>
+_AT_FDCWD = -100
+_INTENT = re.compile(r"c(\d{12})\.json")
+_WORK = re.compile(r"c(\d{12})")
+_TASK = re.compile(r"^part-(\d{5})-")
+# Footer key under which Spark records the schema it wrote.
+SPARK_SCHEMA_KEY = b"org.apache.spark.sql.parquet.row.metadata"
+# A file this large (relative to the target) is done: never an input again.
+DONE_RATIO = 0.5
+# Most bins (output files) one compaction writes; more wait for the next one.
+MAX_BINS = 8
+# Spark scheduler pool of compaction jobs: with spark.scheduler.mode = FAIR they
+# share the executors with the batches instead of going first (FIFO).
+POOL = "eventplane-compaction"
+# Backoff of a stream whose compaction failed: doubling from the interval, up to this.
+MAX_BACKOFF_S = 3600.0
+
+
+class CompactionError(CdcError):
+    """A compaction failed; it was rolled back (or rolls forward on its next run)."""
+
+
+class CompactionUnsupportedError(CompactionError):
+    """The file system cannot swap two folders atomically (renameat2 RENAME_EXCHANGE)."""
+
+
+# --------------------------------------------------------------------------
+# The atomic folder swap
+
+
+_libc: Any = None
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap the names ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        raise CompactionUnsupportedError(
+            "compaction needs renameat2(RENAME_EXCHANGE) (Linux 3.15+, glibc 2.28+), "
+            "which this system's C library does not have"
+        )
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
+        raise CompactionUnsupportedError(
+            f"the file system of {b} cannot swap two folders atomically "
+            f"(renameat2 RENAME_EXCHANGE: {os.strerror(err)}); NFS and some others lack it. "
+            f"Compaction is refused there and the table stays uncompacted: set "
+            f"compaction = false on the stream, or move it to a local file system"
+        )
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+_supported: dict[Path, str | None] = {}
+
+
+def check_exchange(meta_compact: Path) -> None:
+    """Try the swap once per folder on two empty folders; raise if unsupported."""
+    known = _supported.get(meta_compact, "")
+    if known is None:
+        return
+    if known:
+        raise CompactionUnsupportedError(known)
+    a = meta_compact / f".probe-a-{os.getpid()}"
+    b = meta_compact / f".probe-b-{os.getpid()}"
+    try:
+        for d in (a, b):
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+        (a / "x").touch()
+        exchange(a, b)
+        if not (b / "x").exists():
+            raise CompactionUnsupportedError(f"renameat2 RENAME_EXCHANGE did not swap {a} and {b}")
+        _supported[meta_compact] = None
+    except CompactionUnsupportedError as exc:
+        _supported[meta_compact] = str(exc)
+        raise
+    finally:
+        for d in (a, b):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# What to merge
+
+
+@dataclass(frozen=True, slots=True)
+class DataFile:
+    name: str
+    size: int
+    first: int  # first and last batch whose rows it holds
+    last: int
+    compaction: int | None = None  # the compaction that wrote it
+
+
+def data_files(folder: Path) -> list[DataFile]:
+    """The data files of a partition folder, recognised by name."""
+    out: list[DataFile] = []
+    with os.scandir(folder) as it:
+        for e in it:
+            m = _PUBLISHED.match(e.name)
+            if m:
+                b = int(m.group(1))
+                out.append(DataFile(e.name, e.stat().st_size, b, b))
+                continue
+            m = _COMPACTED.match(e.name)
+            if m:
+                out.append(
+                    DataFile(
+                        e.name, e.stat().st_size, int(m.group(2)), int(m.group(3)), int(m.group(1))
+                    )
+                )
+    return out
+
+
+def partitions(path: Path) -> list[Path]:
+    """The visible partition folders of a table."""
+    try:
+        return sorted(d for d in path.iterdir() if d.is_dir() and not d.name.startswith(("_", ".")))
+    except FileNotFoundError:
+        return []
+
+
+def tier(size: int, target: int, factor: int) -> int | None:
+    """The size tier of a file (0: just below ``DONE_RATIO * target``); None when done."""
+    bound = target * DONE_RATIO
+    if size >= bound:
+        return None
+    k = 0
+    while size < bound / factor and k < 64:
+        bound /= factor
+        k += 1
+    return k
+
+
+@dataclass(slots=True)
+class Plan:
+    """One compaction: a partition's inputs, packed into bins (one output each)."""
+
+    partition: str
+    mode: str  # "tiered" (background) or "full" (eventplane cdc compact)
+    bins: list[list[DataFile]]
+    files: int  # data files in the partition before
+    reason: str = ""
+
+    @property
+    def inputs(self) -> list[DataFile]:
+        return [f for b in self.bins for f in b]
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(f.size for f in self.inputs)
+
+    def to_json(self) -> dict[str, Any]:
+        ins = self.inputs
+        return {
+            "partition": self.partition,
+            "mode": self.mode,
+            "reason": self.reason,
+            "files_before": self.files,
+            "inputs": len(ins),
+            "input_bytes": self.input_bytes,
+            "outputs": len(self.bins),
+            "files_after": self.files - len(ins) + len(self.bins),
+            "first_batch": min(f.first for f in ins),
+            "last_batch": max(f.last for f in ins),
+        }
+
+
+def pack(files: Iterable[DataFile], target: int, max_bins: int = MAX_BINS) -> list[list[DataFile]]:
+    """Inputs in batch order, packed into bins of at most ``target`` bytes; bins of
+    one file are dropped (nothing to merge)."""
+    bins: list[list[DataFile]] = []
+    current: list[DataFile] = []
+    size = 0
+    for f in sorted(files, key=lambda f: (f.first, f.last, f.name)):
+        if current and size + f.size > target:
+            bins.append(current)
+            current, size = [], 0
+        current.append(f)
+        size += f.size
+    if current:
+        bins.append(current)
+    return [b for b in bins if len(b) > 1][:max_bins]
+
+
+def plan_partition(
+    name: str,
+    files: Sequence[DataFile],
+    *,
+    target: int,
+    min_files: int,
+    last_committed: int,
+    full: bool = False,
+) -> Plan | None:
+    """What to merge in one partition now, or None (see the module doc, Policy)."""
+    small = [f for f in files if f.last <= last_committed and f.size < target * DONE_RATIO]
+    if full:
+        bins = pack(small, target)
+        reason = f"{len(small)} files below {int(target * DONE_RATIO)} bytes"
+    else:
+        tiers: dict[int, list[DataFile]] = {}
+        for f in small:
+            k = tier(f.size, target, min_files)
+            if k is not None:
+                tiers.setdefault(k, []).append(f)
+        due = [k for k, fs in tiers.items() if len(fs) >= min_files]
+        if not due:
+            return None
+        k = min(due)  # the largest due tier, with every smaller file
+        chosen = [f for j, fs in tiers.items() if j >= k for f in fs]
+        bins = pack(chosen, target)
+        reason = f"tier {k} holds {len(tiers[k])} files (compact_min_files {min_files})"
+    if not bins:
+        return None
+    return Plan(name, "full" if full else "tiered", bins, len(files), reason)
+
+
+def plan_stream(sink: CdcSink, *, full: bool = False) -> list[Plan]:
+    """Every partition of the stream that has something to merge now.
+
+    Only streams partitioned by ``collection`` alone are compacted: the swap
+    replaces a ``collection=...`` folder with one built from its files, and a
+    time-partitioned stream keeps its files one level deeper (``date=...``),
+    which this does not walk yet (docs/cdc.md, "Compaction", limits).
+    """
+    s = sink.stream
+    if tuple(s.partition_by) != ("collection",):
+        return []
+    last = sink.ledger.last_batch_id
+    out = []
+    for folder in partitions(sink.path):
+        plan = plan_partition(
+            folder.name,
+            data_files(folder),
+            target=s.target_file_bytes,
+            min_files=s.compact_min_files,
+            last_committed=last,
+            full=full,
+        )
+        if plan is not None:
+            out.append(plan)
+    return out
+
+
+def file_counts(sink: CdcSink) -> dict[str, int]:
+    """Data files per partition folder."""
+    return {d.name: len(data_files(d)) for d in partitions(sink.path)}
+
+
+# --------------------------------------------------------------------------
+# Progress
+
+
+@dataclass(slots=True)
+class Progress:
+    """One compaction, as status and the CLI show it."""
+
+    stream: str
+    partition: str
+    mode: str
+    inputs: int
+    input_bytes: int
+    bins: int
+    first_batch: int
+    last_batch: int
+    id: int | None = None
+    step: str = "planned"  # writing, swapping, cleaning, done, failed
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    outputs: list[str] = field(default_factory=list)
+    output_bytes: int = 0
+    rows: int = 0
+    lock_wait_s: float = 0.0
+    lock_held_s: float = 0.0
+    error: str | None = None
+    request: int | None = None
+
+    @classmethod
+    def of(cls, stream: str, plan: Plan) -> Progress:
+        ins = plan.inputs
+        return cls(
+            stream,
+            plan.partition,
+            plan.mode,
+            len(ins),
+            plan.input_bytes,
+            len(plan.bins),
+            min(f.first for f in ins),
+            max(f.last for f in ins),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "partition": self.partition,
+            "mode": self.mode,
+            "step": self.step,
+            "inputs": self.inputs,
+            "input_bytes": self.input_bytes,
+            "outputs": len(self.outputs) or self.bins,
+            "output_bytes": self.output_bytes,
+            "rows": self.rows,
+            "first_batch": self.first_batch,
+            "last_batch": self.last_batch,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "seconds": None
+            if self.finished_at is None
+            else round(self.finished_at - self.started_at, 3),
+            "lock_wait_s": round(self.lock_wait_s, 6),
+            "lock_held_s": round(self.lock_held_s, 6),
+            "error": self.error,
+            "request": self.request,
+        }
+
+
+# --------------------------------------------------------------------------
+# One compaction
+
+
+def _cdir(sink: CdcSink) -> Path:
+    return sink.meta / COMPACT_DIR
+
+
+def _intent(sink: CdcSink, cid: int) -> Path:
+    return _cdir(sink) / f"c{cid:012d}.json"
+
+
+def _work(sink: CdcSink, cid: int) -> Path:
+    return _cdir(sink) / f"c{cid:012d}"
+
+
+def _footer_rows(files: Iterable[Path]) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.read_metadata(f).num_rows for f in files)
+
+
+def _common_schema(files: Iterable[Path]) -> Any:
+    """The Spark schema every file's footer records, or None when they differ
+    (or one records none)."""
+    import pyarrow.parquet as pq
+    from pyspark.sql.types import StructType
+
+    found: set[bytes] = set()
+    for f in files:
+        found.add((pq.read_metadata(f).metadata or {}).get(SPARK_SCHEMA_KEY, b""))
+        if len(found) > 1:
+            return None
+    text = found.pop() if found else b""
+    if not text:
+        return None
+    try:
+        return StructType.fromJson(json.loads(text))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def write_merged(spark: Any, folder: Path, plan: Plan, out: Path) -> None:
+    """Step 2's Spark job: one output file per bin under ``out`` (tests wrap it)."""
+    # One schema for every bin: the inputs' Spark schema when their footers
+    # agree (no Spark job), else the union Spark merges (a file from before a
+    # column existed must not decide the output's columns).
+    schema = _common_schema(folder / f.name for f in plan.inputs)
+    if schema is None:
+        reader = spark.read.option("mergeSchema", "true").option("basePath", str(folder))
+        schema = reader.parquet(*(str(folder / f.name) for f in plan.inputs)).schema
+    frames = []
+    for b in plan.bins:
+        df = (
+            spark.read.schema(schema)
+            .option("basePath", str(folder))
+            .parquet(*(str(folder / f.name) for f in b))
+        )
+        frames.append(df.coalesce(1))
+    merged = frames[0]
+    for df in frames[1:]:
+        merged = merged.union(df)  # keeps the partitions: one task (file) per bin
+    writer = merged.sortWithinPartitions("lsn").write.mode("overwrite")
+    writer.options(**PARQUET_OPTIONS).parquet(str(out))
+
+
+def _outputs(out: Path, plan: Plan, cid: int) -> list[tuple[str, str]]:
+    """(staged name, final name) of the merged files, in task (bin) order."""
+    pairs = []
+    for n in sorted(os.listdir(out)):
+        if n.startswith(("_", ".")):
+            continue  # _SUCCESS, .crc checksums
+        m = _TASK.match(n)
+        if not m or int(m.group(1)) >= len(plan.bins):
+            raise CompactionError(f"unexpected file {n} in the compaction's output {out}")
+        b = plan.bins[int(m.group(1))]
+        first, last = min(f.first for f in b), max(f.last for f in b)
+        pairs.append((n, f"part-c{cid:012d}-b{first:012d}-b{last:012d}-{n[len('part-') :]}"))
+    return pairs
+
+
+def _sync_links(src: Path, dst: Path, skip: set[str], keep: set[str]) -> bool:
+    """Make ``dst`` hold a hard link of every file of ``src`` not in ``skip``
+    (same inode), and nothing else but ``keep``. True when it changed ``dst``."""
+    want: dict[str, int] = {}
+    with os.scandir(src) as it:
+        for e in it:
+            if e.name in skip or e.name.startswith("."):
+                continue  # inputs; temp files of a writer
+            if not e.is_file(follow_symlinks=False):
+                raise CompactionError(
+                    f"{src} holds {e.name}, which is not a file; compaction only "
+                    f"merges partition folders of plain files"
+                )
+            want[e.name] = e.inode()
+    have: dict[str, int] = {}
+    with os.scandir(dst) as it:
+        for e in it:
+            have[e.name] = e.inode()
+    changed = False
+    for name, ino in want.items():
+        if have.get(name) != ino:
+            if name in have:
+                (dst / name).unlink()
+            os.link(src / name, dst / name)
+            changed = True
+    for name in have.keys() - want.keys() - keep:
+        (dst / name).unlink()
+        changed = True
+    return changed
+
+
+def run_compaction(
+    sink: CdcSink, spark: Any, plan: Plan, progress: Progress, *, write: Any = None
+) -> Progress:
+    """Steps 2-7 of the module doc for one partition. Raises on failure, after
+    rolling back what was not swapped; a failure after the swap rolls forward
+    at the next :func:`recover`."""
+    write = write or write_merged
+    folder = sink.path / plan.partition
+    cdir = _cdir(sink)
+    cdir.mkdir(exist_ok=True)
+    check_exchange(cdir)
+    cid = sink.ledger.last_compaction_id + 1
+    progress.id = cid
+    work, intent = _work(sink, cid), _intent(sink, cid)
+    out, new = work / "out", work / plan.partition
+    shutil.rmtree(work, ignore_errors=True)  # a failed attempt's leftovers: never visible
+    swapped = False
+    try:
+        # Step 2. Write: Spark merges exactly the inputs, where no reader looks.
+        progress.step = "writing"
+        work.mkdir()
+        write(spark, folder, plan, out)
+        crash_point("cdc.compact.after_write")
+        outputs = _outputs(out, plan, cid)
+        rows_in = _footer_rows(folder / f.name for f in plan.inputs)
+        rows_out = _footer_rows(out / s for s, _ in outputs)
+        if rows_in != rows_out:
+            raise CompactionError(
+                f"stream {sink.name!r} {plan.partition}: the merged files hold {rows_out} "
+                f"rows, the inputs {rows_in}; nothing was changed"
+            )
+        for staged, _ in outputs:
+            fsync_file(out / staged)
+        progress.rows = rows_in
+        progress.output_bytes = sum((out / s).stat().st_size for s, _ in outputs)
+        progress.outputs = [final for _, final in outputs]
+        # Step 3. Intent.
+        record = {
+            "id": cid,
+            "partition": plan.partition,
+            "mode": plan.mode,
+            "inputs": len(plan.inputs),
+            "input_bytes": plan.input_bytes,
+            "outputs": progress.outputs,
+            "output_bytes": progress.output_bytes,
+            "rows": rows_in,
+            "first_batch": progress.first_batch,
+            "last_batch": progress.last_batch,
+        }
+        atomic_write_json(intent, {**record, "input_files": [f.name for f in plan.inputs]})
+        crash_point("cdc.compact.after_intent")
+        # Step 4. Build the new folder beside the live one.
+        progress.step = "swapping"
+        new.mkdir()
+        for i, (staged, final) in enumerate(outputs):
+            os.rename(out / staged, new / final)
+            if i == 0:
+                crash_point("cdc.compact.mid_build")
+        inputs = {f.name for f in plan.inputs}
+        finals = set(progress.outputs)
+        _sync_links(folder, new, inputs, finals)
+        fsync_dir(new)
+        # Step 5. Swap, under the commit lock: no file lands in the folder meanwhile.
+        waited = time.monotonic()
+        with sink.commit_lock:
+            held = time.monotonic()
+            progress.lock_wait_s = held - waited
+            present = set(os.listdir(folder))
+            if not inputs <= present:
+                raise CompactionError(
+                    f"stream {sink.name!r} {plan.partition}: inputs vanished during the "
+                    f"compaction ({sorted(inputs - present)[:3]}); nothing was changed"
+                )
+            if _sync_links(folder, new, inputs, finals):
+                fsync_dir(new)
+            crash_point("cdc.compact.before_swap")
+            exchange(new, folder)
+            swapped = True
+            progress.lock_held_s = time.monotonic() - held
+        fsync_dir(sink.path)  # the swap is durable before the ledger names it
+        fsync_dir(work)
+        crash_point("cdc.compact.after_swap")
+        # Step 6. Ledger (under the commit lock again, like a batch's ledger write).
+        sink.record_compaction({**record, "at": time.time()})
+        crash_point("cdc.compact.after_ledger")
+        # Step 7. Clean: the old folder (now under work/), out/, the intent.
+        progress.step = "cleaning"
+        _clean(sink, cid, mid=True)
+    except BaseException:
+        if not swapped:
+            _clean(sink, cid)
+        raise
+    progress.step = "done"
+    progress.finished_at = time.time()
+    return progress
+
+
+def _clean(sink: CdcSink, cid: int, *, mid: bool = False) -> None:
+    shutil.rmtree(_work(sink, cid), ignore_errors=True)
+    if mid:
+        crash_point("cdc.compact.mid_clean")
+    _intent(sink, cid).unlink(missing_ok=True)
+    fsync_dir(_cdir(sink))
+
+
+def recover(sink: CdcSink, report: RecoveryReport | None = None) -> RecoveryReport:
+    """Finish or undo interrupted compactions (module doc, Recovery)."""
+    report = report if report is not None else RecoveryReport()
+    cdir = _cdir(sink)
+    cdir.mkdir(exist_ok=True)
+    intents: dict[int, Path] = {}
+    works: set[int] = set()
+    for p in cdir.iterdir():
+        if p.name.startswith("."):  # temp files of atomic writes, exchange probes
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        elif m := _INTENT.fullmatch(p.name):
+            intents[int(m.group(1))] = p
+        elif m := _WORK.fullmatch(p.name):
+            works.add(int(m.group(1)))
+    for cid, file in sorted(intents.items()):
+        try:
+            raw = json.loads(file.read_bytes())
+            folder = sink.path / str(raw["partition"])
+            outputs = [str(o) for o in raw["outputs"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CdcRecoveryError(
+                f"stream {sink.name!r}: compaction intent {file} is unreadable ({exc}). "
+                f"It was written atomically, so the disk or an operator changed it."
+            ) from exc
+        visible = sum((folder / o).exists() for o in outputs)
+        if outputs and visible == len(outputs):
+            # Swapped: the merged files are the partition's. Roll forward.
+            if cid > sink.ledger.last_compaction_id:
+                record = {k: v for k, v in raw.items() if k != "input_files"}
+                sink.record_compaction({**record, "at": time.time(), "recovered": True})
+            report.compactions_rolled_forward.append(cid)
+            log.warning("cdc.compaction_rolled_forward", stream=sink.name, id=cid)
+        elif visible == 0:
+            report.compactions_rolled_back.append(cid)
+            log.warning("cdc.compaction_rolled_back", stream=sink.name, id=cid)
+        else:
+            raise CdcRecoveryError(
+                f"stream {sink.name!r}: compaction {cid} has {visible} of its "
+                f"{len(outputs)} merged files in {folder}; a folder swap is atomic, so "
+                f"something else changed that folder. Inspect {file} and {folder}."
+            )
+        _clean(sink, cid)
+        works.discard(cid)
+    for cid in sorted(works):
+        shutil.rmtree(_work(sink, cid), ignore_errors=True)
+        report.compactions_rolled_back.append(cid)
+    return report
+
+
+def compact_stream(
+    sink: CdcSink,
+    spark: Any,
+    *,
+    full: bool,
+    on_progress: Callable[[Progress], None] | None = None,
+    stop: threading.Event | None = None,
+    done: list[Progress] | None = None,
+) -> list[Progress]:
+    """Every compaction the stream's policy asks for now, one partition at a time;
+    the finished ones (also appended to ``done`` as they finish)."""
+    recover(sink)  # an earlier attempt that failed after its swap rolls forward first
+    done = [] if done is None else done
+    for plan in plan_stream(sink, full=full):
+        if stop is not None and stop.is_set():
+            break
+        progress = Progress.of(sink.name, plan)
+        if on_progress is not None:
+            on_progress(progress)
+        log.info("cdc.compaction_started", stream=sink.name, **plan.to_json())
+        try:
+            run_compaction(sink, spark, plan, progress)
+        except BaseException as exc:
+            progress.step = "failed"
+            progress.error = f"{type(exc).__name__}: {exc}"[:2000]
+            progress.finished_at = time.time()
+            raise
+        log.info("cdc.compaction_done", stream=sink.name, **progress.to_json())
+        done.append(progress)
+    return done
+
+
+# --------------------------------------------------------------------------
+# The daemon's background compactions
+
+
+@dataclass(slots=True)
+class _StreamState:
+    sink: CdcSink
+    next_check: float
+    running: Progress | None = None
+    last: Progress | None = None
+    last_error: str | None = None
+    last_error_at: float | None = None
+    failures: int = 0  # in a row
+    compactions: int = 0
+    files_removed: int = 0
+    files: dict[str, int] = field(default_factory=dict)  # partition -> data files
+    scanned_at: float | None = None
+    requested: int = 0  # manual requests: the newest id asked for ...
+    requests_done: int = 0  # ... and done
+
+
+class CompactionService:
+    """Compacts a daemon's streams in one background thread, one at a time.
+
+    ``session()`` gives the SparkSession to use, or None while Spark is not
+    ready (the check is then skipped). Each stream is checked every
+    ``compact_interval_s`` (the first time one interval after start), and at
+    once when ``request`` asks. A failure is logged, counted, shown in
+    ``status`` and retried with backoff; it never touches a live batch.
+    """
+
+    TICK_S = 0.5
+
+    def __init__(
+        self,
+        sinks: Sequence[CdcSink],
+        session: Callable[[], Any | None],
+        metrics: Any = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        now = clock()
+        self._streams = {s.name: _StreamState(s, now + s.stream.compact_interval_s) for s in sinks}
+        self._session = session
+        self._metrics = metrics
+        self._clock = clock
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._mutex = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._tag = f"eventplane-compaction-{id(self)}"
+        self._spark: Any = None  # the session of the running job (for stop)
+
+    def start(self) -> None:
+        if self._streams and self._thread is None:
+            self._thread = threading.Thread(
+                target=self._loop, name="eventplane-compaction", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop after the running compaction (its Spark job is interrupted: rolled back)."""
+        self._stop.set()
+        self._wake.set()
+        spark = self._spark
+        if spark is not None:
+            with contextlib.suppress(Exception):
+                spark.interruptTag(self._tag)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("cdc.compaction_stop_timeout", timeout_s=timeout)
+            self._thread = None
+
+    def streams(self) -> list[str]:
+        return list(self._streams)
+
+    def request(self, stream: str) -> int | None:
+        """Ask for a full compaction of ``stream`` now; the request's id (None: unknown)."""
+        st = self._streams.get(stream)
+        if st is None:
+            return None
+        with self._mutex:
+            st.requested += 1
+            rid = st.requested
+        self._wake.set()
+        return rid
+
+    def plan(self, stream: str) -> list[dict[str, Any]] | None:
+        """What a full compaction would merge now (a dry run); None: unknown stream."""
+        st = self._streams.get(stream)
+        if st is None:
+            return None
+        return [p.to_json() for p in plan_stream(st.sink, full=True)]
+
+    def status(self, stream: str) -> dict[str, Any] | None:
+        st = self._streams.get(stream)
+        if st is None:
+            return None
+        s = st.sink.stream
+        files = dict(st.files)
+        ledger = st.sink._ledger
+        return {
+            "enabled": s.compaction,
+            "target_file_bytes": s.target_file_bytes,
+            "compact_min_files": s.compact_min_files,
+            "interval_s": s.compact_interval_s,
+            "running": st.running.to_json() if st.running is not None else None,
+            "last": st.last.to_json() if st.last is not None else None,
+            "last_id": ledger.last_compaction_id if ledger is not None else None,
+            "compactions": st.compactions,
+            "files_removed": st.files_removed,
+            "failures_in_a_row": st.failures,
+            "last_error": st.last_error,
+            "last_error_at": st.last_error_at,
+            "files": sum(files.values()),
+            "files_per_partition": files,
+            "max_files_per_partition": max(files.values(), default=0),
+            "scanned_at": st.scanned_at,
+            "requested": st.requested,
+            "requests_done": st.requests_done,
+            "next_check_in_s": round(max(0.0, st.next_check - self._clock()), 3),
+        }
+
+    # -- the thread --------------------------------------------------------
+
+    def _loop(self) -> None:
+        for st in self._streams.values():
+            self._scan(st)
+        while not self._stop.is_set():
+            for st in self._streams.values():
+                if self._stop.is_set():
+                    break
+                with self._mutex:
+                    wanted = st.requested
+                manual = wanted > st.requests_done
+                due = st.sink.stream.compaction and self._clock() >= st.next_check
+                if not (manual or due):
+                    continue
+                spark = self._session()
+                if spark is None:
+                    continue  # Spark not ready: try again next tick
+                self._run(st, spark, full=manual, request=wanted if manual else None)
+            self._wake.wait(self.TICK_S)
+            self._wake.clear()
+
+    def _run(self, st: _StreamState, spark: Any, *, full: bool, request: int | None) -> None:
+        interval = st.sink.stream.compact_interval_s
+        started = time.monotonic()
+        self._spark = spark
+        with contextlib.suppress(Exception):
+            spark.addTag(self._tag)  # what stop() interrupts
+        with contextlib.suppress(Exception):  # classic Spark only (not Connect)
+            sc = spark.sparkContext
+            sc.setLocalProperty("spark.scheduler.pool", POOL)  # used in FAIR mode
+            sc.setJobDescription(f"eventplane compaction of stream {st.sink.name}")
+
+        def running(p: Progress) -> None:
+            p.request = request
+            if st.running is not None and st.running.step == "done":
+                st.last = st.running  # the one before, in the same run
+            st.running = p
+
+        done: list[Progress] = []
+        try:
+            compact_stream(
+                st.sink, spark, full=full, on_progress=running, stop=self._stop, done=done
+            )
+        except Exception as exc:
+            failed = st.running
+            st.running = None
+            st.failures += 1
+            st.last_error = f"{type(exc).__name__}: {exc}"[:2000]
+            st.last_error_at = time.time()
+            if failed is not None:
+                st.last = failed
+            backoff = min(interval * 2**st.failures, MAX_BACKOFF_S)
+            st.next_check = self._clock() + max(backoff, 1.0)
+            self._finished(done, st, started)
+            self._count("failed", 0, time.monotonic() - started, st)
+            log.error(
+                "cdc.compaction_failed",
+                stream=st.sink.name,
+                partition=failed.partition if failed else None,
+                id=failed.id if failed else None,
+                error=st.last_error,
+                failures_in_a_row=st.failures,
+                retry_in_s=round(max(backoff, 1.0), 1),
+                unsupported=isinstance(exc, CompactionUnsupportedError),
+            )
+        else:
+            st.running = None
+            st.failures = 0
+            st.last_error = None
+            if done:
+                st.last = done[-1]
+            self._finished(done, st, started)
+            st.next_check = self._clock() + interval
+        finally:
+            with contextlib.suppress(Exception):
+                spark.removeTag(self._tag)
+            self._spark = None
+            if request is not None:
+                st.requests_done = max(st.requests_done, request)
+            self._scan(st)
+
+    def _finished(self, done: list[Progress], st: _StreamState, started: float) -> None:
+        removed = sum(p.inputs - len(p.outputs) for p in done)
+        st.compactions += len(done)
+        st.files_removed += removed
+        if done:
+            self._count("done", removed, time.monotonic() - started, st, n=len(done))
+
+    def _scan(self, st: _StreamState) -> None:
+        try:
+            st.files = file_counts(st.sink)
+            st.scanned_at = time.time()
+        except OSError as exc:
+            log.warning("cdc.compaction_scan_failed", stream=st.sink.name, error=str(exc))
+            return
+        m = self._metrics
+        if m is not None:
+            m.cdc_table_files.labels(st.sink.name).set(sum(st.files.values()))
+
+    def _count(
+        self, outcome: str, removed: int, seconds: float, st: _StreamState, n: int = 1
+    ) -> None:
+        m = self._metrics
+        if m is None:
+            return
+        m.cdc_compactions.labels(st.sink.name, outcome).inc(n)
+        if removed:
+            m.cdc_compaction_files_removed.labels(st.sink.name).inc(removed)
+        m.cdc_compaction_seconds.labels(st.sink.name).observe(seconds)
