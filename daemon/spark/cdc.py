@@ -624,7 +624,11 @@ class CdcSink:
         self._append_ledger(bid, batch.ranges(), rows, [final for _, final in files])
         crash_point("cdc.after_ledger")
         if files:
-            self._write_summaries(files)
+            # Under the commit lock: a compaction's swap must not replace a
+            # folder between this write and the swap's relink (the summary
+            # would go with the old folder, and _summarized would not retry).
+            with self.commit_lock:
+                self._write_summaries(files)
         # Step 5. Clean: intent and staging are no longer needed.
         self._clean(bid)
         return CommitResult(self.name, bid, rows, len(files), False, time.monotonic() - started)
