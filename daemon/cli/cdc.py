@@ -208,6 +208,35 @@ def _size(n: int) -> str:
     return f"{x:.1f} {unit}"
 
 
+def _retention_through_daemon(
+    args: argparse.Namespace, cfg: Config, stream: str, held: str, out: TextIO
+) -> int:
+    """The daemon holds the stream: ask it for one retention run (admin API)."""
+    from daemon.cli.compact import Unreachable, _call
+    from daemon.cli.status import STATUS_PATH, admin_url
+
+    base = admin_url(cfg, getattr(args, "url", None)).removesuffix(STATUS_PATH)
+    url = f"{base}/v1/cdc/{stream}/retention"
+    try:
+        status, doc = _call("POST", url, timeout=600.0)
+    except Unreachable as exc:
+        print(
+            f"eventplane cdc retention: stream {stream!r} is locked ({held}) and no daemon "
+            f"answers at {url} ({exc})",
+            file=sys.stderr,
+        )
+        return 1
+    if status != 200:
+        print(f"eventplane cdc retention: the daemon answered {status}: {doc}", file=sys.stderr)
+        return 1
+    print(
+        f"removed {doc.get('partitions', 0)} partitions, {doc.get('files', 0)} files, "
+        f"{_size(int(doc.get('bytes', 0)))}, {doc.get('rows', 0)} rows (by the daemon)",
+        file=out,
+    )
+    return 0
+
+
 def retention_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
     """Preview, or with ``--apply`` remove, the expired partitions of a stream.
 
@@ -250,13 +279,7 @@ def retention_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
     try:
         fd = lockfile.take(meta / "lock", {"stream": stream.name, "command": "cdc retention"})
     except lockfile.LockHeld as exc:
-        print(
-            f"eventplane cdc retention: stream {stream.name!r} is locked: {exc}. The daemon "
-            f"that writes it removes expired partitions itself every "
-            f"{stream.retention_check_s:g} s; stop it to apply by hand.",
-            file=sys.stderr,
-        )
-        return 1
+        return _retention_through_daemon(args, cfg, stream.name, str(exc), out)
     try:
         retention.recover(Path(stream.path), stream.name)
         result = retention.apply(stream)

@@ -146,7 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config(q)
     q.add_argument("stream")
-    q.add_argument("--apply", action="store_true", help="remove them (needs the stream's lock)")
+    q.add_argument(
+        "--apply", action="store_true", help="remove them (through the daemon when it runs)"
+    )
+    q.add_argument("--url", help="admin base URL (default: from config admin.listen)")
     q = cdc_sub.add_parser(
         "compact",
         help="merge a CDC stream's small files now (through the daemon when it runs)",

@@ -24,13 +24,15 @@ never delays a health check, and so the two can bind different interfaces.
 - ``POST /v1/cdc/{stream}/compact`` (``?dry_run=1``: only the plan) and
   ``GET /v1/cdc/{stream}/compaction``: ``eventplane cdc compact`` asks the
   daemon's compaction service (``daemon.spark.compact``) through these.
+- ``POST /v1/cdc/{stream}/retention``: one retention run of the stream now
+  (``eventplane cdc retention --apply`` while the daemon runs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -91,6 +93,7 @@ class AdminServer:
         stages: StageControl | None = None,
         clock: Callable[[], float] | None = None,
         compaction: Any = None,
+        retention: Callable[[str], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self._listen = cfg.admin.listen
         self._stages = stages
@@ -100,6 +103,7 @@ class AdminServer:
         self._problems = problems
         self._clock = clock
         self._compaction = compaction  # daemon.spark.compact.CompactionService
+        self._retention = retention  # SparkExecutor.run_retention
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -116,6 +120,7 @@ class AdminServer:
         app.router.add_post("/v1/stages/{name}/resume", self._post_resume)
         app.router.add_post("/v1/cdc/{stream}/compact", self._post_compact)
         app.router.add_get("/v1/cdc/{stream}/compaction", self._get_compaction)
+        app.router.add_post("/v1/cdc/{stream}/retention", self._post_retention)
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=30.0)
         await runner.setup()
         self._runner = runner
@@ -306,6 +311,20 @@ class AdminServer:
             return _json(200, {"stream": stream, "dry_run": True, "plans": plans})
         rid = svc.request(stream)
         return _json(202, {"stream": stream, "request": rid, "status": svc.status(stream)})
+
+    async def _post_retention(self, request: web.Request) -> web.StreamResponse:
+        """One retention run of the stream now (what ``eventplane cdc retention
+        --apply`` asks a running daemon for); 404 for a stream without retention."""
+        stream = request.match_info["stream"]
+        run = self._retention
+        if run is None:
+            return _json(503, {"error": "not_running", "message": "this daemon runs no CDC"})
+        try:
+            result = await run(stream)
+        except Exception as exc:  # ExecutorError: no such stream, or no retention
+            return _json(404, {"error": "no_retention", "message": str(exc)})
+        status = 500 if result.get("error") else 200
+        return _json(status, {"stream": stream, **result})
 
     async def _get_compaction(self, request: web.Request) -> web.StreamResponse:
         svc, stream, missing = self._compaction_for(request)

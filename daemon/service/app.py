@@ -201,6 +201,7 @@ class Daemon:
             problems=self.problems,
             stages=self.plane,
             compaction=getattr(self.executor, "compaction", None),
+            retention=getattr(self.executor, "run_retention", None),
         )
         await self.admin.start()
         self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"

@@ -83,3 +83,30 @@ async def test_admin_binds_a_free_port_and_stops(start_admin: Callable[..., Any]
     assert admin.port > 0
     await admin.stop(1.0)
     await admin.stop(1.0)  # idempotent
+
+
+async def test_a_retention_run_is_asked_of_the_daemon_over_the_admin_api(
+    start_admin: Any, http: aiohttp.ClientSession
+) -> None:
+    asked: list[str] = []
+
+    async def run_retention(stream: str) -> dict[str, Any]:
+        asked.append(stream)
+        if stream != "all":
+            raise ValueError(f"no CDC stream {stream!r} with retention")
+        return {"partitions": 2, "files": 5, "bytes": 1000, "rows": 40}
+
+    admin = await start_admin(retention=run_retention)
+    async with http.post(admin.url + "/v1/cdc/all/retention") as resp:
+        assert resp.status == 200
+        assert await resp.json() == {
+            "stream": "all",
+            "partitions": 2,
+            "files": 5,
+            "bytes": 1000,
+            "rows": 40,
+        }
+    async with http.post(admin.url + "/v1/cdc/nope/retention") as resp:
+        assert resp.status == 404
+        assert "no CDC stream 'nope'" in (await resp.json())["message"]
+    assert asked == ["all", "nope"]
