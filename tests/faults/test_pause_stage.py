@@ -122,7 +122,11 @@ def test_paused_stream_survives_sigkill_and_restart_then_catches_up_exactly_once
         daemon.start(timeout_s=120)
         wait_for("spark ready again", lambda: daemon.status()["spark"]["ready"], 180, daemon)
         again = stage(daemon.status(), "cdc:b")
-        assert again["paused"] and again["batch_id"] == held_at, again
+        # Stage progress reaches the watermarks file with the next flush
+        # (consumer.watermark_flush_ms): a batch cdc:b committed just before the
+        # kill may be recorded lower, and is re-run as a no-op (its ledger has it).
+        assert again["paused"] and again["batch_id"] <= held_at, again
+        held_at = again["batch_id"]
         assert again["paused_since"] == paused["paused_since"]
         assert (again["paused_reason"], again["paused_by"]) == (
             paused["paused_reason"],

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from daemon.spark.cdc import CRASH_POINTS
+from daemon.spark.cdc import COMMIT_CRASH_POINTS
 from tests.integration.harness import DaemonProcess, Loader, write_config
 from tests.integration.test_crash_recording import _wait_caught_up
 
@@ -72,7 +72,7 @@ def test_sigkill_at_commit_steps_and_random_points_keeps_cdc_exactly_once(
     kills = 0
 
     # Step 1. Each named crash point, reached by the second batch.
-    for point in CRASH_POINTS:
+    for point in COMMIT_CRASH_POINTS:  # the batch commit (compaction and retention: tests/spark)
         daemon = DaemonProcess.production(config, env={"EVENTPLANE_CRASH_AT": f"{point}@2"})
         daemon.start(timeout_s=120)
         _wait_spark_ready(daemon)

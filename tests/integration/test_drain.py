@@ -115,7 +115,7 @@ def test_send_through_a_sigterm_and_a_restart_stores_every_line_once_in_input_or
     tmp_path: Path,
 ) -> None:
     """
-    1. `eventplane send` posts 60,000 lines in requests of 500.
+    1. `eventplane send` posts 200,000 lines in requests of 500.
     2. SIGTERM mid-way: send gets 503 draining, then refused connections, and keeps
        retrying (same Idempotency-Key per request).
     3. The daemon starts again on the same data and port: send finishes, exit 0.
@@ -124,7 +124,7 @@ def test_send_through_a_sigterm_and_a_restart_stores_every_line_once_in_input_or
     """
     config = write_config(tmp_path, wal='retention = "keep"')
     daemon = DaemonProcess.production(config).start()
-    lines = 60_000
+    lines = 200_000
     data = tmp_path / "in.ndjson"
     with data.open("w") as f:
         for start in range(0, lines, 5_000):
@@ -138,7 +138,13 @@ def test_send_through_a_sigterm_and_a_restart_stores_every_line_once_in_input_or
             cwd=tmp_path,
         )
     try:
-        time.sleep(0.5)
+        # SIGTERM once a few requests are in, not after a fixed sleep: on a quiet
+        # machine send can take all the lines in well under a second.
+        deadline = time.monotonic() + 30
+        while daemon.status()["wal"]["head_lsn"] < 2_000:
+            assert send.poll() is None, "send finished before the signal: give it more lines"
+            assert time.monotonic() < deadline, "send stored nothing within 30 s"
+            time.sleep(0.005)
         assert send.poll() is None, "send finished before the signal: give it more lines"
         daemon.signal(signal.SIGTERM)
         assert daemon.wait(timeout_s=30) == 0, daemon.tail()
@@ -151,7 +157,7 @@ def test_send_through_a_sigterm_and_a_restart_stores_every_line_once_in_input_or
             send.kill()
     assert send.returncode == 0, err.decode()
     summary = out.decode()
-    assert summary.startswith(f"sent {lines} events in 120 requests ("), summary
+    assert summary.startswith(f"sent {lines} events in {lines // 500} requests ("), summary
     assert "retried" in summary
     assert b"HTTP 503 draining" in err or b"cannot connect" in err
     assert daemon.stop() == 0
