@@ -139,14 +139,16 @@ class Readers:
 
 @pytest.mark.timeout(900)  # three worker JVMs; 3 min on a quiet machine
 async def test_sigkill_at_random_moments_with_readers_counting_rows(
-    spark: Any, executor_factory: Any, tmp_path: Path
+    spark: Any, executor_factory: Any, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """Rounds of: a worker commits batches while its background service compacts
     every 0.05 s (a tier of 3 files is due), SIGKILL at a random moment, then
     recovery in this process. Readers run throughout: no observation ever has a
     duplicate or misses an acknowledged row; after each recovery the table holds
     exactly the committed batches."""
-    total, rounds = 36, 3
+    # One round in the CI suite; three (the full loop) with --soak (make soak).
+    rounds = 3 if request.config.getoption("--soak") else 1
+    total = 36
     batches = make_batches(total, PER_BATCH)
     table = tmp_path / "cdc" / "all"
     rng = random.Random(int(os.environ.get("EVENTPLANE_TEST_SEED", "15")))
