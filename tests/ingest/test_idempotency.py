@@ -25,6 +25,27 @@ def keyed(key: str) -> dict[str, str]:
 BODY = ndjson([event(i) for i in range(50)])
 
 
+class HeldAppend:
+    """A stand-in for ``wal.append`` whose first call waits for ``release``; with
+    ``first_fails`` that call then fails as a full volume, stores nothing."""
+
+    def __init__(self, wal: Wal, *, first_fails: bool = False) -> None:
+        self.real = wal.append
+        self.directory = wal.directory
+        self.first_fails = first_fails
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    async def append(self, items: Any, request: Any = None) -> tuple[int, int]:
+        self.calls += 1
+        if self.calls == 1:
+            await self.release.wait()
+            if self.first_fails:
+                raise WalFullError(str(self.directory), 1000, 0, "ENOSPC: injected")
+        result: tuple[int, int] = await self.real(items, request)
+        return result
+
+
 async def test_a_retry_with_the_same_key_is_answered_from_the_first_and_not_stored_again(
     ingest: IngestServer, http: aiohttp.ClientSession, wal: Wal, metrics: Metrics
 ) -> None:
@@ -69,25 +90,15 @@ async def test_the_same_body_as_json_and_as_ndjson_are_different_requests(
 async def test_a_retry_while_the_first_attempt_is_in_flight_waits_for_its_outcome(
     ingest: IngestServer, http: aiohttp.ClientSession, wal: Wal
 ) -> None:
-    release = asyncio.Event()
-    real_append = wal.append
-    calls = 0
-
-    async def slow_append(items: Any, request: Any = None) -> tuple[int, int]:
-        nonlocal calls
-        calls += 1
-        await release.wait()
-        result: tuple[int, int] = await real_append(items, request)
-        return result
-
-    with mock.patch.object(wal, "append", side_effect=slow_append):
+    held = HeldAppend(wal)
+    with mock.patch.object(wal, "append", side_effect=held.append):
         attempts = [
             asyncio.ensure_future(post(http, ingest, BODY, keyed("slow"))) for _ in range(3)
         ]
         await asyncio.sleep(0.3)
         assert not any(a.done() for a in attempts), "the retries answered before the first"
-        assert calls == 1, "a retry started a second append of the same key"
-        release.set()
+        assert held.calls == 1, "a retry started a second append of the same key"
+        held.release.set()
         answers = await asyncio.wait_for(asyncio.gather(*attempts), 10.0)
     assert [status for status, _, _ in answers] == [200, 200, 200]
     lsns = {(ack["first_lsn"], ack["last_lsn"]) for _, _, ack in answers}
@@ -99,25 +110,13 @@ async def test_a_retry_while_the_first_attempt_is_in_flight_waits_for_its_outcom
 async def test_a_retry_waiting_on_a_first_attempt_that_failed_stores_the_request_itself(
     ingest: IngestServer, http: aiohttp.ClientSession, wal: Wal
 ) -> None:
-    release = asyncio.Event()
-    real_append = wal.append
-    calls = 0
-
-    async def full_once(items: Any, request: Any = None) -> tuple[int, int]:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            await release.wait()
-            raise WalFullError(str(wal.directory), 1000, 0, "ENOSPC: injected")
-        result: tuple[int, int] = await real_append(items, request)
-        return result
-
-    with mock.patch.object(wal, "append", side_effect=full_once):
+    held = HeldAppend(wal, first_fails=True)
+    with mock.patch.object(wal, "append", side_effect=held.append):
         first = asyncio.ensure_future(post(http, ingest, BODY, keyed("retry-me")))
         await asyncio.sleep(0.2)
         retry = asyncio.ensure_future(post(http, ingest, BODY, keyed("retry-me")))
         await asyncio.sleep(0.2)
-        release.set()
+        held.release.set()
         (s1, _, a1), (s2, _, a2) = await asyncio.wait_for(asyncio.gather(first, retry), 10.0)
     assert s1 == 507 and a1["error"] == "wal_full"
     assert s2 == 200 and "replayed" not in a2 and (a2["first_lsn"], a2["last_lsn"]) == (1, 50)
