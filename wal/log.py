@@ -546,7 +546,7 @@ class Wal:
             if w.request is not None:
                 tagged.append((delta, len(w.cores), w.request))
             delta += len(w.cores)
-        written_ms = time.time_ns() // 1_000_000
+        written_ms = time.time_ns() // 1_000_000 if tagged else 0
         table = encode_request_table(written_ms, tagged) if tagged else b""
         # Step 2. Encode (and rotate).
         seg = self._segments[-1]
