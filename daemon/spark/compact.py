@@ -97,6 +97,7 @@ from typing import Any
 
 import structlog
 
+from daemon.snapshot import table_change
 from daemon.spark.cdc import (
     _COMPACTED,
     _PUBLISHED,
@@ -625,8 +626,9 @@ def run_compaction(
             if _sync_links(folder, new, inputs, finals):
                 fsync_dir(new)
             crash_point("cdc.compact.before_swap")
-            exchange(new, folder)
-            swapped = True
+            with table_change(sink.path):  # snapshot readers list again (daemon/snapshot.py)
+                exchange(new, folder)
+                swapped = True
             progress.lock_held_s = time.monotonic() - held
         fsync_dir(sink.path)  # the swap is durable before the ledger names it
         fsync_dir(work)

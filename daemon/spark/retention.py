@@ -42,6 +42,7 @@ from typing import Any
 import structlog
 
 from daemon.config import CdcStream
+from daemon.snapshot import table_change
 from daemon.spark.cdc import META_DIR, CdcError, atomic_write_json, crash_point, fsync_dir
 
 log = structlog.get_logger("eventplane.cdc")
@@ -265,8 +266,10 @@ def apply(stream: CdcStream, now: float | None = None) -> RunResult:
         src = path / part.rel
         hidden = src.parent / f"{HIDDEN_PREFIX}{src.name}-{uuid.uuid4().hex[:12]}"
         crash_point("cdc.retention.before_rename")
-        # Step 1: one rename takes the whole partition away from every reader.
-        os.rename(src, hidden)
+        # Step 1: one rename takes the whole partition away from every reader
+        # (and snapshot readers list again: daemon/snapshot.py).
+        with table_change(path):
+            os.rename(src, hidden)
         fsync_dir(src.parent)
         crash_point("cdc.retention.after_rename")
         # Step 2: the record.

@@ -141,3 +141,28 @@ class SharedSession:
 
     def stop(self) -> None:
         pass
+
+
+def snapshot_arrow_lsns(path: Path) -> list[int]:
+    """LSNs a pyarrow reader sees through a snapshot of the table's files
+    (daemon/snapshot.py), sorted."""
+    import pyarrow.dataset as ds
+
+    from daemon.snapshot import snapshot
+
+    files = snapshot(path).files
+    if not files:
+        return []
+    dataset = ds.dataset(files, format="parquet", partitioning="hive", partition_base_dir=str(path))
+    return sorted(dataset.to_table(columns=["lsn"]).column("lsn").to_pylist())
+
+
+def snapshot_spark_lsns(spark: Any, path: Path) -> list[int]:
+    """LSNs a Spark reader sees through a snapshot of the table's files, sorted."""
+    from daemon.snapshot import snapshot
+
+    files = snapshot(path).files
+    if not files:
+        return []
+    df = spark.read.option("basePath", str(path)).parquet(*files)
+    return sorted(r.lsn for r in df.select("lsn").collect())

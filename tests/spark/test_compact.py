@@ -13,6 +13,8 @@ from unittest import mock
 import pytest
 
 from daemon.cli import cdc as cdccmd
+from daemon.snapshot import data_files as table_files
+from daemon.snapshot import read_generation, snapshot
 from daemon.spark import compact
 from daemon.spark.cdc import META_DIR, committed_files, read_ledger
 from daemon.spark.compact import (
@@ -23,7 +25,14 @@ from daemon.spark.compact import (
     data_files,
     plan_partition,
 )
-from tests.spark.support import COLLECTIONS, batch_lsns, make_batches, read_table
+from tests.spark.support import (
+    COLLECTIONS,
+    batch_lsns,
+    make_batches,
+    read_table,
+    snapshot_arrow_lsns,
+    snapshot_spark_lsns,
+)
 
 pytestmark = pytest.mark.spark
 
@@ -51,10 +60,17 @@ def missing_file(exc: BaseException) -> bool:
     """Spark's ways of saying that a file it listed was gone when it opened it:
     ``FAILED_READ_FILE.FILE_NOT_EXIST``, or another ``FAILED_READ_FILE`` or
     ``CANNOT_READ_FILE_FOOTER`` caused by ``FileNotFoundException`` /
-    ``NoSuchFileException``."""
+    ``NoSuchFileException``; with an explicit file list (a snapshot), a file gone
+    before Spark looked it up is ``PATH_NOT_FOUND``."""
     text = str(exc)
     return any(
-        s in text for s in ("FILE_NOT_EXIST", "FileNotFoundException", "NoSuchFileException")
+        s in text
+        for s in (
+            "FILE_NOT_EXIST",
+            "FileNotFoundException",
+            "NoSuchFileException",
+            "PATH_NOT_FOUND",
+        )
     )
 
 
@@ -182,6 +198,46 @@ async def test_compaction_merges_files_and_every_reader_sees_each_row_once(
     assert visible_lsns(spark, table) == batch_lsns(batches[:22])
 
 
+async def test_a_listing_cut_by_a_swap_misses_rows_and_the_snapshot_lists_again(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """1. 20 batches make 20 files per partition.  2. A reader lists the table's
+    files; before it checks the generation again, a real compaction swaps both
+    partitions (a slow reader, or a swap landing mid-listing).  3. What a plain
+    reader keeps of that listing (the names that still exist when it looks them
+    up, as Spark's and pyarrow's listings do) misses every merged row: the
+    hazard is real.  4. The snapshot saw the generation move and listed again:
+    Spark and pyarrow over its files see every row once."""
+    ex = await executor_factory(stream_options={"compaction": False})
+    table = tmp_path / "cdc" / "all"
+    batches = make_batches(20, 30)
+    for b in batches:
+        await ex.execute(b)
+    (sink,) = ex.sinks
+    generation = read_generation(table)
+    listings: list[list[str]] = []
+
+    def slow_lister(root: Path) -> list[str]:
+        files = table_files(root)
+        listings.append(files)
+        if len(listings) == 1:
+            done = compact_stream(sink, spark, full=True)
+            assert len(done) == 2
+        return files
+
+    snap = await asyncio.to_thread(snapshot, table, lister=slow_lister)
+
+    kept = [f for f in listings[0] if Path(f).exists()]  # noqa: ASYNC240 (a test's look)
+    import pyarrow.dataset as ds
+
+    plain = ds.dataset(kept, format="parquet", partitioning="hive", partition_base_dir=str(table))
+    assert plain.count_rows() == 0  # every input was merged away; the merged files unlisted
+    assert snap.attempts == 2 and snap.generation == generation + 4  # two swaps
+    assert len(snap.files) == 2 and all("part-c" in f for f in snap.files)
+    assert snapshot_arrow_lsns(table) == batch_lsns(batches)
+    assert snapshot_spark_lsns(spark, table) == batch_lsns(batches)
+
+
 async def test_merged_files_keep_rows_sorted_and_the_writer_options(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
@@ -302,11 +358,12 @@ async def test_a_failed_spark_write_or_a_row_mismatch_changes_nothing(
 async def test_concurrent_readers_see_every_committed_row_exactly_once(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
-    """Readers (pyarrow threads and one Spark thread) read the table in a loop
-    while batches commit and the service compacts. Every observation has no
-    duplicate, holds every batch committed before the read began, and nothing
-    of a batch not yet begun. A read that listed a folder before a swap may
-    fail with FileNotFound: counted apart (retryable), never wrong rows."""
+    """Readers (pyarrow threads and one Spark thread) read the table through
+    snapshots (daemon/snapshot.py) in a loop while batches commit and the
+    service compacts. Every observation has no duplicate, holds every batch
+    committed before the read began, and nothing of a batch not yet begun. A
+    read whose files a later swap removed before it opened them fails with
+    FileNotFound: counted apart (retryable), never wrong rows."""
     ex = await executor_factory(stream_options={"compact_min_files": 3, "compact_interval_s": 0.1})
     table = tmp_path / "cdc" / "all"
     batches = make_batches(30, 40)
@@ -356,17 +413,10 @@ async def test_concurrent_readers_see_every_committed_row_exactly_once(
             time.sleep(0.01)
 
     def spark_read() -> list[int]:
-        if not list(table.glob("collection=*")):
-            return []
-        return [r.lsn for r in spark.read.parquet(str(table)).select("lsn").collect()]
+        return snapshot_spark_lsns(spark, table)
 
     def arrow_read() -> list[int]:
-        import pyarrow.dataset as ds
-
-        if not list(table.glob("collection=*")):
-            return []
-        t = ds.dataset(str(table), format="parquet", partitioning="hive").to_table(["lsn"])
-        return list(t.column("lsn").to_pylist())
+        return snapshot_arrow_lsns(table)
 
     threads = [
         threading.Thread(target=reader, args=("arrow", arrow_read)),
