@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw /v1/status JSON")
 
     p = sub.add_parser(
-        "pause", help="pause a stage (cdc:<stream>, triggers, handler:<ref>) of the running daemon"
+        "pause",
+        help="pause a stage (cdc:<stream>, triggers, handler:<ref>) or one trigger "
+        "(trigger:<name>) of the running daemon",
     )
     _add_config(p)
     p.add_argument("stage", help="the stage, as `eventplane status` names it (e.g. cdc:all)")
