@@ -3,9 +3,10 @@
 A stream writes at least one file per collection per micro-batch; nothing
 else would ever merge them (750k files a day at 1 s batches, and reads 7-11x
 slower than the same rows in few files). Compaction merges the small files of
-one partition folder (``<path>/collection=X``) into files near
+one leaf partition folder (``<path>/collection=X``, or with time partitioning
+``<path>/collection=X/date=D`` and ``.../hour=H``) into files near
 ``target_file_bytes``, and a reader never sees a row twice or misses one
-(invariant 16).
+(invariant 16). Only leaves hold data files, and only leaves are swapped.
 
 **Why a folder swap.** Readers list folders: that is the table's contract
 (``spark.read.parquet`` of the root or of one partition, a glob, pyarrow,
@@ -20,15 +21,20 @@ table keeps working uncompacted.
 
 Layout (under ``<path>/_eventplane/``, which no reader lists)::
 
-    compact/c<C>.json                 intent: partition, inputs, outputs
+    compact/c<C>.json                 intent: partition (relative path), inputs, outputs
     compact/c<C>/out/                 where Spark writes the merged files
-    compact/c<C>/collection=X/        the new folder, built here; after the
-                                      swap, the old folder (deleted)
+    compact/c<C>/<partition>/         the new folder (``collection=X`` or
+                                      ``collection=X/date=D[/hour=H]``), built
+                                      here; after the swap, the old folder
 
 Steps of compaction C of partition P (marked in :func:`run_compaction`):
 
 1. **Pick.** Files of P whose batches are committed (id <= the ledger's last),
-   smaller than half the target, chosen by the size-tier policy below.
+   smaller than half the target, chosen by the size-tier policy below; not
+   in a partition retention would remove now. Then P is *claimed* under the
+   commit lock: it must still hold every input (else retention removed it:
+   :class:`PartitionGoneError`, skipped), and retention skips a claimed P
+   (``retention.apply``) until the swap or the roll-back releases it.
 2. **Write.** One Spark job reads exactly those files (with the schema their
    footers agree on, else ``mergeSchema``: files from before a column existed
    keep their rows) and writes one file per bin
@@ -36,23 +42,26 @@ Steps of compaction C of partition P (marked in :func:`run_compaction`):
    the sink's Parquet options, under ``out/``. The row counts of the outputs'
    footers must equal the inputs'; then the outputs are fsynced.
 3. **Intent.** ``c<C>.json`` (atomic replace + fsync).
-4. **Build.** The merged files move into ``c<C>/collection=X/`` as
+4. **Build.** The merged files move into ``c<C>/<partition>/`` as
    ``part-c<C>-b<first>-b<last>-...`` (the batches they hold), and every file
    of P that is not an input gets a hard link there; fsync.
 5. **Swap.** Under the sink's ``commit_lock`` (no batch publishes meanwhile;
    held for well under a millisecond): files P gained or replaced since step 4 are
    linked, then ``RENAME_EXCHANGE`` of the new folder with P. *This is the
-   commit point.* Then fsync of both parents.
+   commit point.* Then fsync of both parents. (A compaction that fails after
+   this keeps its claim until :func:`recover` rolls it forward.)
 6. **Ledger.** The compaction is recorded in the stream's ledger (id,
    partition, input count and bytes, outputs, batch range, rows), under the
    commit lock like a batch's ledger write.
-7. **Clean.** The old folder (now ``c<C>/collection=X``), ``out/`` and the
+7. **Clean.** The old folder (now ``c<C>/<partition>``), ``out/`` and the
    intent are deleted.
 
 **Recovery** (:func:`recover`, when a stream opens and before each
 compaction): an intent whose outputs are in P rolls forward (ledger, clean);
 one whose outputs are not rolls back (its folder is deleted; P was never
-touched). A ``c<C>`` folder without intent is deleted.
+touched); one whose P is gone (retention removed it meanwhile) is cleaned
+(nothing of P is visible either way). A ``c<C>`` folder without intent is
+deleted. P must be a leaf of ``partition_by``, else the intent is refused.
 
 **Readers across a swap.** A reader that listed P before the swap and opens
 an input afterwards finds it gone: Spark fails the query with

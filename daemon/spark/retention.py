@@ -18,8 +18,12 @@ Removal of one partition (the steps have crash points, ``CRASH_POINTS``):
 
 1. rename ``<...>/date=X`` to the hidden sibling ``<...>/.expired-date=X-<id>``
    and fsync the parent: readers skip names starting with ``.``, so the whole
-   partition disappears in one rename, never file by file;
-2. append the removal to ``_eventplane/retention.json`` (atomic replace);
+   partition disappears in one rename, never file by file. Given the
+   daemon's sink, the rename is under its ``commit_lock`` and skips a
+   partition a compaction claimed (``CdcSink.compacting``; it goes at the
+   next run): a compaction never swaps a folder retention removed;
+2. append the removal (counted from the hidden folder) to
+   ``_eventplane/retention.json`` (atomic replace);
 3. delete the hidden folder, file by file.
 
 Recovery (``recover``, when the stream opens): every hidden ``.expired-*``

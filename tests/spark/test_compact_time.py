@@ -19,9 +19,10 @@ import pytest
 from daemon.cli.compact import describe_plan
 from daemon.config import CdcStream
 from daemon.spark import compact, retention
+from daemon.spark.cdc import META_DIR, CdcRecoveryError, CdcSink, atomic_write_json
 from daemon.spark.compact import compact_stream, plan_stream
 from daemon.spark.executor import SparkExecutor
-from tests.spark.support import BASE_TS_NS, batch_lsns, event_for, make_batches
+from tests.spark.support import BASE_TS_NS, CORES, batch_lsns, event_for, make_batches
 from tests.spark.test_compact import (
     REAL_WRITE,
     arrow_lsns,
@@ -263,3 +264,57 @@ async def test_retention_defers_a_partition_being_compacted_and_never_gets_it_ba
     assert visible_lsns(spark, table) == kept
     assert arrow_lsns(table) == kept
     assert retention.read_log(table, "all").rows_removed == len(lsns) - len(kept)
+
+
+async def test_a_compaction_that_failed_after_its_swap_keeps_its_claim_until_recovered(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """The ledger write fails after the swap: the leaf stays claimed (retention
+    defers it) until recovery. Removed meanwhile by a retention that does not
+    know of the compaction (the CLI's, after a crash), the intent is cleaned and
+    nothing comes back."""
+    ex, lsns = await committed(executor_factory, DATE, DATE_NS)
+    table = tmp_path / "cdc" / "all"
+    (sink,) = ex.sinks
+    target = "collection=orders/date=2023-11-15"
+    (plan,) = [p for p in plan_stream(sink, full=True) if p.partition == target]
+    progress = compact.Progress.of("all", plan)
+    with (
+        mock.patch.object(sink, "record_compaction", side_effect=OSError("disk full")),
+        pytest.raises(OSError, match="disk full"),
+    ):
+        await asyncio.to_thread(compact.run_compaction, sink, spark, plan, progress)
+    assert files_per_partition(table, DATE)[target] == 1  # swapped
+    assert sink.compacting == {target}
+    assert retention.apply(retention_stream(table), NOW, sink=sink).deferred == [target]
+
+    retention.apply(retention_stream(table), NOW)  # no sink: does not see the claim
+    assert not (table / target).exists()
+    report = compact.recover(sink)
+    assert report.compactions_rolled_back == [1] and report.compactions_rolled_forward == []
+    assert sink.compacting == set()
+    assert compaction_leftovers(table) == []
+    assert not (table / target).exists()
+    kept = [n for n in lsns if leaf_of(n, DATE_NS, DATE).endswith("date=2023-11-16")]
+    assert arrow_lsns(table) == kept
+
+
+async def test_recovery_refuses_an_intent_that_names_no_leaf_partition(
+    executor_factory: Any, tmp_path: Path
+) -> None:
+    """A date-partitioned stream's intent must name collection=X/date=D: one
+    naming the collection folder (or a path out of the table) is never acted on."""
+    ex, lsns = await committed(executor_factory, DATE, DATE_NS)
+    await ex.stop()
+    table = tmp_path / "cdc" / "all"
+    intent = table / META_DIR / "compact" / "c000000000001.json"
+    for bad in ("collection=orders", "collection=orders/../../x", "/etc"):
+        atomic_write_json(intent, {"partition": bad, "outputs": ["part-c1"]})
+        sink = CdcSink(
+            CdcStream("all", ("*",), table, partition_by=DATE), wal_id="wal-1", cores=CORES
+        )
+        with pytest.raises(CdcRecoveryError, match="not a leaf"):
+            sink.open()
+    assert sorted(files_per_partition(table, DATE)) == sorted(
+        {leaf_of(n, DATE_NS, DATE) for n in lsns}
+    )
