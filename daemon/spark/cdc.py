@@ -459,6 +459,9 @@ class CdcSink:
         # Folders whose _common_metadata this process checked or wrote.
         self._summarized: set[Path] = set()
         self.commit_lock = threading.RLock()
+        # Leaf partitions a compaction claimed (daemon/spark/compact.py), by
+        # relative path; retention leaves them alone. Under commit_lock.
+        self.compacting: set[str] = set()
 
     @property
     def name(self) -> str:

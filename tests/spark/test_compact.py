@@ -74,8 +74,14 @@ def missing_file(exc: BaseException) -> bool:
     )
 
 
-def files_per_partition(path: Path) -> dict[str, int]:
-    return {d.name: len(data_files(d)) for d in compact.partitions(path)}
+def files_per_partition(
+    path: Path, partition_by: tuple[str, ...] = ("collection",)
+) -> dict[str, int]:
+    """Data files per leaf partition, by its path relative to the table."""
+    return {
+        d.relative_to(path).as_posix(): len(data_files(d))
+        for d in compact.partitions(path, partition_by)
+    }
 
 
 def compaction_leftovers(path: Path) -> list[str]:

@@ -50,19 +50,40 @@ def test_every_compaction_step_has_a_crash_point() -> None:
     assert all(p.startswith("cdc.compact.") for p in COMPACT_CRASH_POINTS)
 
 
+# A plain stream, and one partitioned by day: its leaves collection=X/date=D are
+# swapped (every event of make_batches is ingested on 2023-11-14, UTC).
+LAYOUTS = {"collection": ("collection",), "date": ("collection", "date")}
+
+
+def leaf(layout: str, collection: str) -> str:
+    return f"collection={collection}" + ("/date=2023-11-14" if layout == "date" else "")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("point", COMPACT_CRASH_POINTS)
 async def test_sigkill_at_a_compaction_step_keeps_every_row_exactly_once(
-    spark: Any, executor_factory: Any, tmp_path: Path, point: str
+    spark: Any, executor_factory: Any, tmp_path: Path, point: str, layout: str
 ) -> None:
     """1. A real executor process commits batches 1-6, then compacts and SIGKILLs
     itself at ``point`` (first partition).  2. Before any recovery, Spark and
     pyarrow see batches 1-6 exactly once.  3. A new executor opens the stream:
     the compaction rolled forward (after the swap) or back (before it), and no
     compaction folder or intent is left.  4. More batches and a compaction later,
-    the table holds batches 1-8 exactly once."""
+    the table holds batches 1-8 exactly once. For a date-partitioned stream the
+    same holds with the leaf folders ``collection=X/date=D`` swapped."""
+    partition_by = LAYOUTS[layout]
     batches = make_batches(8, PER_BATCH)
     table = tmp_path / "cdc" / "all"
-    proc = worker(tmp_path, "--batches", "6", "--per-batch", str(PER_BATCH), crash_at=point)
+    proc = worker(
+        tmp_path,
+        "--batches",
+        "6",
+        "--per-batch",
+        str(PER_BATCH),
+        "--partition-by",
+        ",".join(partition_by),
+        crash_at=point,
+    )
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == -signal.SIGKILL, err[-3000:]
     assert f"crash point {point} reached (hit 1)" in err
@@ -72,14 +93,18 @@ async def test_sigkill_at_a_compaction_step_keeps_every_row_exactly_once(
     assert visible_lsns(spark, table) == six  # a reader before recovery
     assert arrow_lsns(table) == six
 
-    ex = await executor_factory(stream_options={"compaction": False})  # recovery
+    ex = await executor_factory(
+        partition_by=partition_by, stream_options={"compaction": False}
+    )  # recovery
     ledger = read_ledger(table)
     assert ledger is not None
     forward = point in ROLLED_FORWARD
     assert ledger.last_compaction_id == (1 if forward else 0)
-    assert files_per_partition(table) == {
-        "collection=orders": 1 if forward else 6,
-        "collection=users": 6,
+    if forward:
+        assert ledger.compactions[-1]["partition"] == leaf(layout, "orders")
+    assert files_per_partition(table, partition_by) == {
+        leaf(layout, "orders"): 1 if forward else 6,
+        leaf(layout, "users"): 6,
     }
     assert compaction_leftovers(table) == []
     assert visible_lsns(spark, table) == six
@@ -87,7 +112,10 @@ async def test_sigkill_at_a_compaction_step_keeps_every_row_exactly_once(
     for b in batches[6:]:
         await ex.execute(b)
     await asyncio.to_thread(compact_stream, ex.sinks[0], spark, full=True)
-    assert files_per_partition(table) == {"collection=orders": 1, "collection=users": 1}
+    assert files_per_partition(table, partition_by) == {
+        leaf(layout, "orders"): 1,
+        leaf(layout, "users"): 1,
+    }
     assert visible_lsns(spark, table) == batch_lsns(batches)
     assert arrow_lsns(table) == batch_lsns(batches)
 
