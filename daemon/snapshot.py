@@ -26,13 +26,18 @@ A batch commit only adds files (each rename is atomic) and does not touch it.
 When a stream opens, the generation moves to the next even number, so a
 reader whose listing spans a restart lists again.
 
-**A reader** (:func:`snapshot`): read the generation; if it is odd, wait and
-read again; list every data file; read the generation again. Equal and even:
-no file was removed during the listing, so the list holds every row committed
-before the listing began exactly once. Otherwise list again. The list names
-files; a compaction after the listing can still remove one before the reader
-opens it, which fails the read with a file-not-found error (retryable: take a
-new snapshot), never with wrong rows.
+**Any reader** (:func:`consistent`): read the generation; if it is odd, wait
+and read it again; run the reader's listing (make the Spark DataFrame, the
+pyarrow dataset, or run a lazy reader's whole query); read the generation
+again. Equal: no file was removed while the reader listed, so what it listed
+holds every row committed before it began, exactly once. Otherwise run it
+again. A compaction after the listing can still remove a file before the
+reader opens it: that fails the read with a file-not-found error (retryable),
+never with wrong rows. A file list alone is not enough: Spark skips, without
+an error, an explicitly named file that is gone when it builds its index
+(its "root path" rule), so a reader of a list checks the generation after
+building too. :func:`snapshot` is the list, for tools outside Python
+(``eventplane cdc files --json`` prints its generation).
 
 A generation that stays odd means a writer stopped between steps 1 and 3
 (killed): the next open of the stream ends it. Meanwhile a reader that finds
@@ -52,6 +57,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 META_DIR = "_eventplane"
 GENERATION_FILE = "generation"
@@ -202,6 +210,40 @@ def snapshot(
             return Snapshot(str(root), before, files, attempt)
     raise SnapshotError(
         f"{root}: the table changed during each of {MAX_ATTEMPTS} listings; compactions or "
+        f"retention are running far more often than they should (compact_interval_s)"
+    )
+
+
+def consistent(
+    path: str | os.PathLike[str],
+    build: Callable[[], T],
+    *,
+    wait_s: float = DEFAULT_WAIT_S,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """``build()`` run so that no change removed files of the table meanwhile:
+    its result reflects one state of the table (module doc, "Any reader").
+
+    ``build`` is a read that lists the table: ``spark.read.parquet(path)``
+    (Spark lists when the DataFrame is made), ``ds.dataset(path, ...)``, or a
+    whole query of a lazy reader (Polars, DuckDB). When the generation moved
+    while it ran, or it failed while the generation moved, it runs again; an
+    error of its own (the generation did not move) is raised as is.
+    """
+    root = Path(path).absolute()
+    for _ in range(MAX_ATTEMPTS):
+        before = _even_generation(root, wait_s, clock, sleep)
+        try:
+            result = build()
+        except Exception:
+            if read_generation(root) != before:
+                continue  # a swap or removal cut through the read: read again
+            raise
+        if read_generation(root) == before:
+            return result
+    raise SnapshotError(
+        f"{root}: the table changed during each of {MAX_ATTEMPTS} reads; compactions or "
         f"retention are running far more often than they should (compact_interval_s)"
     )
 

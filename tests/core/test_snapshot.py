@@ -17,6 +17,7 @@ from daemon import snapshot
 from daemon.snapshot import (
     SnapshotError,
     TableBusyError,
+    consistent,
     data_files,
     open_generation,
     read_generation,
@@ -171,3 +172,43 @@ def test_a_damaged_generation_file_says_what_to_do(table: Path) -> None:
 def test_a_missing_table_is_file_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="is not a folder"):
         snapshot.snapshot(tmp_path / "nope")
+
+
+def test_a_read_that_a_change_cuts_through_runs_again(table: Path) -> None:
+    results: list[int] = []
+
+    def build() -> int:
+        results.append(len(data_files(table)))
+        if len(results) == 1:
+            with table_change(table):
+                (table / "collection=orders" / "part-b000000000001-a.parquet").unlink()
+        return results[-1]
+
+    assert consistent(table, build) == 2
+    assert results == [3, 2]
+
+
+def test_a_read_that_fails_because_a_change_removed_its_file_runs_again(table: Path) -> None:
+    attempts: list[int] = []
+
+    def build() -> str:
+        attempts.append(1)
+        if len(attempts) == 1:
+            with table_change(table):
+                pass
+            raise FileNotFoundError("a merged-away input")
+        return "rows"
+
+    assert consistent(table, build) == "rows" and len(attempts) == 2
+
+
+def test_a_read_that_fails_on_its_own_raises_at_once(table: Path) -> None:
+    attempts: list[int] = []
+
+    def build() -> str:
+        attempts.append(1)
+        raise ValueError("a bad query")
+
+    with pytest.raises(ValueError, match="a bad query"):
+        consistent(table, build)
+    assert len(attempts) == 1

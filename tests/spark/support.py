@@ -143,26 +143,25 @@ class SharedSession:
         pass
 
 
-def snapshot_arrow_lsns(path: Path) -> list[int]:
-    """LSNs a pyarrow reader sees through a snapshot of the table's files
-    (daemon/snapshot.py), sorted."""
+def consistent_arrow_lsns(path: Path) -> list[int]:
+    """LSNs a pyarrow reader sees when its dataset discovery runs inside
+    ``daemon.snapshot.consistent``, sorted."""
     import pyarrow.dataset as ds
 
-    from daemon.snapshot import snapshot
+    from daemon.snapshot import consistent
 
-    files = snapshot(path).files
-    if not files:
+    if not any(path.glob("collection=*")):
         return []
-    dataset = ds.dataset(files, format="parquet", partitioning="hive", partition_base_dir=str(path))
+    dataset = consistent(path, lambda: ds.dataset(str(path), format="parquet", partitioning="hive"))
     return sorted(dataset.to_table(columns=["lsn"]).column("lsn").to_pylist())
 
 
-def snapshot_spark_lsns(spark: Any, path: Path) -> list[int]:
-    """LSNs a Spark reader sees through a snapshot of the table's files, sorted."""
-    from daemon.snapshot import snapshot
+def consistent_spark_lsns(spark: Any, path: Path) -> list[int]:
+    """LSNs a plain ``spark.read.parquet`` sees when its DataFrame (and so its
+    listing) is made inside ``daemon.snapshot.consistent``, sorted."""
+    from daemon.snapshot import consistent
 
-    files = snapshot(path).files
-    if not files:
+    if not any(path.glob("collection=*")):
         return []
-    df = spark.read.option("basePath", str(path)).parquet(*files)
+    df = consistent(path, lambda: spark.read.parquet(str(path)))
     return sorted(r.lsn for r in df.select("lsn").collect())

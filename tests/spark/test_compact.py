@@ -13,8 +13,8 @@ from unittest import mock
 import pytest
 
 from daemon.cli import cdc as cdccmd
+from daemon.snapshot import consistent, read_generation, snapshot
 from daemon.snapshot import data_files as table_files
-from daemon.snapshot import read_generation, snapshot
 from daemon.spark import compact
 from daemon.spark.cdc import META_DIR, committed_files, read_ledger
 from daemon.spark.compact import (
@@ -28,10 +28,10 @@ from daemon.spark.compact import (
 from tests.spark.support import (
     COLLECTIONS,
     batch_lsns,
+    consistent_arrow_lsns,
+    consistent_spark_lsns,
     make_batches,
     read_table,
-    snapshot_arrow_lsns,
-    snapshot_spark_lsns,
 )
 
 pytestmark = pytest.mark.spark
@@ -240,8 +240,38 @@ async def test_a_listing_cut_by_a_swap_misses_rows_and_the_snapshot_lists_again(
     assert plain.count_rows() == 0  # every input was merged away; the merged files unlisted
     assert snap.attempts == 2 and snap.generation == generation + 4  # two swaps
     assert len(snap.files) == 2 and all("part-c" in f for f in snap.files)
-    assert snapshot_arrow_lsns(table) == batch_lsns(batches)
-    assert snapshot_spark_lsns(spark, table) == batch_lsns(batches)
+    assert consistent_arrow_lsns(table) == batch_lsns(batches)
+    assert consistent_spark_lsns(spark, table) == batch_lsns(batches)
+
+
+async def test_a_spark_read_that_a_swap_cuts_through_is_made_again_by_consistent(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """1. 20 batches make 20 files per partition.  2. A plain
+    ``spark.read.parquet`` of the folder is made inside ``consistent()``;
+    while the first one is made, a real compaction swaps both partitions.
+    3. ``consistent()`` sees the generation move and makes the DataFrame
+    again: it lists the merged files and reads every row once."""
+    ex = await executor_factory(stream_options={"compaction": False})
+    table = tmp_path / "cdc" / "all"
+    batches = make_batches(20, 30)
+    for b in batches:
+        await ex.execute(b)
+    (sink,) = ex.sinks
+    listed: list[list[str]] = []
+
+    def build() -> Any:
+        df = spark.read.parquet(str(table))
+        listed.append(df.inputFiles())
+        if len(listed) == 1:
+            assert len(compact_stream(sink, spark, full=True)) == 2
+        return df
+
+    df = await asyncio.to_thread(consistent, table, build)
+
+    data = [[f for f in files if "/part-" in f] for files in listed]  # not _common_metadata
+    assert [len(files) for files in data] == [40, 2]
+    assert sorted(r.lsn for r in df.select("lsn").collect()) == batch_lsns(batches)
 
 
 async def test_merged_files_keep_rows_sorted_and_the_writer_options(
@@ -419,10 +449,10 @@ async def test_concurrent_readers_see_every_committed_row_exactly_once(
             time.sleep(0.01)
 
     def spark_read() -> list[int]:
-        return snapshot_spark_lsns(spark, table)
+        return consistent_spark_lsns(spark, table)
 
     def arrow_read() -> list[int]:
-        return snapshot_arrow_lsns(table)
+        return consistent_arrow_lsns(table)
 
     threads = [
         threading.Thread(target=reader, args=("arrow", arrow_read)),

@@ -19,7 +19,7 @@ import pytest
 
 from daemon.spark.cdc import COMPACT_CRASH_POINTS, ENV_CRASH_AT, read_ledger
 from daemon.spark.compact import compact_stream
-from tests.spark.support import batch_lsns, make_batches, snapshot_arrow_lsns
+from tests.spark.support import batch_lsns, consistent_arrow_lsns, make_batches
 from tests.spark.test_compact import (
     arrow_lsns,
     compaction_leftovers,
@@ -150,7 +150,7 @@ class Readers:
         while not self._stop.is_set():
             low = self.acked
             try:
-                lsns = snapshot_arrow_lsns(self.table) if self.table.is_dir() else []
+                lsns = consistent_arrow_lsns(self.table) if self.table.is_dir() else []
             except OSError:  # FileNotFoundError: listed before a swap, opened after
                 self.retryable += 1
                 continue
