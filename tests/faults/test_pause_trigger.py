@@ -20,8 +20,6 @@ CDC stream, two webhook triggers on ``c0`` with their own receivers,
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -29,8 +27,9 @@ from typing import Any
 import pytest
 
 from tests.faults.receivers import Receiver
+from tests.faults.support import cli as run_cli
 from tests.faults.support import healthz, metric, spark_config, stage, wait_for
-from tests.integration.harness import ROOT, DaemonProcess, Loader
+from tests.integration.harness import DaemonProcess, Loader
 
 pytestmark = [pytest.mark.spark, pytest.mark.crash]
 
@@ -55,17 +54,6 @@ action = {{ type = "webhook", url = "{free.url}" }}
     return spark_config(tmp_path, extra=triggers)
 
 
-def _cli(daemon: DaemonProcess, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "daemon.cli.main", *argv, "--url", daemon.admin_url],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def _paused(daemon: DaemonProcess) -> dict[str, Any]:
     return dict(daemon.status()["triggers"]["paused"])
 
@@ -86,7 +74,7 @@ def test_a_paused_trigger_holds_its_calls_across_sigkill_and_delivers_them_when_
         wait_for("both receivers called", lambda: held.calls and free.calls, 120, daemon)
 
         # Step 2. Pause one trigger under load.
-        cli = _cli(daemon, "pause", "trigger:held", "--reason", "receiver upgrade")
+        cli = run_cli(daemon, "pause", "trigger:held", "--reason", "receiver upgrade")
         assert cli.returncode == 0, cli.stdout + cli.stderr
         assert cli.stdout.startswith("stage trigger:held paused"), cli.stdout
         calls_at_pause = held.calls  # a call in flight at the pause may still land
@@ -107,7 +95,7 @@ def test_a_paused_trigger_holds_its_calls_across_sigkill_and_delivers_them_when_
         assert (metric(daemon, 'eventplane_trigger_paused_rows{trigger="held"}') or 0) > 0
         assert metric(daemon, 'eventplane_trigger_paused_rows{trigger="free"}') == 0.0
         assert stage(daemon.status(), "cdc:all")["behind_batches"] <= 2
-        shown = _cli(daemon, "status")
+        shown = run_cli(daemon, "status")
         assert "trigger held paused (receiver upgrade)" in shown.stdout, shown.stdout
 
         # Step 3. SIGKILL under load; restart; still paused.
@@ -125,7 +113,7 @@ def test_a_paused_trigger_holds_its_calls_across_sigkill_and_delivers_them_when_
 
         # Step 4. Load stops; resume; the queue drains; health clears.
         loader.stop()
-        cli = _cli(daemon, "resume", "trigger:held")
+        cli = run_cli(daemon, "resume", "trigger:held")
         assert cli.returncode == 0, cli.stdout + cli.stderr
         assert cli.stdout.startswith("stage trigger:held resumed"), cli.stdout
         wait_for(

@@ -204,6 +204,16 @@ async def test_compaction_merges_files_and_every_reader_sees_each_row_once(
     assert visible_lsns(spark, table) == batch_lsns(batches[:22])
 
 
+async def uncompacted_table(executor_factory: Any, tmp_path: Path) -> tuple[Path, Any, Any]:
+    """20 batches, 20 files per partition, compaction off: (table, batches, sink)."""
+    ex = await executor_factory(stream_options={"compaction": False})
+    batches = make_batches(20, 30)
+    for b in batches:
+        await ex.execute(b)
+    (sink,) = ex.sinks
+    return tmp_path / "cdc" / "all", batches, sink
+
+
 async def test_a_listing_cut_by_a_swap_misses_rows_and_the_snapshot_lists_again(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
@@ -214,12 +224,7 @@ async def test_a_listing_cut_by_a_swap_misses_rows_and_the_snapshot_lists_again(
     up, as Spark's and pyarrow's listings do) misses every merged row: the
     hazard is real.  4. The snapshot saw the generation move and listed again:
     Spark and pyarrow over its files see every row once."""
-    ex = await executor_factory(stream_options={"compaction": False})
-    table = tmp_path / "cdc" / "all"
-    batches = make_batches(20, 30)
-    for b in batches:
-        await ex.execute(b)
-    (sink,) = ex.sinks
+    table, batches, sink = await uncompacted_table(executor_factory, tmp_path)
     generation = read_generation(table)
     listings: list[list[str]] = []
 
@@ -252,12 +257,7 @@ async def test_a_spark_read_that_a_swap_cuts_through_is_made_again_by_consistent
     while the first one is made, a real compaction swaps both partitions.
     3. ``consistent()`` sees the generation move and makes the DataFrame
     again: it lists the merged files and reads every row once."""
-    ex = await executor_factory(stream_options={"compaction": False})
-    table = tmp_path / "cdc" / "all"
-    batches = make_batches(20, 30)
-    for b in batches:
-        await ex.execute(b)
-    (sink,) = ex.sinks
+    table, batches, sink = await uncompacted_table(executor_factory, tmp_path)
     listed: list[list[str]] = []
 
     def build() -> Any:
