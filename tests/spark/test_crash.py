@@ -112,7 +112,11 @@ async def test_sigkill_at_commit_step_recovers_to_exactly_once(
     await ex.execute(batches[3])
     assert visible(spark, table) == batch_lsns(batches)
     meta = table / META_DIR
-    assert sorted(p.name for p in meta.rglob("*") if p.is_file()) == ["ledger.json", "lock"]
+    assert sorted(p.name for p in meta.rglob("*") if p.is_file()) == [
+        "generation",
+        "ledger.json",
+        "lock",
+    ]
     assert not list((meta / "staging").iterdir())
 
 
