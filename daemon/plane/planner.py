@@ -35,9 +35,15 @@ Batch protocol (Spark's offset-log rule):
 4. Commit: each stage's progress moves for the batches it committed; the
    watermarks of the batch's cores move once every stage committed it.
 
-While batch N runs (step 3), an executor that prepares (``Preparer``) gets
-batch N+1 early: once N+1 is due, it goes through steps 1-2 and
-``executor.prepare``; it runs right after N's step 4 (``run``).
+Closing ahead: while batch N runs (step 3), an executor that prepares
+(``Preparer``) gets batch N+1 early: it goes through steps 1-2 and
+``executor.prepare``, and runs right after N's step 4 (``run``). N+1 closes
+when N is expected to commit less N+1's preparation (``ahead_due``), not
+before its rows' own deadline, and at once only when a core's slice cannot
+grow (``catchup_max_rows`` rows, or the memory budget). Its rows cannot
+commit before N has and N+1 has run, so an earlier close would only push
+the rows that arrive meanwhile into N+2, a run later; and a backlog that
+builds while N runs goes out in one batch, not in ``max_rows`` pieces.
 
 After a crash, plans above the persisted watermarks' ``batch_id`` are read
 back from the WAL and re-run first with their own ids (the executor's sinks
@@ -59,6 +65,7 @@ import bisect
 import contextlib
 import math
 import queue
+import statistics
 import threading
 import time
 from collections import deque
@@ -91,6 +98,14 @@ COMPACT_AFTER = 1024
 # one's variance, and for delivery before and the actions' hand-off after.
 RECENT_BATCHES = 8
 RUN_TIME_MARGIN = 1.25
+
+# While batch N runs, N+1 closes when N is expected to commit, less the time
+# its input takes to prepare (module docstring, "Closing ahead"). N's run is
+# expected to take the median of the last ETA_BATCHES runs: a median, so one
+# stalled or retried run does not move the close by seconds. The margin covers
+# the plan log's fsync and the hand-over to ``prepare``.
+ETA_BATCHES = 3
+CLOSE_AHEAD_MARGIN_S = 0.05
 
 
 class PlanMismatchError(DaemonError):
@@ -787,32 +802,42 @@ class Planner:
         return batch
 
     async def _execute_closing_ahead(self, batch: MicroBatch) -> MicroBatch | None:
-        """Step 3 for ``batch``; meanwhile close, plan and prepare the next one once
-        it is due: a core's slice reached its row limit or cannot grow
-        (``_due_by_size``), or its oldest row reached the close deadline.
-        Returns that batch.
+        """Step 3 for ``batch``; meanwhile close, plan and prepare the next one.
+        Returns that batch (None when nothing was closed ahead).
 
         Only with an executor that prepares (``Preparer``): the next batch's
         input is then built while this one runs in Spark, instead of after it
         with Spark idle. It commits after this one; ids, plans and watermarks
         keep their order, and a crash re-runs both plans in order.
+
+        When the next batch closes (``ahead_due``): not before its rows' own
+        deadline (``close_due``), and not before this batch is expected to
+        commit less the time the next one takes to prepare. Its rows cannot
+        commit before this batch has and the next one has run, so closing it
+        sooner would only leave the rows that arrive meanwhile for the batch
+        after it, a whole run later. Sooner only when a core's slice cannot
+        grow (``_ahead_full``): it holds all a slice may take, or the core is
+        out of memory budget. ``max_rows`` does not close it: a backlog that
+        builds while this batch runs goes out in one batch, not in several
+        that each pay Spark's fixed cost.
         """
         if self._preparer is None:
             await self._execute(batch)
             return None
+        eta = self._clock() + self.expected_duration_s()
         running = asyncio.ensure_future(self._execute(batch))
         ahead: MicroBatch | None = None
         try:
             while not running.done():
-                due = self.close_due() if ahead is None and not self._stopping else None
-                if due is not None and (self._due_by_size() or due <= self._clock()):
+                due = self.ahead_due(eta) if ahead is None and not self._stopping else None
+                if due is not None and (self._ahead_full() or due <= self._clock()):
                     ahead = await self._close_and_plan()
                     if ahead is not None:
                         self._preparer.prepare(ahead)
                     continue
                 self._wake.clear()
                 woken = asyncio.ensure_future(self._wake.wait())
-                timeout = None if due is None else due - self._clock()
+                timeout = None if due is None else max(due - self._clock(), 0.0)
                 try:
                     await asyncio.wait(
                         (running, woken), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
@@ -826,6 +851,39 @@ class Planner:
             raise
         await running
         return ahead
+
+    def expected_duration_s(self) -> float:
+        """What the batch starting now is expected to take: the median of the last
+        ``ETA_BATCHES`` runs (0 before the first)."""
+        recent = list(self._run_times)[-ETA_BATCHES:]
+        if not recent:
+            return 0.0
+        return statistics.median(recent)
+
+    def ahead_due(self, running_eta: float) -> float | None:
+        """When (planner clock) the batch after the running one is due, the running
+        one being expected to commit at ``running_eta``; None while nothing is
+        pending. The later of the rows' own deadline and that commit less the
+        next batch's preparation (``CLOSE_AHEAD_MARGIN_S`` on top)."""
+        due = self.close_due()
+        if due is None:
+            return None
+        rows = sum(p.rows for p in self._pending)
+        lead = CLOSE_AHEAD_MARGIN_S + self._prepare_s(rows)
+        return max(due, running_eta - lead)
+
+    def _prepare_s(self, rows: int) -> float:
+        """The executor's estimate of how long preparing ``rows`` takes (0 when it
+        gives none)."""
+        estimate = getattr(self._preparer, "prepare_seconds", None)
+        return float(estimate(rows)) if callable(estimate) else 0.0
+
+    def _ahead_full(self) -> bool:
+        """While a batch runs: some core's pending slice cannot grow. It holds all
+        a slice may take (``catchup_max_rows``), or pending plus running bytes
+        are at the core's budget."""
+        limit = self.cfg.catchup_max_rows
+        return any(p.rows >= limit or (p.rows and not p.room.is_set()) for p in self._pending)
 
     def _due_by_size(self) -> bool:
         """Some core's pending slice makes a batch due now: it reached its row
