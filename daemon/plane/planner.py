@@ -257,6 +257,16 @@ class Planner:
         self._stopping = False
         # Seconds the executor took for recent batches (the close deadline).
         self._run_times: deque[float] = deque(maxlen=RECENT_BATCHES)
+        # The last ETA_BATCHES live runs again, apart by whether the batch was
+        # prepared ahead (its input built while the one before ran) or built
+        # its input in the run: the second take longer by that build, and a
+        # prepared batch's expected commit must not be taken from them
+        # (``expected_duration_s``).
+        self._eta_runs: dict[bool, deque[float]] = {
+            True: deque(maxlen=ETA_BATCHES),
+            False: deque(maxlen=ETA_BATCHES),
+        }
+        self._last_run_s: float | None = None
         self._file_lock = asyncio.Lock()
         self.last_batch: dict[str, Any] | None = None
         # The WAL head (the plane's pushed LSN); by default the highest delivered.
@@ -659,6 +669,7 @@ class Planner:
             self._recovered.pop(0)
         held = False
         ahead: MicroBatch | None = None
+        was_ahead = False  # the batch about to run was closed ahead, so prepared
         while not self._stopping:
             if ahead is not None:
                 # Closed, planned and prepared while the previous batch ran;
@@ -688,7 +699,8 @@ class Planner:
                     continue
                 batch, closed = closed, None
             started = self._clock()
-            ahead = await self._execute_closing_ahead(batch)
+            ahead = await self._execute_closing_ahead(batch, prepared=was_ahead)
+            was_ahead = ahead is not None
             self._commit(batch, started)
             self._reaper.give(batch)
             del batch
@@ -801,7 +813,9 @@ class Planner:
         self._commit(batch, started)
         return batch
 
-    async def _execute_closing_ahead(self, batch: MicroBatch) -> MicroBatch | None:
+    async def _execute_closing_ahead(
+        self, batch: MicroBatch, prepared: bool = False
+    ) -> MicroBatch | None:
         """Step 3 for ``batch``; meanwhile close, plan and prepare the next one.
         Returns that batch (None when nothing was closed ahead).
 
@@ -824,7 +838,8 @@ class Planner:
         if self._preparer is None:
             await self._execute(batch)
             return None
-        eta = self._clock() + self.expected_duration_s()
+        eta = self._clock() + self.expected_duration_s(prepared)
+        self._last_run_s = None
         running = asyncio.ensure_future(self._execute(batch))
         ahead: MicroBatch | None = None
         try:
@@ -850,12 +865,21 @@ class Planner:
                 await running
             raise
         await running
+        if self._last_run_s is not None:
+            self._eta_runs[prepared].append(self._last_run_s)
         return ahead
 
-    def expected_duration_s(self) -> float:
+    def expected_duration_s(self, prepared: bool = False) -> float:
         """What the batch starting now is expected to take: the median of the last
-        ``ETA_BATCHES`` runs (0 before the first)."""
-        recent = list(self._run_times)[-ETA_BATCHES:]
+        ``ETA_BATCHES`` runs of batches prepared ahead (``prepared``) or not; of
+        any runs while there are none of that kind (0 before the first).
+
+        Apart, because a batch that builds its input in the run takes longer by
+        that build. Mixed, a few such runs would make a prepared batch look
+        slower than it is; its successor would then close after it committed,
+        build its input in the run, and be one more such run.
+        """
+        recent = list(self._eta_runs[prepared]) or list(self._run_times)[-ETA_BATCHES:]
         if not recent:
             return 0.0
         return statistics.median(recent)
@@ -1085,7 +1109,8 @@ class Planner:
                 continue
             self._blocked_since = None
             info["failed_stages"] = sorted(failures)
-            self._run_times.append(self._clock() - attempt_started)
+            self._last_run_s = self._clock() - attempt_started
+            self._run_times.append(self._last_run_s)
             return
 
     @property

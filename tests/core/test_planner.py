@@ -642,9 +642,11 @@ class ClockedPreparer(PreparingExecutor):
         self.run_s = run_s
         self.prep_s_per_row = prep_s_per_row
 
+        self.run_s_of: dict[int, float] = {}  # batch id -> its own run time
+
     async def execute(self, batch: MicroBatch) -> None:
         await super().execute(batch)
-        self.clock[0] += self.run_s
+        self.clock[0] += self.run_s_of.get(batch.batch_id, self.run_s)
 
     def prepare_seconds(self, rows: int) -> float:
         return self.prep_s_per_row * rows
@@ -780,3 +782,30 @@ async def test_a_slice_at_catchup_max_rows_is_closed_ahead_at_once_whatever_the_
         {0: (4, 6)},
         {0: (7, 7)},
     ]
+
+
+async def test_a_prepared_batch_is_expected_to_take_as_long_as_prepared_ones_did_not_the_others(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """Batch 1 built its input in its run (2 s); batch 2 was closed ahead and
+    prepared (0.5 s). A prepared batch is expected to take 0.5 s, another one
+    2 s: mixed, the slow runs would make prepared batches look slower, and their
+    successors close after them, unprepared."""
+    now = [100.0]
+    executor = ClockedPreparer(now, run_s=2.0)
+    executor.run_s_of[2] = 0.5
+    executor.stall = asyncio.Event()
+    cfg = MicrobatchConfig(interval_ms=1000, max_rows=2, catchup_max_rows=2)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, clock=lambda: now[0])
+    planner.add(0, [rec(1), rec(2)])  # due at once: max_rows
+    task = asyncio.create_task(planner.run())
+    await executor.wait_until(lambda: len(executor.attempts) == 1)
+    planner.add(0, [rec(3), rec(4)])  # a full slice: closed ahead at once
+    await executor.wait_until(lambda: executor.prepared == [2])
+    executor.stall.set()
+    await executor.wait_rows(4, within_s=2)
+    planner.request_stop()
+    await asyncio.wait_for(task, 2)
+
+    assert planner.expected_duration_s(prepared=True) == pytest.approx(0.5)
+    assert planner.expected_duration_s(prepared=False) == pytest.approx(2.0)
