@@ -845,10 +845,20 @@ class Planner:
         try:
             while not running.done():
                 due = self.ahead_due(eta) if ahead is None and not self._stopping else None
-                if due is not None and (self._ahead_full() or due <= self._clock()):
+                if due is not None and ((full := self._ahead_full()) or due <= self._clock()):
                     ahead = await self._close_and_plan()
                     if ahead is not None:
                         self._preparer.prepare(ahead)
+                        # How early the close came against the expected commit:
+                        # the rule's inputs, for tuning it from a debug log.
+                        log.debug(
+                            "microbatch_closed_ahead",
+                            batch_id=ahead.batch_id,
+                            running=batch.batch_id,
+                            rows=ahead.rows,
+                            full=full,
+                            before_expected_commit_s=round(eta - self._clock(), 4),
+                        )
                     continue
                 self._wake.clear()
                 woken = asyncio.ensure_future(self._wake.wait())
