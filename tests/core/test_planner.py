@@ -662,11 +662,13 @@ async def _two_runs_of(planner: Planner, executor: ClockedPreparer) -> None:
 async def test_next_batch_is_due_when_the_running_one_should_commit_less_its_preparation(
     tmp_path: Path, metrics: Metrics
 ) -> None:
-    """Runs took 2 s. A batch starting at 104 should commit at 106: the next one
-    is due at 106 less the 50 ms margin less its rows' preparation (0.1 s a row
-    here), and never before its rows' own deadline."""
+    """Runs took 2 s and 3 s: a batch is expected to take the shortest, 2 s (a
+    late close costs more than an early one). One that should commit at 106
+    has the next one due at 106 less the 50 ms margin less its rows'
+    preparation (0.1 s a row here), and never before its rows' own deadline."""
     now = [100.0]
     executor = ClockedPreparer(now, run_s=2.0, prep_s_per_row=0.1)
+    executor.run_s_of[2] = 3.0
     cfg = MicrobatchConfig(interval_ms=1000, max_rows=100)
     planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, clock=lambda: now[0])
     await _two_runs_of(planner, executor)
@@ -676,10 +678,10 @@ async def test_next_batch_is_due_when_the_running_one_should_commit_less_its_pre
     planner.add(0, [rec(3), rec(4)])
     planner.add(1, [rec(5, core=1)])
     assert planner.ahead_due(106.0) == pytest.approx(106.0 - 0.05 - 0.3)
-    # A running batch that should commit soon: the rows' deadline (104, as runs
-    # are slower than the interval) comes later.
-    assert planner.close_due() == pytest.approx(104.0)
-    assert planner.ahead_due(104.3) == pytest.approx(104.0)
+    # A running batch that should commit soon: the rows' deadline (105, when
+    # they came, as runs are slower than the interval) comes later.
+    assert planner.close_due() == pytest.approx(105.0)
+    assert planner.ahead_due(105.3) == pytest.approx(105.0)
 
 
 async def test_rows_arriving_while_a_batch_runs_go_into_one_batch_closed_just_before_it_commits(
