@@ -276,8 +276,16 @@ class Daemon:
 
 
 def start_daemon(
-    root: Path, master: str, interval_ms: int, max_rows: int, extra: str = ""
+    root: Path,
+    master: str,
+    interval_ms: int,
+    max_rows: int,
+    extra: str = "",
+    src: Path | None = None,
 ) -> Daemon:
+    """Start ``eventplane run`` on a config of its own under ``root``; ``src``: run
+    the daemon package of that source tree (its folder is the process's working
+    directory, which comes first on ``sys.path``) instead of this one's."""
     import subprocess
     import urllib.request
 
@@ -320,6 +328,7 @@ path = "cdc"
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=src,
         )
     d = Daemon(proc, f"http://127.0.0.1:{ingest}", f"http://127.0.0.1:{admin}", root / "cdc", log)
     deadline = time.monotonic() + 300

@@ -113,6 +113,7 @@ PG_USER = "bench"
 PG_TABLE = "outbox"
 LABELS = {
     "eventplane": "eventplane: HTTP -> WAL -> Spark -> CDC table",
+    "baseline": "eventplane from --baseline's source tree (the same pipeline, older code)",
     "landing": "landing files + Structured Streaming",
     "outbox": "PostgreSQL outbox + Spark JDBC",
     "reference": "reference: Structured Streaming over landed files (bench_cdc's peer)",
@@ -918,6 +919,10 @@ class Side:
     def snapshot(self) -> Any:
         raise NotImplementedError
 
+    def batches(self) -> int | None:
+        """Micro-batches committed so far (None: the side does not count them)."""
+        return None
+
     def need(self, first_lsn: int, last_lsn: int, first_event: int, count: int) -> Any:
         return last_lsn
 
@@ -931,14 +936,18 @@ class Side:
 class EventplaneSide(Side):
     name = "eventplane"
 
-    def __init__(self, root: Path, master: str, interval_ms: int) -> None:
+    def __init__(self, root: Path, master: str, interval_ms: int, src: Path | None = None) -> None:
         self.root, self.master, self.interval_ms = root, master, interval_ms
+        # ``--baseline``: the daemon runs from this source tree instead of ours.
+        self.src = src
+        if src is not None:
+            self.name = "baseline"
         self.d: Any = None
 
     def start(self) -> None:
         from bench.bench_cdc import start_daemon
 
-        self.d = start_daemon(self.root, self.master, self.interval_ms, 100_000)
+        self.d = start_daemon(self.root, self.master, self.interval_ms, 100_000, src=self.src)
         self.url, self.table = self.d.ingest, self.d.table
 
     def cpu(self) -> dict[str, float]:
@@ -958,6 +967,12 @@ class EventplaneSide(Side):
         from bench.bench_cdc import _ledger_state
 
         return _ledger_state(self.table)[1]
+
+    def batches(self) -> int | None:
+        from daemon.spark.cdc import read_ledger
+
+        ledger = read_ledger(self.table)
+        return ledger.last_batch_id if ledger else 0
 
     def need(self, first_lsn: int, last_lsn: int, first_event: int, count: int) -> Any:
         from bench.bench_cdc import _needs
@@ -1088,6 +1103,8 @@ class SideResult:
     achieved: float = 0.0
     reference: tuple[float, float] | None = None
     rows_checked: int | None = None
+    # Micro-batches committed in the throughput run and in the latency run.
+    batches: tuple[int, int] | None = None
     error: str = ""
     skipped: str = ""
 
@@ -1142,10 +1159,12 @@ def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> 
 
     say(f"{side.name}: throughput, {plan.events:,} events ...")
     before = side.cpu()
+    batches_before = side.batches()
     got = run_producers(side.url, plan.run_file, REQUEST_EVENTS, plan.clients, 0, work / "run.json")
     side.drain(plan.warm + plan.events)
     done = time.time()
     after = side.cpu()
+    batches_run = side.batches()
     res.events = plan.events
     res.acked_s = got["acked"] - got["started"]
     res.visible_s = done - got["started"]
@@ -1155,6 +1174,11 @@ def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> 
     say(
         f"  acknowledged after {res.acked_s:.2f} s, visible after {res.visible_s:.2f} s; CPU s: "
         + ", ".join(f"{k} {v:.2f}" for k, v in res.cpu.items())
+        + (
+            f"; {batches_run - batches_before} batches"
+            if batches_run is not None and batches_before is not None
+            else ""
+        )
     )
 
     say(f"{side.name}: latency at {plan.rate:,} events/s ...")
@@ -1193,6 +1217,9 @@ def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> 
         halt.set()
         poller.join()
         side.stop_stream()
+    batches_lat = side.batches()
+    if batches_before is not None and batches_run is not None and batches_lat is not None:
+        res.batches = (batches_run - batches_before, batches_lat - batches_run)
     res.offered = plan.rate
     res.achieved = plan.lat_events / (got["acked"] - got["started"])
     times = [t for t, _s in snaps]
@@ -1207,7 +1234,7 @@ def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> 
             raise RuntimeError(f"{side.name}: request {i} never became visible")
         res.latencies.append(times[j] - due)
     total = plan.warm + plan.events + plan.lat_events
-    if side.name != "eventplane":
+    if not isinstance(side, EventplaneSide):
         side.stop()  # the peers' files are complete once their processes end
     res.rows_checked = count_rows(side.table)
     if res.rows_checked != total:
@@ -1259,6 +1286,7 @@ def _as_json(r: SideResult) -> dict[str, Any]:
         "latencies_s": r.latencies,
         "reference": r.reference,
         "rows_checked": r.rows_checked,
+        "batches": r.batches,
         "error": r.error,
         "skipped": r.skipped,
     }
@@ -1268,17 +1296,21 @@ def render_rounds(rounds: Sequence[tuple[int, SideResult]]) -> str:
     out = [
         "every round:",
         "",
-        "| round | side | wall s | CPU s/M | p50 ms | p99 ms |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| round | side | acked s | wall s | CPU s/M (server / Spark) | batches (run / latency) "
+        "| p50 ms | p99 ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for n, r in rounds:
         if r.events:
+            cpu = " / ".join(f"{r.per_million(r.cpu.get(g, 0.0)):.1f}" for g in ("server", "spark"))
+            batches = f"{r.batches[0]} / {r.batches[1]}" if r.batches else "-"
             out.append(
-                f"| {n} | {r.name} | {r.visible_s:.2f} | {r.per_million(r.cpu_total):.1f} "
+                f"| {n} | {r.name} | {r.acked_s:.2f} | {r.visible_s:.2f} "
+                f"| {r.per_million(r.cpu_total):.1f} ({cpu}) | {batches} "
                 f"| {pct(r.latencies, 0.5) * 1000:,.0f} | {pct(r.latencies, 0.99) * 1000:,.0f} |"
             )
         else:
-            out.append(f"| {n} | {r.name} | {r.skipped or r.error} | | | |")
+            out.append(f"| {n} | {r.name} | {r.skipped or r.error} | | | | | |")
     return "\n".join(out)
 
 
@@ -1341,7 +1373,7 @@ def render(results: Sequence[SideResult], args: argparse.Namespace) -> str:
             f"| {pct(r.latencies, 0.5) * 1000:,.0f} | {p99 * 1000:,.0f} "
             f"| {max(r.latencies, default=float('nan')) * 1000:,.0f} | {ratio} |"
         )
-    peers = [r for r in rows if r.name != "eventplane"]
+    peers = [r for r in rows if r.name not in ("eventplane", "baseline")]
     if ep is not None and peers:
         best_rate = max(r.rate for r in peers)
         best_p99 = min(pct(r.latencies, 0.99) for r in peers)
@@ -1386,6 +1418,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rotate-ms", type=int, default=100, help="landing file rotation (100)")
     p.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset of peers")
     p.add_argument("--no-eventplane", action="store_true", help="run the peers only")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="also run eventplane from this source tree (for example `git archive` of an "
+        "older commit, unpacked), as the side 'baseline', taking turns with the others: "
+        "a before/after comparison in one run",
+    )
     p.add_argument(
         "--rounds",
         type=int,
@@ -1458,6 +1497,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             sides: list[Side | SideResult] = []
             if not args.no_eventplane:
                 sides.append(EventplaneSide(where / "eventplane", args.master, args.interval_ms))
+            if args.baseline is not None:
+                sides.append(
+                    EventplaneSide(
+                        where / "baseline", args.master, args.interval_ms, args.baseline.resolve()
+                    )
+                )
             if "landing" in peers:
                 sides.append(LandingSide(where / "landing", args.master, args.rotate_ms))
             if isinstance(tools, str):

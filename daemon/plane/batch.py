@@ -72,6 +72,11 @@ class Preparer(Protocol):
     planned and will be the next one executed; it must not block and must not
     commit anything. ``execute(batch)`` stays correct whether or not the
     preparation finished or succeeded.
+
+    Optional: ``prepare_seconds(rows) -> float``, how long preparing that many
+    rows is expected to take. The planner closes the next batch that much
+    before the running one should commit (docs/consumers.md, "Closing ahead");
+    without it, 0 is assumed.
     """
 
     def prepare(self, batch: MicroBatch) -> None: ...

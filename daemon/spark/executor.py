@@ -81,6 +81,12 @@ log = structlog.get_logger("eventplane.spark")
 
 Handler = Callable[[Any, int], Any]
 
+# ``prepare_seconds``: a preparation of fewer rows than this is mostly fixed
+# cost and says little about the rate; each new rate moves the estimate by
+# this share (an exponentially weighted mean over the last few batches).
+PREP_SAMPLE_MIN_ROWS = 1000
+PREP_EWMA = 0.3
+
 
 class State(enum.Enum):
     STARTING = "starting"
@@ -194,6 +200,8 @@ class SparkExecutor:
         # Builds the inbox file of the batch after the running one (``prepare``).
         self._prep_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eventplane-prep")
         self._prepared: dict[int, tuple[Future[tuple[int, dict[str, int]]], Path]] = {}
+        # Seconds per row the recent preparations took (``prepare_seconds``).
+        self._prep_s_per_row: float | None = None
         self._ready = asyncio.Event()
         self._lock = asyncio.Lock()
         self._boot_task: asyncio.Task[None] | None = None
@@ -328,10 +336,29 @@ class SparkExecutor:
         if self._status.state in (State.STOPPING, State.STOPPED):
             return
         file = frame._inbox_file(self._inbox, batch.batch_id)
-        future = self._prep_pool.submit(
-            frame.write_batch_file, batch, file, self._cores, self.cfg.microbatch.build_max_bytes
-        )
+        future = self._prep_pool.submit(self._write_prepared, batch, file, self._cores)
         self._prepared[batch.batch_id] = (future, file)
+
+    def _write_prepared(
+        self, batch: MicroBatch, file: Path, cores: int
+    ) -> tuple[int, dict[str, int]]:
+        """``prepare``'s work, in its thread; times it for ``prepare_seconds``."""
+        started = time.monotonic()
+        result = frame.write_batch_file(batch, file, cores, self.cfg.microbatch.build_max_bytes)
+        rows = result[0]
+        if rows >= PREP_SAMPLE_MIN_ROWS:
+            rate = (time.monotonic() - started) / rows
+            old = self._prep_s_per_row
+            # One float, replaced whole: the event loop reads it without a lock.
+            self._prep_s_per_row = rate if old is None else old + PREP_EWMA * (rate - old)
+        return result
+
+    def prepare_seconds(self, rows: int) -> float:
+        """How long preparing a batch of ``rows`` is expected to take, from the
+        recent preparations' seconds per row (0 before the first). The planner
+        closes the next batch this much before the running one should commit."""
+        rate = self._prep_s_per_row
+        return 0.0 if rate is None else rate * rows
 
     def _take_prepared(self, batch: MicroBatch) -> tuple[Path, int, dict[str, int]] | None:
         """The prepared inbox file of ``batch`` (waiting for it), or None. Worker thread."""

@@ -630,3 +630,184 @@ def test_small_replayed_parts_are_joined_per_sequence_run_and_keep_every_event()
     events = [r for p in joined for r in p.records()]
     assert events == [r for p in parts for r in p.records()]
     assert sum(map(part_bytes, joined)) < sum(map(part_bytes, parts)) - 290 * 512
+
+
+class ClockedPreparer(PreparingExecutor):
+    """A preparing executor whose runs end ``run_s`` later on the test's clock (after
+    ``stall``, when set), and that expects ``prep_s_per_row`` to prepare a row."""
+
+    def __init__(self, clock: list[float], run_s: float, prep_s_per_row: float = 0.0) -> None:
+        super().__init__()
+        self.clock = clock
+        self.run_s = run_s
+        self.prep_s_per_row = prep_s_per_row
+
+        self.run_s_of: dict[int, float] = {}  # batch id -> its own run time
+
+    async def execute(self, batch: MicroBatch) -> None:
+        await super().execute(batch)
+        self.clock[0] += self.run_s_of.get(batch.batch_id, self.run_s)
+
+    def prepare_seconds(self, rows: int) -> float:
+        return self.prep_s_per_row * rows
+
+
+async def _two_runs_of(planner: Planner, executor: ClockedPreparer) -> None:
+    """Give the planner a history of two runs of ``executor.run_s`` each."""
+    for lsn in (1, 2):
+        planner.add(0, [rec(lsn)])
+        assert await planner.run_once() is not None
+
+
+async def test_next_batch_is_due_when_the_running_one_should_commit_less_its_preparation(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """Runs took 2 s and 3 s: a batch is expected to take the shortest, 2 s (a
+    late close costs more than an early one). One that should commit at 106
+    has the next one due at 106 less the 50 ms margin less its rows'
+    preparation (0.1 s a row here), and never before its rows' own deadline."""
+    now = [100.0]
+    executor = ClockedPreparer(now, run_s=2.0, prep_s_per_row=0.1)
+    executor.run_s_of[2] = 3.0
+    cfg = MicrobatchConfig(interval_ms=1000, max_rows=100)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, clock=lambda: now[0])
+    await _two_runs_of(planner, executor)
+    assert planner.expected_duration_s() == pytest.approx(2.0)
+    assert planner.ahead_due(106.0) is None  # nothing pending
+
+    planner.add(0, [rec(3), rec(4)])
+    planner.add(1, [rec(5, core=1)])
+    assert planner.ahead_due(106.0) == pytest.approx(106.0 - 0.05 - 0.3)
+    # A running batch that should commit soon: the rows' deadline (105, when
+    # they came, as runs are slower than the interval) comes later.
+    assert planner.close_due() == pytest.approx(105.0)
+    assert planner.ahead_due(105.3) == pytest.approx(105.0)
+
+
+async def test_rows_arriving_while_a_batch_runs_go_into_one_batch_closed_just_before_it_commits(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """1. Runs took 2 s; batch 3 starts at 104 (stalled in the executor).
+    2. Three rows come, more than max_rows (2): before, the next batch closed at
+       once; now nothing closes while batch 3 is not near its commit (106).
+    3. At 105.96 (after 106 less the 50 ms margin) batch 4 closes with every row
+       pending, and is prepared; it commits after batch 3."""
+    now = [100.0]
+    executor = ClockedPreparer(now, run_s=2.0)
+    cfg = MicrobatchConfig(interval_ms=1000, max_rows=2, catchup_max_rows=100)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, clock=lambda: now[0])
+    await _two_runs_of(planner, executor)
+    assert now[0] == 104.0
+    executor.stall = asyncio.Event()
+    planner.add(0, [rec(3)])
+    task = asyncio.create_task(planner.run())
+    await executor.wait_until(lambda: len(executor.attempts) == 3)
+
+    planner.add(0, [rec(4), rec(5), rec(6)])  # over max_rows: wakes the planner
+    now[0] = 105.9
+    planner.add(1, [rec(7, core=1)])  # wakes it again, 10 ms before its time
+    await asyncio.sleep(0.05)
+    assert executor.prepared == []
+
+    now[0] = 105.96
+    planner.add(1, [rec(8, core=1)])
+    await executor.wait_until(lambda: executor.prepared == [4])
+    assert executor.committed_when_prepared == [[1, 2]]
+    planner.add(0, [rec(9)])  # after the close: the batch after
+
+    executor.stall.set()
+    await executor.wait_rows(9, within_s=2)
+    planner.request_stop()
+    await asyncio.wait_for(task, 2)
+    assert [b.ranges() for b in executor.committed[2:]] == [
+        {0: (3, 3)},
+        {0: (4, 6), 1: (7, 8)},
+        {0: (9, 9)},
+    ]
+
+
+async def test_a_batch_that_commits_sooner_than_expected_has_the_next_one_closed_at_its_commit(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """Runs took 2 s, but batch 3 commits 0.5 s after it started: the rows that
+    came meanwhile were not closed ahead (not prepared); they go out right after
+    the commit, in one batch."""
+    now = [100.0]
+    executor = ClockedPreparer(now, run_s=2.0)
+    cfg = MicrobatchConfig(interval_ms=1000, max_rows=2, catchup_max_rows=100)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, clock=lambda: now[0])
+    await _two_runs_of(planner, executor)
+    executor.stall = asyncio.Event()
+    executor.run_s = 0.0
+    planner.add(0, [rec(3)])
+    task = asyncio.create_task(planner.run())
+    await executor.wait_until(lambda: len(executor.attempts) == 3)
+    planner.add(0, [rec(4), rec(5), rec(6)])
+    now[0] = 104.5
+    planner.add(1, [rec(7, core=1)])
+    await asyncio.sleep(0.05)
+    assert executor.prepared == []
+
+    executor.stall.set()
+    await executor.wait_rows(7, within_s=2)
+    planner.request_stop()
+    await asyncio.wait_for(task, 2)
+    assert executor.prepared == []
+    assert [b.ranges() for b in executor.committed[2:]] == [{0: (3, 3)}, {0: (4, 6), 1: (7, 7)}]
+
+
+async def test_a_slice_at_catchup_max_rows_is_closed_ahead_at_once_whatever_the_expected_commit(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """The next batch cannot take more of a core than catchup_max_rows (3): at that
+    size it is closed and prepared at once, long before the running one should
+    commit, and the rows after it wait for the batch after."""
+    now = [100.0]
+    executor = ClockedPreparer(now, run_s=2.0)
+    cfg = MicrobatchConfig(interval_ms=1000, max_rows=2, catchup_max_rows=3)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, clock=lambda: now[0])
+    await _two_runs_of(planner, executor)
+    executor.stall = asyncio.Event()
+    planner.add(0, [rec(3)])
+    task = asyncio.create_task(planner.run())
+    await executor.wait_until(lambda: len(executor.attempts) == 3)
+    planner.add(0, [rec(4), rec(5), rec(6), rec(7)])
+    await executor.wait_until(lambda: executor.prepared == [4])
+    assert now[0] == 104.0
+
+    executor.stall.set()
+    await executor.wait_rows(7, within_s=2)
+    planner.request_stop()
+    await asyncio.wait_for(task, 2)
+    assert [b.ranges() for b in executor.committed[2:]] == [
+        {0: (3, 3)},
+        {0: (4, 6)},
+        {0: (7, 7)},
+    ]
+
+
+async def test_a_prepared_batch_is_expected_to_take_as_long_as_prepared_ones_did_not_the_others(
+    tmp_path: Path, metrics: Metrics
+) -> None:
+    """Batch 1 built its input in its run (2 s); batch 2 was closed ahead and
+    prepared (0.5 s). A prepared batch is expected to take 0.5 s, another one
+    2 s: mixed, the slow runs would make prepared batches look slower, and their
+    successors close after them, unprepared."""
+    now = [100.0]
+    executor = ClockedPreparer(now, run_s=2.0)
+    executor.run_s_of[2] = 0.5
+    executor.stall = asyncio.Event()
+    cfg = MicrobatchConfig(interval_ms=1000, max_rows=2, catchup_max_rows=2)
+    planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, clock=lambda: now[0])
+    planner.add(0, [rec(1), rec(2)])  # due at once: max_rows
+    task = asyncio.create_task(planner.run())
+    await executor.wait_until(lambda: len(executor.attempts) == 1)
+    planner.add(0, [rec(3), rec(4)])  # a full slice: closed ahead at once
+    await executor.wait_until(lambda: executor.prepared == [2])
+    executor.stall.set()
+    await executor.wait_rows(4, within_s=2)
+    planner.request_stop()
+    await asyncio.wait_for(task, 2)
+
+    assert planner.expected_duration_s(prepared=True) == pytest.approx(0.5)
+    assert planner.expected_duration_s(prepared=False) == pytest.approx(2.0)

@@ -46,20 +46,29 @@ def test_bench_pipeline_runs_eventplane_and_the_landing_peer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """
-    1. The daemon and the landing peer (HTTP server + Structured Streaming
+    1. The daemon, the daemon again from ``--baseline``'s source tree (this
+       one, here) and the landing peer (HTTP server + Structured Streaming
        process) each take the warm-up, the closed-loop run and a paced second.
     2. Every event sent is in each table once (exit code 0), the table names
-       both sides and the reference row, and latencies were measured.
+       every side and the reference row, latencies were measured, and the
+       daemons' batches were counted.
     """
     out = tmp_path / "result.json"
-    argv = [*TINY, "--peers", "landing", "--dir", str(tmp_path / "work"), "--json", str(out)]
+    repo = Path(__file__).resolve().parents[2]
+    argv = [
+        *TINY, "--peers", "landing", "--baseline", str(repo),
+        "--dir", str(tmp_path / "work"), "--json", str(out),
+    ]  # fmt: skip
     rc = bench_pipeline.main(argv)
     text = capsys.readouterr().out
     assert rc == 0, text
-    for label in ("eventplane", "landing", "reference"):
+    for label in ("eventplane", "baseline", "landing", "reference"):
         assert bench_pipeline.LABELS[label] in text
     sides = {s["name"]: s for s in json.loads(out.read_text())["sides"]}
-    assert set(sides) == {"eventplane", "landing"}
+    assert set(sides) == {"eventplane", "baseline", "landing"}
+    for name in ("eventplane", "baseline"):
+        run, paced = sides[name]["batches"]
+        assert run >= 1 and paced >= 1
     for s in sides.values():
         assert s["events_per_s"] > 0 and s["latency_requests"] > 0 and not s["error"]
         assert s["rows_checked"] == 1000 + 3000 + 1400
@@ -97,4 +106,5 @@ def test_best_of_rounds_takes_the_fastest_round_and_the_lowest_p99() -> None:
     assert landing.latencies == [0.1, 0.2]
     assert outbox.error == "boom"
     text = bench_pipeline.render_rounds([(1, slow), (2, fast), (1, failed)])
-    assert "| 2 | landing | 1.00 | 300000.0 |" in text and "| 1 | outbox | boom |" in text
+    assert "| 2 | landing | 0.00 | 1.00 | 300000.0 (0.0 / 300000.0) | - |" in text
+    assert "| 1 | outbox | boom |" in text

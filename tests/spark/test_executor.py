@@ -165,6 +165,35 @@ async def test_prepared_batch_commits_from_the_file_built_ahead_and_a_failed_one
     assert not list((tmp_path / "var" / "spark-inbox").iterdir())
 
 
+async def test_prepare_seconds_estimates_from_the_preparations_timed_in_the_prep_thread(
+    executor_factory: Any,
+) -> None:
+    """The planner closes the next batch this long before the running one should
+    commit: 0 before any preparation; after one that took at least 0.2 s for
+    2,000 rows, at least 0.1 ms a row; a failed preparation changes nothing."""
+    ex = await executor_factory()
+    batches = make_batches(3, 2000)
+    await ex.execute(batches[0])
+    assert ex.prepare_seconds(2000) == 0.0
+    real = frame.write_batch_file
+
+    def slow(batch: MicroBatch, path: Path, parallelism: int, max_bytes: int) -> Any:
+        time.sleep(0.2)
+        if batch.batch_id == 3 and threading.current_thread().name.startswith("eventplane-prep"):
+            raise OSError("injected: disk full while preparing")
+        return real(batch, path, parallelism, max_bytes)
+
+    with mock.patch.object(frame, "write_batch_file", side_effect=slow):
+        ex.prepare(batches[1])
+        await ex.execute(batches[1])
+        estimate = ex.prepare_seconds(2000)
+        assert estimate >= 0.2
+        assert ex.prepare_seconds(4000) == pytest.approx(2 * estimate)
+        ex.prepare(batches[2])
+        await ex.execute(batches[2])
+    assert ex.prepare_seconds(2000) == estimate
+
+
 async def test_rerun_of_a_committed_batch_is_a_noop(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
