@@ -34,7 +34,7 @@ Steps of compaction C of partition P (marked in :func:`run_compaction`):
    inputs agree on their Parquet schema, footer key-values (Spark's schema)
    and codec (the daemon's own files do), pyarrow merges them in this
    process: the same physical schema and footer, the sink's dictionary
-   options, no JVM job (about 5 µs of CPU per row instead of 40). Otherwise
+   options, no JVM job (about 2 µs of CPU per row instead of 40). Otherwise
    one Spark job reads exactly those files (with the schema their footers
    agree on, else ``mergeSchema``: files from before a column existed keep
    their rows) and writes them with the sink's Parquet options. The row
@@ -83,15 +83,16 @@ Compactions of a daemon run one at a time in their own thread
 (:class:`CompactionService`), beside the batches: a compaction never holds a
 live commit, which only waits for the swap's lock.
 
-**In-process merge, memory.** pyarrow reads a bin's inputs one overlap group
-at a time (files whose ``lsn`` ranges, from their footers' statistics,
-overlap: usually one file), sorts the group and buffers sorted rows until
-``ARROW_ROW_GROUP_BYTES`` (64 MiB of Arrow data), which become one row group.
-A group over ``ARROW_MAX_SORT_BYTES`` (64 MiB of Parquet) goes to the Spark
-job, which spills. So one merge holds about one group decoded (2.5-4x its
-Parquet bytes) plus one row group: a few hundred MiB at most, whatever the
-target size. It takes one thread and cannot be interrupted: a stop waits
-for it (about 2 s per 100 MiB of input measured here).
+**In-process merge, memory.** pyarrow reads a bin's inputs a row group at
+a time: whole groups of files whose ``lsn`` ranges (from their footers'
+statistics) overlap, usually one file each, up to
+``ARROW_ROW_GROUP_INPUT_BYTES`` (16 MiB of Parquet), sorted together by
+``lsn`` and written as one row group (groups are disjoint, so the file is
+sorted). A group over ``ARROW_MAX_SORT_BYTES`` (the same 16 MiB) goes to
+the Spark job, which spills. So a merge holds about one row group decoded
+(3-6x its Parquet bytes), twice while sorting, whatever the target size.
+It takes one thread and cannot be interrupted: a stop waits for it
+(about 1.4 s of CPU per 100 MiB of input, measured here).
 """
 
 from __future__ import annotations
@@ -509,14 +510,14 @@ ARROW_CODECS: dict[str, tuple[str, int | None]] = {
 }
 # File name suffix Spark gives each codec (``part-...-c000.snappy.parquet``).
 _CODEC_SUFFIX = {"SNAPPY": ".snappy", "ZSTD": ".zstd", "GZIP": ".gz", "UNCOMPRESSED": ""}
-# The merge sorts, in memory, inputs whose ``lsn`` ranges overlap (read whole,
-# decoded: 2.5-4x their Parquet bytes); inputs that overlap over more Parquet
-# bytes than this go to the Spark job, which spills. Files of different batches
-# rarely overlap, so a group is usually one file (< target/2).
-ARROW_MAX_SORT_BYTES = 64 * 1024 * 1024
 # Parquet bytes of inputs read, sorted and written together as one row group
-# of a merged file (in memory: about 2-4x this, twice while sorting).
-ARROW_ROW_GROUP_INPUT_BYTES = 32 * 1024 * 1024
+# of a merged file (in memory: 3-6x this decoded, twice while sorting).
+ARROW_ROW_GROUP_INPUT_BYTES = 16 * 1024 * 1024
+# Files whose ``lsn`` ranges overlap are sorted together, so they must fit in
+# one row group: a group of more Parquet bytes than this (a batch file of
+# over 16 MiB, or overlapping ones) goes to the Spark job, which spills. Files
+# of different batches rarely overlap, so a group is usually one file.
+ARROW_MAX_SORT_BYTES = ARROW_ROW_GROUP_INPUT_BYTES
 
 
 class _ArrowMismatchError(CompactionError):
@@ -589,7 +590,9 @@ def arrow_layout(folder: Path, plan: Plan) -> ArrowLayout | str:
     if len(codecs) != 1 or next(iter(codecs)) not in ARROW_CODECS:
         return f"codecs {sorted(codecs)} (pyarrow writes one of {sorted(ARROW_CODECS)})"
     # The sink's writer options: Spark's default dictionary for every column
-    # but those PARQUET_OPTIONS turns it off for.
+    # but those PARQUET_OPTIONS turns it off for. (The inputs' own choice is
+    # no guide: Spark's writer drops a dictionary that does not pay off on its
+    # first page, which in a 125-row batch file it rarely does.)
     dictionary = [
         p for p in paths if PARQUET_OPTIONS.get(f"parquet.enable.dictionary#{p}") != "false"
     ]
@@ -656,11 +659,12 @@ def write_merged_arrow(
             chunk: list[str] = []
             size = 0
             for group in bin_groups:
-                chunk += group
-                size += sum(layout.sizes[n] for n in group)
-                if size >= ARROW_ROW_GROUP_INPUT_BYTES:
+                more = sum(layout.sizes[n] for n in group)
+                if chunk and size + more > ARROW_ROW_GROUP_INPUT_BYTES:
                     _write_row_group(writer, folder, chunk, arrow_schema)
                     chunk, size = [], 0
+                chunk += group
+                size += more
             if chunk:
                 _write_row_group(writer, folder, chunk, arrow_schema)
             writer.add_key_value_metadata(layout.metadata)

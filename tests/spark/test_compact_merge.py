@@ -212,3 +212,28 @@ def test_sort_groups_joins_overlapping_lsn_ranges_and_bounds_them() -> None:
     assert sort_groups(files, layout) == [["a", "b", "c", "d", "e"]]
     with mock.patch.object(compact, "ARROW_MAX_SORT_BYTES", 49):
         assert "overlap" in str(sort_groups(files, layout))
+
+
+async def test_a_table_mixing_the_previous_layout_is_merged_by_spark_with_every_row(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """Files of the previous payload layout (shredded, annotated, before
+    event_id, event_time and the JSON columns) beside current ones: their
+    schemas differ, so each partition goes to the Spark job (``mergeSchema``),
+    and Spark reads every row and payload value as before."""
+    from tests.spark.test_readers import write_mixed_table
+
+    ex = await executor_factory(stream_options={"compaction": False})
+    batches = shaped_batches(4, 50)
+    await write_mixed_table(spark, ex, batches)
+    table = tmp_path / "cdc" / "all"
+    layout = compact.arrow_layout(
+        table / "collection=orders", compact.plan_stream(ex.sinks[0], full=True)[0]
+    )
+    assert isinstance(layout, str) and "different Parquet schemas" in layout
+
+    with spark_merges() as spy:
+        done = await asyncio.to_thread(compact_stream, ex.sinks[0], spark, full=True)
+    assert len(done) == 3 and spy.call_count == 3
+    assert not list(table.glob("collection=*/part-b*"))
+    assert read_spark(spark, table) == expected(batches)
