@@ -10,7 +10,8 @@ ingest with compaction running vs without. Same events, same run, same session.
    20 s by default: the daemon's default looks every 60 s, i.e. every ~60
    batches at 1 s batches, and a bench batch takes about a third of a
    second), in
-   alternating order for ``--rounds`` rounds; the best of each counts. Timed
+   alternating order for ``--rounds`` rounds; the best of each counts, and
+   each round's own ratio is printed too (its two sides ran back to back). Timed
    from the first ``execute`` to the last commit, with the CPU seconds of this
    process and its JVM over the same span (a shared machine moves wall time
    more than CPU time), and on the "on" side the CPU seconds of the
@@ -268,6 +269,18 @@ async def run(spark: Any, root: Path, args: argparse.Namespace) -> int:
             f"| compaction {label} | {s:.2f} | {events / s:,.0f} | {s0 / s:.2f}x "
             f"| {c:.1f} | {c / c0:.2f}x |"
         )
+    # Each round runs both sides back to back: their ratio moves less with the
+    # other jobs on a shared machine than the best of each side does.
+    pairs = [times[False][r][0] / times[True][r][0] for r in range(args.rounds)]
+    cpus = [times[True][r][1] / times[False][r][1] for r in range(args.rounds)]
+    print(
+        "per round, events/s on vs off: "
+        + ", ".join(f"{x:.2f}x" for x in pairs)
+        + f" (median {statistics.median(pairs):.2f}x); CPU on vs off: "
+        + ", ".join(f"{x:.2f}x" for x in cpus)
+        + f" (median {statistics.median(cpus):.2f}x); least CPU s: off "
+        + f"{min(c for _, c in times[False]):.1f}, on {min(c for _, c in times[True]):.1f}"
+    )
     for i, (cpu, n, jobs) in enumerate(merges):
         print(
             f"step 2 of compaction, 'on' round {i + 1}: {n} merges, {cpu:.2f} CPU s in "
@@ -293,6 +306,7 @@ async def run(spark: Any, root: Path, args: argparse.Namespace) -> int:
                     "ingest_s_cpu_s": {"off": times[False], "on": times[True]},
                     "compactions": compactions,
                     "step2_cpu_s_merges_spark_jobs": merges,
+                    "per_round_events_per_s_on_vs_off": pairs,
                     "reads_median_s": {f"{n}/{q}": v for (n, q), v in med.items()},
                     "files_per_partition": {n: files_per_partition(t) for n, t in tables.items()},
                 }
