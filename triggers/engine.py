@@ -31,6 +31,16 @@ calls succeeds again (the retry loop keeps trying, off the batch path). So a
 webhook receiver that hangs costs a batch at most one ``timeout_s``, once,
 instead of one per chunk per batch, and the CDC tables keep their pace.
 
+Pausing one trigger (``pause_trigger``; ``eventplane pause trigger:<name>``):
+its ``when`` is still evaluated in every batch, but its calls are not made:
+each chunk is queued in the retry queue at once, with its key, and the retry
+loop leaves a paused trigger's entries alone. The pause is a row of the store,
+so it survives restarts; the batches, the CDC tables and the WAL do not wait
+for a paused trigger (its rows are whole documents in the store, not in the
+WAL). Resumed, its queued chunks are due at once and go out in LSN order
+before its newer ones. What it holds is its queued rows (``paused`` in
+:meth:`status`).
+
 Ordering: a trigger's calls for one batch go out one after another in LSN
 order (so per key too). A call that fails is retried later, possibly after
 newer rows of the same trigger were delivered; receivers that care order by
@@ -63,7 +73,12 @@ import structlog
 
 from triggers import actions, evaluate
 from triggers import rows as rowsmod
-from triggers.errors import RetriableActionError, StoreError, TriggerConfigError
+from triggers.errors import (
+    RetriableActionError,
+    StoreError,
+    TriggerConfigError,
+    UnknownTriggerError,
+)
 from triggers.metrics import NullMetrics, TriggerMetrics
 from triggers.spec import (
     MAX_DEPTH,
@@ -75,7 +90,7 @@ from triggers.spec import (
     WebhookAction,
     compile_specs,
 )
-from triggers.store import DeadRows, NewRetry, RetryEntry, TriggerStore, store_path
+from triggers.store import DeadRows, NewRetry, Pause, RetryEntry, TriggerStore, store_path
 
 log = structlog.get_logger("triggers")
 T = TypeVar("T")
@@ -143,6 +158,10 @@ class TriggerEngine:
         # retry loop's passes fail; None while they work.
         self.loop_failing: tuple[float, str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Triggers an operator paused (a copy of the store's table) and the rows
+        # queued per trigger as of the last gauge refresh.
+        self._paused: dict[str, Pause] = {}
+        self._queued_rows: dict[str, int] = {}
 
     # ------------------------------------------------------------ properties
 
@@ -252,9 +271,16 @@ class TriggerEngine:
         self._loop = asyncio.get_running_loop()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trigger-store")
         self._store = await self._db(TriggerStore, self.store_path, self._dlq_max)
+        self._paused = await self._db(self._store.pauses)
         due = await self._db(self._store.make_all_due, self._clock())
         depth = await self._refresh_gauges()
-        log.info("trigger_store_opened", path=str(self.store_path), pending=depth, made_due=due)
+        log.info(
+            "trigger_store_opened",
+            path=str(self.store_path),
+            pending=depth,
+            made_due=due,
+            paused=sorted(self._paused),
+        )
         if self._http is None:
             self._own_http = aiohttp.ClientSession()
         if retry_loop:
@@ -308,7 +334,13 @@ class TriggerEngine:
                 raise TriggerConfigError(errors)
         triggers = self._triggers  # one set per batch, even if a reload lands meanwhile
         result = evaluate.evaluate(
-            spark, df, triggers, int(batch.batch_id), self._sql_lock, selection=self._selection
+            spark,
+            df,
+            triggers,
+            int(batch.batch_id),
+            self._sql_lock,
+            selection=self._selection,
+            held=set(self._paused),
         )
         self._selection = result.selection
         if result.batch_error is not None:
@@ -400,6 +432,15 @@ class TriggerEngine:
             remaining = self._split_depth(t, chunk, 0, first, first, dead)
             if remaining is None:
                 continue
+            pause = self._paused.get(t.name)
+            if pause is not None:
+                # Paused by an operator: queued, not called, until it resumes.
+                message = "not attempted: the trigger is paused" + (
+                    f" ({pause.reason})" if pause.reason else ""
+                )
+                retries.append(NewRetry(remaining, 0, first, first, 0.0, message))
+                deferred += len(remaining)
+                continue
             failing = self._failing.get(t.name)
             if failing is not None:
                 # The action is failing: queue without a call, due now, so the
@@ -412,12 +453,13 @@ class TriggerEngine:
             if exc is not None:
                 self._plan(t, remaining, 1, first, self._clock(), exc, retries, dead)
         if deferred:
-            log.warning(
+            paused = t.name in self._paused
+            (log.info if paused else log.warning)(
                 "trigger_calls_deferred",
                 trigger=t.name,
                 batch_id=batch_id,
                 rows=deferred,
-                reason=self._failing.get(t.name),
+                reason="paused" if paused else self._failing.get(t.name),
             )
 
     # ------------------------------------------------------------ one call
@@ -593,8 +635,7 @@ class TriggerEngine:
         """
         store = self._require_store()
         triggers = self._triggers
-        disabled = [n for n, t in triggers.items() if not t.enabled]
-        entries = await self._db(store.due, self._clock(), disabled, RETRY_PASS_LIMIT)
+        entries = await self._db(store.due, self._clock(), self._held(), RETRY_PASS_LIMIT)
         groups: dict[str, list[RetryEntry]] = {}
         for entry in entries:
             groups.setdefault(entry.trigger, []).append(entry)
@@ -756,11 +797,67 @@ class TriggerEngine:
 
     async def _next_wait(self) -> float:
         store = self._require_store()
-        disabled = [n for n, t in self._triggers.items() if not t.enabled]
-        due = await self._db(store.next_due, disabled)
+        due = await self._db(store.next_due, self._held())
         if due is None:
             return self._poll_s
         return min(max(due - self._clock(), 0.0), self._poll_s)
+
+    # ------------------------------------------------------------ pause
+
+    def is_paused(self, name: str) -> bool:
+        return name in self._paused
+
+    async def pause_trigger(self, name: str, *, reason: str = "", by: str = "") -> bool:
+        """Pause one trigger, durably (in the store before this returns); False
+        if it was paused already (the first pause's time, reason and author stay).
+        Raises :class:`UnknownTriggerError` for a name not configured."""
+        if name not in self._triggers:
+            raise UnknownTriggerError(name, sorted(self._triggers))
+        store = self._require_store()
+        since = self._clock()
+        if not await self._db(store.pause, name, since, by, reason):
+            return False
+        self._paused[name] = Pause(name, since, by, reason)
+        log.info("trigger.paused", trigger=name, reason=reason or None, by=by or None)
+        await self._refresh_gauges()
+        return True
+
+    async def resume_trigger(self, name: str) -> bool:
+        """Resume a paused trigger: its queued calls are due at once (oldest
+        first). False if it was not paused. A name no longer configured may be
+        resumed (its entries then go to the DLQ as orphans, as always)."""
+        if name not in self._triggers and name not in self._paused:
+            raise UnknownTriggerError(name, sorted(self._triggers))
+        store = self._require_store()
+        pause = await self._db(store.resume, name)
+        self._paused.pop(name, None)
+        if pause is None:
+            return False
+        queued = self._queued_rows.get(name, 0)
+        log.info(
+            "trigger.resumed",
+            trigger=name,
+            paused_s=round(max(self._clock() - pause.since, 0.0), 3),
+            queued_rows=queued,
+        )
+        await self._refresh_gauges()
+        self._wake.set()
+        return True
+
+    def pause_entry(self, name: str) -> dict[str, Any]:
+        """A trigger's pause as status and the pause command show it."""
+        pause = self._paused.get(name)
+        return {
+            "name": f"trigger:{name}",
+            "paused": pause is not None,
+            "paused_since": pause.since if pause else None,
+            "paused_for_s": round(max(self._clock() - pause.since, 0.0), 3) if pause else None,
+            "paused_by": (pause.by or None) if pause else None,
+            "paused_reason": (pause.reason or None) if pause else None,
+            # Rows waiting in the retry queue (as of the last refresh, every
+            # retry pass): what resuming will deliver.
+            "queued_rows": self._queued_rows.get(name, 0),
+        }
 
     # ------------------------------------------------------------ status
 
@@ -775,6 +872,8 @@ class TriggerEngine:
                 "disabled": sorted(n for n, t in self._triggers.items() if not t.enabled),
                 # Triggers whose action is failing (new chunks queue without a call).
                 "failing": dict(sorted(self._failing.items())),
+                # Triggers an operator paused: evaluated, their calls queued.
+                "paused": {n: self.pause_entry(n) for n in sorted(self._paused)},
             },
             "retry_loop": None
             if self.loop_failing is None
@@ -802,9 +901,18 @@ class TriggerEngine:
         store = self._require_store()
         depth = self._depth = await self._db(store.retry_depth)
         self._dlq_size = await self._db(store.dlq_size)
+        self._queued_rows = await self._db(store.queued_rows)
         self._metrics.retry_depth.set(depth)
         self._metrics.dlq_entries.set(self._dlq_size)
+        for name in self._triggers.keys() | self._paused.keys():
+            held = self._queued_rows.get(name, 0) if name in self._paused else 0
+            self._metrics.trigger_paused_rows.labels(name).set(held)
         return depth
+
+    def _held(self) -> list[str]:
+        """Triggers whose queued calls wait: disabled in the config, or paused."""
+        disabled = {n for n, t in self._triggers.items() if not t.enabled}
+        return sorted(disabled | self._paused.keys())
 
     def _wake_from_any_thread(self) -> None:
         """reload() runs in a worker thread; asyncio.Event is not thread-safe."""

@@ -56,3 +56,14 @@ class TriggerEvaluationError(TriggerError):
 
 class StoreError(TriggerError):
     """The retry/DLQ store cannot be opened or has an unknown layout."""
+
+
+class UnknownTriggerError(TriggerError):
+    """A trigger name that is not configured (pause, resume)."""
+
+    def __init__(self, name: str, names: list[str]) -> None:
+        self.name = name
+        self.names = tuple(names)
+        super().__init__(
+            f"no trigger {name!r}; the triggers are: {', '.join(self.names) or 'none'}"
+        )

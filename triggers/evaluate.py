@@ -50,7 +50,7 @@ import operator
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -336,9 +336,12 @@ def evaluate(
     sql_lock: threading.Lock,
     clock: Any = time.perf_counter,
     selection: Selection | None = None,
+    held: Collection[str] = (),
 ) -> Evaluation:
     """One Spark job for all enabled triggers; ``selection`` (from an earlier
     batch) is reused when it was built for the same session and trigger set.
+    Triggers in ``held`` (paused by an operator) are evaluated, but their sql
+    statements do not run: the engine queues their rows instead.
 
     A row that makes a trigger fail is isolated (module docstring, steps 1-4)
     and comes back in ``poisoned``; the rest is evaluated as usual. Raises
@@ -368,7 +371,7 @@ def evaluate(
         _add_matched(result, active, selection.names, rows)
 
     for t in active:
-        if isinstance(t.action, SqlAction) and t.name in result.matched:
+        if isinstance(t.action, SqlAction) and t.name in result.matched and t.name not in held:
             matched = df.filter(condition(t))
             if t.name in result.poisoned:
                 # Not the condition again: it fails on the poison rows.

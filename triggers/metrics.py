@@ -25,6 +25,10 @@ class CounterVec(Protocol):
     def labels(self, *values: str) -> Incrementer: ...
 
 
+class GaugeVec(Protocol):
+    def labels(self, *values: str) -> Setter: ...
+
+
 class HistogramVec(Protocol):
     def labels(self, *values: str) -> Observer: ...
 
@@ -43,6 +47,9 @@ class TriggerMetrics(Protocol):
 
     @property
     def trigger_action_latency(self) -> HistogramVec: ...  # labels: trigger
+
+    @property
+    def trigger_paused_rows(self) -> GaugeVec: ...  # labels: trigger
 
     @property
     def retry_depth(self) -> Setter: ...
@@ -79,6 +86,7 @@ class NullMetrics:
         self.trigger_successes = nothing
         self.trigger_failures = nothing
         self.trigger_action_latency = nothing
+        self.trigger_paused_rows = nothing
         self.retry_depth = nothing
         self.dlq_entries = nothing
         self.dlq_evicted = nothing

@@ -1,6 +1,6 @@
 """The durable retry queue and dead-letter queue: one SQLite file (WAL mode).
 
-Layout (``<data_dir>/triggers/queue.sqlite3``, ``PRAGMA user_version = 2``)::
+Layout (``<data_dir>/triggers/queue.sqlite3``, ``PRAGMA user_version = 3``)::
 
     retry  one row per pending action call (a chunk of matched rows)
       id             INTEGER  autoincrement; delivery order among equally due entries
@@ -20,6 +20,15 @@ Layout (``<data_dir>/triggers/queue.sqlite3``, ``PRAGMA user_version = 2``)::
       first_attempt, last_attempt, row (the row document),
       call_key (the key of the chunk that held the row; NULL if none did)
 
+    paused  one row per trigger an operator paused (``eventplane pause trigger:<name>``)
+      trigger        TEXT     trigger name (primary key)
+      since          REAL     Unix time of the pause
+      by             TEXT     who paused it ('' if unknown)
+      reason         TEXT     why ('' if none given)
+
+A paused trigger's calls are queued as retry entries without being made
+(``TriggerEngine``); :meth:`TriggerStore.due` leaves them out until it resumes.
+
 A replay sends the rows of one ``call_key`` together under that key, never
 with rows of another key, so a receiver that saw the key sees it again for
 the same rows (version 1 files did not keep the key: their DLQ rows have
@@ -31,9 +40,9 @@ document (``triggers.rows.unevaluated``), attempts 0; replay moves it like any
 other row and the engine evaluates ``when`` again before calling the action.
 The mark lives in the document, not in a column.
 
-A version 1 file is brought to version 2 when it is opened (one transaction).
-An eventplane from before version 2 refuses a version 2 file ("written by a
-newer eventplane"), so going back to one means moving the store away.
+A version 1 or 2 file is brought to version 3 when it is opened (one
+transaction). An older eventplane refuses a newer file ("written by a newer
+eventplane"), so going back to one means moving the store away.
 
 Every write is one transaction with ``synchronous = FULL``: when a method
 returns, its effect survives a crash or power loss. That is what lets
@@ -55,7 +64,7 @@ from pathlib import Path
 from triggers import rows as rowsmod
 from triggers.errors import StoreError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # A second process (the dlq command) may hold the write lock briefly.
 BUSY_TIMEOUT_S = 10.0
 
@@ -89,6 +98,12 @@ _SCHEMA = (
     call_key TEXT
 )""",
     "CREATE INDEX dlq_trigger ON dlq (trigger, id)",
+    """CREATE TABLE paused (
+    trigger TEXT PRIMARY KEY,
+    since REAL NOT NULL,
+    by TEXT NOT NULL,
+    reason TEXT NOT NULL
+)""",
 )
 # Version 1 -> 2: the call key. A version 1 retry entry was sent with the key
 # its LSN range gives, so it keeps exactly that one; a version 1 DLQ row did not
@@ -98,6 +113,8 @@ _MIGRATE_1_TO_2 = (
     "UPDATE retry SET call_key = trigger || ':' || first_lsn || '-' || last_lsn",
     "ALTER TABLE dlq ADD COLUMN call_key TEXT",
 )
+# Version 2 -> 3: operators' pauses of single triggers.
+_MIGRATE_2_TO_3 = (_SCHEMA[-1],)
 _RETRY_COLUMNS = (
     "id, trigger, first_lsn, last_lsn, rows, attempts, next_due, first_attempt, last_attempt, "
     "last_error, call_key"
@@ -173,6 +190,16 @@ class DlqEntry:
     call_key: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """An operator's pause of one trigger."""
+
+    trigger: str
+    since: float
+    by: str
+    reason: str
+
+
 class TriggerStore:
     def __init__(self, path: Path | str, dlq_max_entries: int = 100_000) -> None:
         self.path = Path(path)
@@ -198,7 +225,7 @@ class TriggerStore:
             raise
 
     def _create_or_migrate(self, db: sqlite3.Connection) -> None:
-        """Create the layout, or bring a version 1 file to version 2, in one transaction.
+        """Create the layout, or bring an older file to this version, in one transaction.
 
         IMMEDIATE: the daemon and the ``eventplane dlq`` command may open an old
         file at the same time; the second one waits and then finds version 2.
@@ -211,7 +238,11 @@ class TriggerStore:
                     f"{self.path}: layout version {version} was written by a newer eventplane "
                     f"(this one reads {SCHEMA_VERSION}); upgrade, or move the file away"
                 )
-            steps = {0: _SCHEMA, 1: _MIGRATE_1_TO_2}.get(version, ())
+            steps = {
+                0: _SCHEMA,
+                1: _MIGRATE_1_TO_2 + _MIGRATE_2_TO_3,
+                2: _MIGRATE_2_TO_3,
+            }.get(version, ())
             for statement in steps:
                 db.execute(statement)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -276,6 +307,37 @@ class TriggerStore:
             self._insert_retries(cur, requeue)
             self._insert_dead(cur, dead)
             return self._evict(cur)
+
+    def pause(self, trigger: str, since: float, by: str, reason: str) -> bool:
+        """Record a pause; False (and nothing changes) if the trigger is paused already."""
+        with self._tx() as cur:
+            cur.execute(
+                "INSERT OR IGNORE INTO paused (trigger, since, by, reason) VALUES (?, ?, ?, ?)",
+                (trigger, since, by, reason),
+            )
+            return cur.rowcount == 1
+
+    def resume(self, trigger: str) -> Pause | None:
+        """Remove a pause; the pause that was removed, or None if there was none."""
+        with self._tx() as cur:
+            row = cur.execute(
+                "SELECT trigger, since, by, reason FROM paused WHERE trigger = ?", (trigger,)
+            ).fetchone()
+            if row is None:
+                return None
+            cur.execute("DELETE FROM paused WHERE trigger = ?", (trigger,))
+            return Pause(*row)
+
+    def pauses(self) -> dict[str, Pause]:
+        rows = self._db.execute("SELECT trigger, since, by, reason FROM paused").fetchall()
+        return {r[0]: Pause(*r) for r in rows}
+
+    def queued_rows(self) -> dict[str, int]:
+        """Rows waiting in the retry queue, per trigger."""
+        rows = self._db.execute(
+            "SELECT trigger, SUM(json_array_length(rows)) FROM retry GROUP BY trigger"
+        ).fetchall()
+        return {r[0]: int(r[1] or 0) for r in rows}
 
     def make_all_due(self, now: float) -> int:
         """After a restart every pending retry is due at once (issue 5)."""

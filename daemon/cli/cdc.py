@@ -3,6 +3,8 @@
 ``eventplane cdc retention STREAM [--apply]``: the stream's expired time partitions
 (docs/cdc.md, "Time partitioning and retention"), removed with ``--apply``.
 ``eventplane cdc compact STREAM [--dry-run]``: merge its small files now (``compact``).
+``eventplane cdc files STREAM [--json]``: a consistent list of its data files
+(:mod:`daemon.snapshot`), for readers that must not race a compaction's swap.
 
 ``show`` reads only what a plain reader would see (published files), newest
 batches first, using the stream's ledger to open just enough files for
@@ -19,6 +21,7 @@ refused while the daemon runs; embedded Spark (``local[*]``) too.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -117,7 +120,7 @@ def main(
         from daemon.cli import compact
 
         return compact.main(args, cfg, session=session, out=out)
-    if args.cdc_command not in ("show", "rewrite"):
+    if args.cdc_command not in ("show", "rewrite", "files"):
         print(f"eventplane cdc: unknown action {args.cdc_command!r}", file=sys.stderr)
         return 2
     if args.cdc_command == "show" and args.limit < 1:
@@ -134,6 +137,8 @@ def main(
         return 1
     if args.cdc_command == "rewrite":
         return rewrite(stream, session=session, out=out)
+    if args.cdc_command == "files":
+        return files(stream, as_json=args.json, out=out)
     if not newest_files(stream, 1):
         print(f"stream {stream.name!r} ({stream.path}): no committed rows yet", file=out)
         return 0
@@ -155,6 +160,24 @@ def main(
         file=out,
     )
     print(format_rows(rows), file=out)
+    return 0
+
+
+def files(stream: CdcStream, *, as_json: bool, out: TextIO) -> int:
+    """Print a snapshot of the stream's data files; 1 when it cannot be taken."""
+    from daemon.snapshot import SnapshotError, snapshot
+
+    try:
+        snap = snapshot(stream.path)
+    except (SnapshotError, FileNotFoundError) as exc:
+        print(f"eventplane cdc files: stream {stream.name!r}: {exc}", file=sys.stderr)
+        return 1
+    if as_json:
+        doc = {"stream": stream.name, "root": snap.root, "generation": snap.generation}
+        print(json.dumps({**doc, "files": snap.files}), file=out)
+    else:
+        for f in snap.files:
+            print(f, file=out)
     return 0
 
 

@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw /v1/status JSON")
 
     p = sub.add_parser(
-        "pause", help="pause a stage (cdc:<stream>, triggers, handler:<ref>) of the running daemon"
+        "pause",
+        help="pause a stage (cdc:<stream>, triggers, handler:<ref>) or one trigger "
+        "(trigger:<name>) of the running daemon",
     )
     _add_config(p)
     p.add_argument("stage", help="the stage, as `eventplane status` names it (e.g. cdc:all)")
@@ -131,6 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(q)
     q.add_argument("stream")
     q.add_argument("--limit", type=int, default=20)
+    q = cdc_sub.add_parser(
+        "files",
+        help="print a consistent list of a CDC stream's data files (for exact reads)",
+        description="A snapshot of the stream's data files, taken through the table's "
+        "generation so that no compaction or retention removal cut through it "
+        "(docs/cdc.md, 'Reading while compaction runs'). One absolute path per line, or "
+        "JSON with --json. Read-only: works while the daemon runs.",
+    )
+    _add_config(q)
+    q.add_argument("stream")
+    q.add_argument("--json", action="store_true", help="print {root, generation, files} as JSON")
     q = cdc_sub.add_parser(
         "rewrite",
         help="rewrite a stream's files of the previous payload layout (daemon stopped)",

@@ -118,6 +118,11 @@ def main(args: argparse.Namespace, cfg: Config, out: TextIO | None = None) -> in
     else:
         verb = "resumed" if doc.get("changed") else "was not paused"
     out.write(f"stage {name} {verb}; now {stage_state(stage, time.time())}\n")
+    if action == "resume" and stage.get("queued_rows"):
+        out.write(
+            f"  its {stage['queued_rows']:,} queued row(s) go out now, oldest first, each "
+            "call under the key it was formed with\n"
+        )
     if action == "resume" and stage.get("behind_batches"):
         out.write(
             f"  it re-runs the {stage['behind_batches']:,} batch(es) it missed, oldest first; "

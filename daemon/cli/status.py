@@ -148,6 +148,13 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
     failing = _obj(_obj(doc.get("triggers")).get("failing"))
     for name, error in failing.items():
         lines.append(f"            trigger {name} failing: {error}")
+    for name, pause in _obj(_obj(doc.get("triggers")).get("paused")).items():
+        p = _obj(pause)
+        why = f" ({p['paused_reason']})" if p.get("paused_reason") else ""
+        lines.append(
+            f"            trigger {name} paused{why} by {p.get('paused_by') or 'unknown'}, "
+            f"{_count(p.get('queued_rows'))} rows queued"
+        )
     for name, stream in _obj(spark.get("streams")).items():
         compaction = _obj(_obj(stream).get("compaction"))
         if compaction:

@@ -193,13 +193,15 @@ class Daemon:
 
         # Step 4. Listeners: admin first so /healthz answers while ingest binds.
         self.startup_step = f"the admin listener ([admin] listen = {cfg.admin.listen})"
+        from daemon.service.triggers import StagePauses
+
         self.admin = AdminServer(
             cfg,
             self.metrics,
             status=self.status,
             ready=self.ready,
             problems=self.problems,
-            stages=self.plane,
+            stages=StagePauses(self.plane, lambda: self.triggers),
             compaction=getattr(self.executor, "compaction", None),
             retention=getattr(self.executor, "run_retention", None),
         )
@@ -532,6 +534,31 @@ class Daemon:
                 )
             elif stage["paused_over_limit"]:
                 out.append(paused_problem(stage, self.cfg.health.paused_max_lag_events))
+        out.extend(self._paused_trigger_problems())
+        return out
+
+    def _paused_trigger_problems(self) -> list[dict[str, Any]]:
+        """A paused trigger whose queued rows passed ``health.paused_max_lag_events``."""
+        limit = self.cfg.health.paused_max_lag_events
+        engine = self.triggers
+        if not limit or engine is None:
+            return []
+        out = []
+        for name, entry in engine.status()["triggers"]["paused"].items():
+            if entry["queued_rows"] > limit:
+                out.append(
+                    {
+                        "part": f"trigger {name}",
+                        "stage": entry["name"],
+                        "paused": True,
+                        "since": entry["paused_since"],
+                        "queued_rows": entry["queued_rows"],
+                        "message": f"trigger {name} is paused and holds {entry['queued_rows']} "
+                        f"queued rows, over health.paused_max_lag_events ({limit}); nothing "
+                        f"is lost, but the trigger store grows: resume it (eventplane resume "
+                        f"{entry['name']}), or raise the limit",
+                    }
+                )
         return out
 
     def _wal_has_room(self, needed: int) -> bool:

@@ -351,6 +351,13 @@ class Metrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.trigger_paused_rows = Gauge(
+            p + "trigger_paused_rows",
+            "Rows a paused trigger holds in the retry queue (0 when it is not paused); "
+            "see `eventplane resume trigger:<name>`.",
+            ["trigger"],
+            registry=r,
+        )
         self.retry_depth = Gauge(
             p + "trigger_retry_queue_depth",
             "Trigger actions waiting in the durable retry queue.",
@@ -441,6 +448,7 @@ class Metrics:
             self.trigger_fires.labels(trigger=name)
             self.trigger_successes.labels(trigger=name)
             self.trigger_action_latency.labels(trigger=name)
+            self.trigger_paused_rows.labels(trigger=name)
 
     def bind_health(self, healthy: Callable[[], bool], ready: Callable[[], bool]) -> None:
         """Read ``eventplane_healthy`` and ``eventplane_ready`` from the daemon at scrape time."""

@@ -116,3 +116,44 @@ def trigger_changes(
         "changed": [n for n in both if not same(before[n], after[n])],
         "unchanged": [n for n in both if same(before[n], after[n])],
     }
+
+
+TRIGGER_PREFIX = "trigger:"
+
+
+class StagePauses:
+    """The admin API's pause and resume: ``trigger:<name>`` pauses one trigger
+    (the engine queues its calls), every other name a stage of the event plane
+    (``cdc:<stream>``, ``triggers``, ``handler:<ref>``)."""
+
+    def __init__(self, plane: Any, engine: Callable[[], TriggerEngine | None]) -> None:
+        self._plane = plane
+        self._engine = engine
+
+    async def pause_stage(
+        self, name: str, *, reason: str | None = None, by: str | None = None
+    ) -> dict[str, Any]:
+        if not name.startswith(TRIGGER_PREFIX):
+            answer: dict[str, Any] = await self._plane.pause_stage(name, reason=reason, by=by)
+            return answer
+        engine, trigger = self._trigger(name)
+        changed = await engine.pause_trigger(trigger, reason=reason or "", by=by or "")
+        return {"changed": changed, "stage": engine.pause_entry(trigger)}
+
+    async def resume_stage(self, name: str) -> dict[str, Any]:
+        if not name.startswith(TRIGGER_PREFIX):
+            answer: dict[str, Any] = await self._plane.resume_stage(name)
+            return answer
+        engine, trigger = self._trigger(name)
+        changed = await engine.resume_trigger(trigger)
+        return {"changed": changed, "stage": engine.pause_entry(trigger)}
+
+    def _trigger(self, name: str) -> tuple[TriggerEngine, str]:
+        from daemon.plane.stages import UnknownStageError
+
+        engine = self._engine()
+        trigger = name[len(TRIGGER_PREFIX) :]
+        if engine is None or (trigger not in engine.triggers and not engine.is_paused(trigger)):
+            names = sorted(engine.triggers) if engine is not None else []
+            raise UnknownStageError(name, [TRIGGER_PREFIX + n for n in names])
+        return engine, trigger

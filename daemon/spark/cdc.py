@@ -7,6 +7,7 @@ Layout of a stream's ``path``::
     <path>/_eventplane/pending/b<id>.json   commit intent: staged file -> final file
     <path>/_eventplane/staging/b<id>/       where Spark writes a batch (invisible)
     <path>/_eventplane/lock                 flock: one writer per stream; names the holder
+    <path>/_eventplane/generation           seqlock around changes that remove files (snapshot.py)
     <path>/_common_metadata                 the table's schema (also in each collection=...)
     <path>/_eventplane/compact/c<id>.json   compaction intent (daemon/spark/compact.py)
     <path>/_eventplane/compact/c<id>/       where a compaction builds a partition folder
@@ -85,6 +86,7 @@ from typing import Any
 
 import structlog
 
+from daemon import snapshot
 from daemon.config import CdcStream
 from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
 from daemon.plane.batch import MicroBatch
@@ -457,6 +459,9 @@ class CdcSink:
         # Folders whose _common_metadata this process checked or wrote.
         self._summarized: set[Path] = set()
         self.commit_lock = threading.RLock()
+        # Leaf partitions a compaction claimed (daemon/spark/compact.py), by
+        # relative path; retention leaves them alone. Under commit_lock.
+        self.compacting: set[str] = set()
 
     @property
     def name(self) -> str:
@@ -481,6 +486,9 @@ class CdcSink:
         self._lock()
         try:
             self._ledger = self._load_or_create_ledger()
+            # A change killed between its two generation bumps ends here, and
+            # a reader whose listing spans this restart lists again.
+            snapshot.open_generation(self.path)
             report = RecoveryReport()
             self._remove_temp_files()
             self._complete_pending(report)

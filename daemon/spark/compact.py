@@ -3,9 +3,10 @@
 A stream writes at least one file per collection per micro-batch; nothing
 else would ever merge them (750k files a day at 1 s batches, and reads 7-11x
 slower than the same rows in few files). Compaction merges the small files of
-one partition folder (``<path>/collection=X``) into files near
+one leaf partition folder (``<path>/collection=X``, or with time partitioning
+``<path>/collection=X/date=D`` and ``.../hour=H``) into files near
 ``target_file_bytes``, and a reader never sees a row twice or misses one
-(invariant 16).
+(invariant 16). Only leaves hold data files, and only leaves are swapped.
 
 **Why a folder swap.** Readers list folders: that is the table's contract
 (``spark.read.parquet`` of the root or of one partition, a glob, pyarrow,
@@ -20,15 +21,20 @@ table keeps working uncompacted.
 
 Layout (under ``<path>/_eventplane/``, which no reader lists)::
 
-    compact/c<C>.json                 intent: partition, inputs, outputs
+    compact/c<C>.json                 intent: partition (relative path), inputs, outputs
     compact/c<C>/out/                 where Spark writes the merged files
-    compact/c<C>/collection=X/        the new folder, built here; after the
-                                      swap, the old folder (deleted)
+    compact/c<C>/<partition>/         the new folder (``collection=X`` or
+                                      ``collection=X/date=D[/hour=H]``), built
+                                      here; after the swap, the old folder
 
 Steps of compaction C of partition P (marked in :func:`run_compaction`):
 
 1. **Pick.** Files of P whose batches are committed (id <= the ledger's last),
-   smaller than half the target, chosen by the size-tier policy below.
+   smaller than half the target, chosen by the size-tier policy below; not
+   in a partition retention would remove now. Then P is *claimed* under the
+   commit lock: it must still hold every input (else retention removed it:
+   :class:`PartitionGoneError`, skipped), and retention skips a claimed P
+   (``retention.apply``) until the swap or the roll-back releases it.
 2. **Write** one file per bin (inputs packed up to ``target_file_bytes``),
    rows sorted by ``lsn``, under ``out/`` (:func:`write_merged`). When the
    inputs agree on their Parquet schema, footer key-values (Spark's schema)
@@ -41,23 +47,26 @@ Steps of compaction C of partition P (marked in :func:`run_compaction`):
    counts of the outputs' footers must equal the inputs'; then the outputs
    are fsynced.
 3. **Intent.** ``c<C>.json`` (atomic replace + fsync).
-4. **Build.** The merged files move into ``c<C>/collection=X/`` as
+4. **Build.** The merged files move into ``c<C>/<partition>/`` as
    ``part-c<C>-b<first>-b<last>-...`` (the batches they hold), and every file
    of P that is not an input gets a hard link there; fsync.
 5. **Swap.** Under the sink's ``commit_lock`` (no batch publishes meanwhile;
    held for well under a millisecond): files P gained or replaced since step 4 are
    linked, then ``RENAME_EXCHANGE`` of the new folder with P. *This is the
-   commit point.* Then fsync of both parents.
+   commit point.* Then fsync of both parents. (A compaction that fails after
+   this keeps its claim until :func:`recover` rolls it forward.)
 6. **Ledger.** The compaction is recorded in the stream's ledger (id,
    partition, input count and bytes, outputs, batch range, rows), under the
    commit lock like a batch's ledger write.
-7. **Clean.** The old folder (now ``c<C>/collection=X``), ``out/`` and the
+7. **Clean.** The old folder (now ``c<C>/<partition>``), ``out/`` and the
    intent are deleted.
 
 **Recovery** (:func:`recover`, when a stream opens and before each
 compaction): an intent whose outputs are in P rolls forward (ledger, clean);
 one whose outputs are not rolls back (its folder is deleted; P was never
-touched). A ``c<C>`` folder without intent is deleted.
+touched); one whose P is gone (retention removed it meanwhile) is cleaned
+(nothing of P is visible either way). A ``c<C>`` folder without intent is
+deleted. P must be a leaf of ``partition_by``, else the intent is refused.
 
 **Readers across a swap.** A reader that listed P before the swap and opens
 an input afterwards finds it gone: Spark fails the query with
@@ -114,6 +123,8 @@ from typing import Any
 
 import structlog
 
+from daemon.snapshot import table_change
+from daemon.spark import retention
 from daemon.spark.cdc import (
     _COMPACTED,
     _PUBLISHED,
@@ -155,6 +166,11 @@ class CompactionError(CdcError):
 
 class CompactionUnsupportedError(CompactionError):
     """The file system cannot swap two folders atomically (renameat2 RENAME_EXCHANGE)."""
+
+
+class PartitionGoneError(CompactionError):
+    """The planned partition (or some of its files) went before the compaction
+    claimed it: retention removed it. Nothing was done; not a failure."""
 
 
 # --------------------------------------------------------------------------
@@ -252,12 +268,29 @@ def data_files(folder: Path) -> list[DataFile]:
     return out
 
 
-def partitions(path: Path) -> list[Path]:
-    """The visible partition folders of a table."""
-    try:
-        return sorted(d for d in path.iterdir() if d.is_dir() and not d.name.startswith(("_", ".")))
-    except FileNotFoundError:
-        return []
+def partitions(path: Path, partition_by: Sequence[str] = ("collection",)) -> list[Path]:
+    """The visible leaf partition folders of a table: ``collection=X``, or with
+    time partitioning ``collection=X/date=D`` (``.../hour=H``), each level named
+    by its ``partition_by`` column. Only leaves hold data files, and only they
+    are swapped; the folders above them never are."""
+    level = [path]
+    for col in partition_by:
+        below: list[Path] = []
+        for folder in level:
+            try:
+                below += (
+                    d for d in folder.iterdir() if d.name.startswith(f"{col}=") and d.is_dir()
+                )
+            except FileNotFoundError:  # retention removed an emptied date folder
+                continue
+        level = below
+    return sorted(level)
+
+
+def rel(sink: CdcSink, folder: Path) -> str:
+    """A partition's path relative to the table (``collection=X/date=D``): its
+    name in plans, intents, the ledger and status."""
+    return folder.relative_to(sink.path).as_posix()
 
 
 def tier(size: int, target: int, factor: int) -> int | None:
@@ -356,22 +389,29 @@ def plan_partition(
 
 
 def plan_stream(sink: CdcSink, *, full: bool = False) -> list[Plan]:
-    """Every partition of the stream that has something to merge now.
+    """Every leaf partition of the stream that has something to merge now.
 
-    Only streams partitioned by ``collection`` alone are compacted: the swap
-    replaces a ``collection=...`` folder with one built from its files, and a
-    time-partitioned stream keeps its files one level deeper (``date=...``),
-    which this does not walk yet (docs/cdc.md, "Compaction", limits).
+    A time-partitioned stream is compacted per ``date`` (``hour``) folder. A
+    partition retention would remove now is skipped: merging it is wasted
+    work, and retention should not have to wait for it.
     """
     s = sink.stream
-    if tuple(s.partition_by) != ("collection",):
-        return []
     last = sink.ledger.last_batch_id
+    expired: set[str] = set()
+    if s.retention_s is not None:
+        expired = {p.rel for p in retention.plan(s, count=False).expired}
     out = []
-    for folder in partitions(sink.path):
+    for folder in partitions(sink.path, s.partition_by):
+        name = rel(sink, folder)
+        if name in expired:
+            continue
+        try:
+            files = data_files(folder)
+        except FileNotFoundError:  # removed by retention since the listing
+            continue
         plan = plan_partition(
-            folder.name,
-            data_files(folder),
+            name,
+            files,
             target=s.target_file_bytes,
             min_files=s.compact_min_files,
             last_committed=last,
@@ -383,8 +423,12 @@ def plan_stream(sink: CdcSink, *, full: bool = False) -> list[Plan]:
 
 
 def file_counts(sink: CdcSink) -> dict[str, int]:
-    """Data files per partition folder."""
-    return {d.name: len(data_files(d)) for d in partitions(sink.path)}
+    """Data files per leaf partition folder, by its relative path."""
+    out = {}
+    for d in partitions(sink.path, sink.stream.partition_by):
+        with contextlib.suppress(FileNotFoundError):
+            out[rel(sink, d)] = len(data_files(d))
+    return out
 
 
 # --------------------------------------------------------------------------
@@ -404,7 +448,7 @@ class Progress:
     first_batch: int
     last_batch: int
     id: int | None = None
-    step: str = "planned"  # writing, swapping, cleaning, done, failed
+    step: str = "planned"  # writing, swapping, cleaning, done, failed, skipped
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
     outputs: list[str] = field(default_factory=list)
@@ -809,6 +853,20 @@ def run_compaction(
     work, intent = _work(sink, cid), _intent(sink, cid)
     out, new = work / "out", work / plan.partition
     shutil.rmtree(work, ignore_errors=True)  # a failed attempt's leftovers: never visible
+    # Step 1 (end). Claim the leaf, under the commit lock: retention skips a
+    # claimed leaf (retention.apply), so the folder swapped in step 5 is the
+    # one planned, and a leaf retention removed since the plan is not touched.
+    with sink.commit_lock:
+        try:
+            present = set(os.listdir(folder))
+        except FileNotFoundError:
+            present = set()
+        if not {f.name for f in plan.inputs} <= present:
+            raise PartitionGoneError(
+                f"stream {sink.name!r} {plan.partition}: the partition or some of its "
+                f"files went (retention) since the plan; not compacted"
+            )
+        sink.compacting.add(plan.partition)
     swapped = False
     try:
         # Step 2. Write: Spark merges exactly the inputs, where no reader looks.
@@ -844,9 +902,10 @@ def run_compaction(
         }
         atomic_write_json(intent, {**record, "input_files": [f.name for f in plan.inputs]})
         crash_point("cdc.compact.after_intent")
-        # Step 4. Build the new folder beside the live one.
+        # Step 4. Build the new folder beside the live one (same relative path
+        # under work/, on the table's file system: the swap cannot cross one).
         progress.step = "swapping"
-        new.mkdir()
+        new.mkdir(parents=True)
         for i, (staged, final) in enumerate(outputs):
             os.rename(out / staged, new / final)
             if i == 0:
@@ -860,7 +919,10 @@ def run_compaction(
         with sink.commit_lock:
             held = time.monotonic()
             progress.lock_wait_s = held - waited
-            present = set(os.listdir(folder))
+            try:
+                present = set(os.listdir(folder))
+            except FileNotFoundError:  # claimed, so only an outside hand removes it
+                present = set()
             if not inputs <= present:
                 raise CompactionError(
                     f"stream {sink.name!r} {plan.partition}: inputs vanished during the "
@@ -869,11 +931,12 @@ def run_compaction(
             if _sync_links(folder, new, inputs, finals):
                 fsync_dir(new)
             crash_point("cdc.compact.before_swap")
-            exchange(new, folder)
-            swapped = True
+            with table_change(sink.path):  # snapshot readers list again (daemon/snapshot.py)
+                exchange(new, folder)
+                swapped = True
             progress.lock_held_s = time.monotonic() - held
-        fsync_dir(sink.path)  # the swap is durable before the ledger names it
-        fsync_dir(work)
+        fsync_dir(folder.parent)  # the swap is durable before the ledger names it
+        fsync_dir(new.parent)
         crash_point("cdc.compact.after_swap")
         # Step 6. Ledger (under the commit lock again, like a batch's ledger write).
         sink.record_compaction({**record, "at": time.time()})
@@ -884,10 +947,33 @@ def run_compaction(
     except BaseException:
         if not swapped:
             _clean(sink, cid)
+            _release(sink, plan.partition)
+        # else: the leaf stays claimed until recover() rolls the intent forward.
         raise
+    _release(sink, plan.partition)
     progress.step = "done"
     progress.finished_at = time.time()
     return progress
+
+
+def _leaf(sink: CdcSink, partition: str) -> Path:
+    """The folder of a leaf partition named in an intent; ValueError when the
+    name is not one (absolute, ``..``, hidden, or not as deep as
+    ``partition_by``): recovery must never delete or swap anything else."""
+    parts = partition.split("/")
+    if len(parts) != len(sink.stream.partition_by) or not all(
+        p.startswith(f"{col}=") for p, col in zip(parts, sink.stream.partition_by, strict=True)
+    ):
+        raise ValueError(
+            f"partition {partition!r} is not a leaf of partition_by = "
+            f"{list(sink.stream.partition_by)}"
+        )
+    return sink.path.joinpath(*parts)
+
+
+def _release(sink: CdcSink, partition: str) -> None:
+    with sink.commit_lock:
+        sink.compacting.discard(partition)
 
 
 def _clean(sink: CdcSink, cid: int, *, mid: bool = False) -> None:
@@ -915,7 +1001,8 @@ def recover(sink: CdcSink, report: RecoveryReport | None = None) -> RecoveryRepo
     for cid, file in sorted(intents.items()):
         try:
             raw = json.loads(file.read_bytes())
-            folder = sink.path / str(raw["partition"])
+            partition = str(raw["partition"])
+            folder = _leaf(sink, partition)
             outputs = [str(o) for o in raw["outputs"]]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CdcRecoveryError(
@@ -923,7 +1010,19 @@ def recover(sink: CdcSink, report: RecoveryReport | None = None) -> RecoveryRepo
                 f"It was written atomically, so the disk or an operator changed it."
             ) from exc
         visible = sum((folder / o).exists() for o in outputs)
-        if outputs and visible == len(outputs):
+        if not folder.is_dir():
+            # Retention removed the leaf since (`eventplane cdc retention --apply`
+            # runs no compaction recovery): swapped or not, none of its rows
+            # are visible any more, and nothing is put back.
+            report.compactions_rolled_back.append(cid)
+            log.warning(
+                "cdc.compaction_rolled_back",
+                stream=sink.name,
+                id=cid,
+                partition=partition,
+                reason="partition removed",
+            )
+        elif outputs and visible == len(outputs):
             # Swapped: the merged files are the partition's. Roll forward.
             if cid > sink.ledger.last_compaction_id:
                 record = {k: v for k, v in raw.items() if k != "input_files"}
@@ -940,6 +1039,7 @@ def recover(sink: CdcSink, report: RecoveryReport | None = None) -> RecoveryRepo
                 f"something else changed that folder. Inspect {file} and {folder}."
             )
         _clean(sink, cid)
+        _release(sink, partition)
         works.discard(cid)
     for cid in sorted(works):
         shutil.rmtree(_work(sink, cid), ignore_errors=True)
@@ -969,6 +1069,12 @@ def compact_stream(
         log.info("cdc.compaction_started", stream=sink.name, **plan.to_json())
         try:
             run_compaction(sink, spark, plan, progress)
+        except PartitionGoneError as exc:
+            progress.step = "skipped"
+            progress.error = str(exc)
+            progress.finished_at = time.time()
+            log.info("cdc.compaction_skipped", stream=sink.name, partition=plan.partition)
+            continue
         except BaseException as exc:
             progress.step = "failed"
             progress.error = f"{type(exc).__name__}: {exc}"[:2000]

@@ -439,7 +439,7 @@ class SparkExecutor:
         entry = self._retention.setdefault(stream, {"partitions_removed": 0})
         try:
             async with self._retention_lock:
-                result = await asyncio.to_thread(retention.apply, sink.stream)
+                result = await asyncio.to_thread(retention.apply, sink.stream, sink=sink)
         except Exception as exc:
             self.metrics.cdc_retention_runs.labels(stream, "failed").inc()
             entry.update(last_run_at=time.time(), last_error=f"{type(exc).__name__}: {exc}")

@@ -18,8 +18,12 @@ Removal of one partition (the steps have crash points, ``CRASH_POINTS``):
 
 1. rename ``<...>/date=X`` to the hidden sibling ``<...>/.expired-date=X-<id>``
    and fsync the parent: readers skip names starting with ``.``, so the whole
-   partition disappears in one rename, never file by file;
-2. append the removal to ``_eventplane/retention.json`` (atomic replace);
+   partition disappears in one rename, never file by file. Given the
+   daemon's sink, the rename is under its ``commit_lock`` and skips a
+   partition a compaction claimed (``CdcSink.compacting``; it goes at the
+   next run): a compaction never swaps a folder retention removed;
+2. append the removal (counted from the hidden folder) to
+   ``_eventplane/retention.json`` (atomic replace);
 3. delete the hidden folder, file by file.
 
 Recovery (``recover``, when the stream opens): every hidden ``.expired-*``
@@ -30,6 +34,7 @@ logged (its files counted from what is left), then it is deleted.
 from __future__ import annotations
 
 import calendar
+import contextlib
 import os
 import shutil
 import time
@@ -42,7 +47,15 @@ from typing import Any
 import structlog
 
 from daemon.config import CdcStream
-from daemon.spark.cdc import META_DIR, CdcError, atomic_write_json, crash_point, fsync_dir
+from daemon.snapshot import table_change
+from daemon.spark.cdc import (
+    META_DIR,
+    CdcError,
+    CdcSink,
+    atomic_write_json,
+    crash_point,
+    fsync_dir,
+)
 
 log = structlog.get_logger("eventplane.cdc")
 
@@ -214,11 +227,12 @@ def _count(folder: Path, part: Partition) -> None:
     part.rows = rows
 
 
-def plan(stream: CdcStream, now: float | None = None) -> Plan:
-    """Which partitions retention would remove now (nothing is changed)."""
+def plan(stream: CdcStream, now: float | None = None, *, count: bool = True) -> Plan:
+    """Which partitions retention would remove now (nothing is changed);
+    ``count=False`` leaves their files, bytes and rows at 0 (no footer read)."""
     now = time.time() if now is None else now
     path = Path(stream.path)
-    parts = time_partitions(path, stream.partition_by)
+    parts = time_partitions(path, stream.partition_by, count=count)
     if stream.retention_s is None:
         return Plan(stream.name, float("-inf"), [], parts)
     cutoff = now - stream.retention_s
@@ -239,11 +253,13 @@ class RunResult:
     removed: list[dict[str, Any]]
     oldest_kept: str | None
     seconds: float
+    deferred: list[str] = field(default_factory=list)  # claimed by a compaction
 
     def to_json(self) -> dict[str, Any]:
         return {
             "stream": self.stream,
             "removed": self.removed,
+            "deferred": self.deferred,
             "partitions": len(self.removed),
             "files": sum(r["files"] for r in self.removed),
             "bytes": sum(r["bytes"] for r in self.removed),
@@ -253,22 +269,40 @@ class RunResult:
         }
 
 
-def apply(stream: CdcStream, now: float | None = None) -> RunResult:
+def apply(stream: CdcStream, now: float | None = None, *, sink: CdcSink | None = None) -> RunResult:
     """Remove the expired partitions of ``stream``. The caller holds the stream
-    (the daemon's open sink, or the CLI with the stream's lock)."""
+    (the daemon's open ``sink``, or the CLI with the stream's lock).
+
+    With ``sink`` (the daemon, whose compactions run beside retention), each
+    rename happens under its ``commit_lock`` and skips a partition a
+    compaction claimed (``sink.compacting``); that one goes at the next run.
+    The compaction claims under the same lock and checks that the partition
+    is still there, so it never builds or swaps a partition retention removed.
+    """
     started = time.monotonic()
     path = Path(stream.path)
     p = plan(stream, now)
     rlog = read_log(path, stream.name)
     removed: list[dict[str, Any]] = []
+    deferred: list[str] = []
     for part in p.expired:
         src = path / part.rel
         hidden = src.parent / f"{HIDDEN_PREFIX}{src.name}-{uuid.uuid4().hex[:12]}"
         crash_point("cdc.retention.before_rename")
-        # Step 1: one rename takes the whole partition away from every reader.
-        os.rename(src, hidden)
+        # Step 1: one rename takes the whole partition away from every reader
+        # (and snapshot readers list again: daemon/snapshot.py).
+        with sink.commit_lock if sink is not None else contextlib.nullcontext():
+            if sink is not None and part.rel in sink.compacting:
+                deferred.append(part.rel)
+                log.info("cdc.retention_deferred", stream=stream.name, partition=part.rel)
+                continue
+            with table_change(path):
+                os.rename(src, hidden)
         fsync_dir(src.parent)
         crash_point("cdc.retention.after_rename")
+        # A compaction may have merged its files since the plan counted them.
+        part = Partition(part.rel, part.start, part.end)
+        _count(hidden, part)
         # Step 2: the record.
         record = _record(stream.name, part, hidden.name)
         rlog.add(record)
@@ -281,7 +315,7 @@ def apply(stream: CdcStream, now: float | None = None) -> RunResult:
         removed.append(record)
     rlog.last_run_at = time.time()
     _write_log(path, rlog)
-    return RunResult(stream.name, removed, p.oldest_kept, time.monotonic() - started)
+    return RunResult(stream.name, removed, p.oldest_kept, time.monotonic() - started, deferred)
 
 
 def _record(stream: str, part: Partition, hidden: str, recovered: bool = False) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import DaemonProcess, write_config
+from tests.integration.harness import ROOT, DaemonProcess, write_config
 
 
 @contextlib.contextmanager
@@ -115,3 +116,15 @@ log_level = "ERROR"
     for name, path in streams.items():
         text += f'\n[[cdc.streams]]\nname = "{name}"\ncollections = "*"\npath = "{path}"\n'
     return write_config(tmp_path, cores=2, interval_ms=200, extra=text + extra)
+
+
+def cli(daemon: DaemonProcess, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``eventplane ARGV --url <the daemon's admin URL>`` in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "daemon.cli.main", *argv, "--url", daemon.admin_url],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )

@@ -19,8 +19,6 @@ streams, ``[health] paused_max_lag_events = 3000``):
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -28,8 +26,9 @@ from typing import Any
 
 import pytest
 
+from tests.faults.support import cli as run_cli
 from tests.faults.support import healthz, metric, spark_config, stage, wait_for
-from tests.integration.harness import ROOT, DaemonProcess, Loader
+from tests.integration.harness import DaemonProcess, Loader
 
 pytestmark = [pytest.mark.spark, pytest.mark.crash]
 
@@ -39,17 +38,6 @@ LIMIT = 3000
 def _config(tmp_path: Path) -> Path:
     streams = {"a": tmp_path / "cdc" / "a", "b": tmp_path / "cdc" / "b"}
     return spark_config(tmp_path, streams, extra=f"\n[health]\npaused_max_lag_events = {LIMIT}\n")
-
-
-def _cli(daemon: DaemonProcess, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "daemon.cli.main", *argv, "--url", daemon.admin_url],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def _lsns(spark: Any, path: Path) -> Counter[int]:
@@ -76,7 +64,7 @@ def test_paused_stream_survives_sigkill_and_restart_then_catches_up_exactly_once
         )
 
         # Step 2. Pause cdc:b under load.
-        cli = _cli(daemon, "pause", "cdc:b", "--reason", "lake maintenance")
+        cli = run_cli(daemon, "pause", "cdc:b", "--reason", "lake maintenance")
         assert cli.returncode == 0, cli.stdout + cli.stderr
         assert cli.stdout.startswith("stage cdc:b paused; now paused for "), cli.stdout
         code, body = wait_for(
@@ -109,7 +97,7 @@ def test_paused_stream_survives_sigkill_and_restart_then_catches_up_exactly_once
         assert metric(daemon, 'eventplane_stage_paused{stage="cdc:a"}') == 0.0
         assert metric(daemon, 'eventplane_stage_stalled{stage="cdc:b"}') == 0.0
         assert metric(daemon, "eventplane_healthy") == 0.0
-        shown = _cli(daemon, "status")
+        shown = run_cli(daemon, "status")
         assert shown.returncode == 1, shown.stdout + shown.stderr
         assert "PAUSED, OVER ITS LIMIT" in shown.stdout and "lake maintenance" in shown.stdout
 
@@ -145,7 +133,7 @@ def test_paused_stream_survives_sigkill_and_restart_then_catches_up_exactly_once
         loader.stop()
         backlog = stage(daemon.status(), "cdc:b")
         resumed_at = time.monotonic()
-        cli = _cli(daemon, "resume", "cdc:b")
+        cli = run_cli(daemon, "resume", "cdc:b")
         assert cli.returncode == 0, cli.stdout + cli.stderr
         assert cli.stdout.startswith("stage cdc:b resumed"), cli.stdout
         wait_for(

@@ -10,6 +10,9 @@ deterministic batches 1..N of ``tests.spark.support`` through a real
 - ``--mode loop``: the background service compacts every 0.05 s whenever a
   size tier holds 3 files, while the batches commit; after the last batch it
   keeps compacting until it is killed (random-moment SIGKILL tests).
+
+``--partition-by collection,date`` writes a time-partitioned stream (its
+leaf folders ``collection=X/date=D`` are compacted).
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ async def run(args: argparse.Namespace) -> int:
     options = (
         {"compact_min_files": 3, "compact_interval_s": 0.05} if loop_mode else {"compaction": False}
     )
-    cfg = make_config(Path(args.root), master="local[2]", stream_options=options)
+    cfg = make_config(
+        Path(args.root),
+        master="local[2]",
+        partition_by=tuple(args.partition_by.split(",")),
+        stream_options=options,
+    )
     ex = SparkExecutor(cfg, Metrics(), wal_id="wal-1")
     await ex.start()
     try:
@@ -59,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=6)
     p.add_argument("--per-batch", type=int, default=100)
     p.add_argument("--mode", choices=("once", "loop"), default="once")
+    p.add_argument("--partition-by", default="collection")
     started = time.monotonic()
     code = asyncio.run(run(p.parse_args(argv)))
     print(f"exiting after {time.monotonic() - started:.1f} s", flush=True)

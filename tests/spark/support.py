@@ -141,3 +141,27 @@ class SharedSession:
 
     def stop(self) -> None:
         pass
+
+
+def consistent_arrow_lsns(path: Path) -> list[int]:
+    """LSNs a pyarrow reader sees when its dataset discovery runs inside
+    ``daemon.snapshot.consistent``, sorted."""
+    import pyarrow.dataset as ds
+
+    from daemon.snapshot import consistent
+
+    if not any(path.glob("collection=*")):
+        return []
+    dataset = consistent(path, lambda: ds.dataset(str(path), format="parquet", partitioning="hive"))
+    return sorted(dataset.to_table(columns=["lsn"]).column("lsn").to_pylist())
+
+
+def consistent_spark_lsns(spark: Any, path: Path) -> list[int]:
+    """LSNs a plain ``spark.read.parquet`` sees when its DataFrame (and so its
+    listing) is made inside ``daemon.snapshot.consistent``, sorted."""
+    from daemon.snapshot import consistent
+
+    if not any(path.glob("collection=*")):
+        return []
+    df = consistent(path, lambda: spark.read.parquet(str(path)))
+    return sorted(r.lsn for r in df.select("lsn").collect())

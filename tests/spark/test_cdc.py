@@ -35,7 +35,9 @@ def visible_lsns(spark: Any, path: Path) -> list[int]:
 def leftovers(path: Path) -> list[str]:
     meta = path / META_DIR
     return sorted(
-        str(p.relative_to(meta)) for p in meta.rglob("*") if p.is_file() and p.name != "lock"
+        str(p.relative_to(meta))
+        for p in meta.rglob("*")
+        if p.is_file() and p.name not in ("lock", "generation")  # a stream's, always there
     ) + sorted(str(p.relative_to(meta)) for p in (meta / "staging").iterdir())
 
 

@@ -1,9 +1,10 @@
-"""``eventplane cdc show``: latest committed rows, newest first."""
+"""``eventplane cdc show``: latest committed rows, newest first; ``cdc files``: a snapshot."""
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +51,36 @@ def test_cdc_show_empty_stream_needs_no_spark(tmp_path: Path) -> None:
     out = io.StringIO()
     assert cdccmd.main(_args("all"), make_config(tmp_path), out=out) == 0
     assert "no committed rows yet" in out.getvalue()
+
+
+async def test_cdc_files_lists_every_data_file_once_for_readers_of_any_kind(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """1. Three batches.  2. ``eventplane cdc files all`` prints one path per
+    line, the same as ``--json``'s list.  3. Spark over those files sees every
+    row once."""
+    ex = await executor_factory()
+    for b in make_batches(3, 40):
+        await ex.execute(b)
+    cfg = make_config(tmp_path)
+    out, as_json = io.StringIO(), io.StringIO()
+    parse = build_parser().parse_args
+
+    assert cdccmd.main(parse(["cdc", "files", "all"]), cfg, out=out) == 0
+    assert cdccmd.main(parse(["cdc", "files", "all", "--json"]), cfg, out=as_json) == 0
+
+    files = out.getvalue().splitlines()
+    doc = json.loads(as_json.getvalue())
+    assert doc["files"] == files and doc["stream"] == "all" and doc["generation"] % 2 == 0
+    assert len(files) == 6 and all("/collection=" in f and "/part-b" in f for f in files)
+    root = str(tmp_path / "cdc" / "all")
+    lsns = [r.lsn for r in spark.read.option("basePath", root).parquet(*files).collect()]
+    assert sorted(lsns) == list(range(1, 121))
+
+
+def test_cdc_files_of_a_stream_never_written_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = build_parser().parse_args(["cdc", "files", "all"])
+    assert cdccmd.main(args, make_config(tmp_path)) == 1
+    assert "is not a folder" in capsys.readouterr().err

@@ -13,6 +13,8 @@ from unittest import mock
 import pytest
 
 from daemon.cli import cdc as cdccmd
+from daemon.snapshot import consistent, read_generation, snapshot
+from daemon.snapshot import data_files as table_files
 from daemon.spark import compact
 from daemon.spark.cdc import META_DIR, committed_files, read_ledger
 from daemon.spark.compact import (
@@ -23,7 +25,14 @@ from daemon.spark.compact import (
     data_files,
     plan_partition,
 )
-from tests.spark.support import COLLECTIONS, batch_lsns, make_batches, read_table
+from tests.spark.support import (
+    COLLECTIONS,
+    batch_lsns,
+    consistent_arrow_lsns,
+    consistent_spark_lsns,
+    make_batches,
+    read_table,
+)
 
 pytestmark = pytest.mark.spark
 
@@ -51,15 +60,28 @@ def missing_file(exc: BaseException) -> bool:
     """Spark's ways of saying that a file it listed was gone when it opened it:
     ``FAILED_READ_FILE.FILE_NOT_EXIST``, or another ``FAILED_READ_FILE`` or
     ``CANNOT_READ_FILE_FOOTER`` caused by ``FileNotFoundException`` /
-    ``NoSuchFileException``."""
+    ``NoSuchFileException``; with an explicit file list (a snapshot), a file gone
+    before Spark looked it up is ``PATH_NOT_FOUND``."""
     text = str(exc)
     return any(
-        s in text for s in ("FILE_NOT_EXIST", "FileNotFoundException", "NoSuchFileException")
+        s in text
+        for s in (
+            "FILE_NOT_EXIST",
+            "FileNotFoundException",
+            "NoSuchFileException",
+            "PATH_NOT_FOUND",
+        )
     )
 
 
-def files_per_partition(path: Path) -> dict[str, int]:
-    return {d.name: len(data_files(d)) for d in compact.partitions(path)}
+def files_per_partition(
+    path: Path, partition_by: tuple[str, ...] = ("collection",)
+) -> dict[str, int]:
+    """Data files per leaf partition, by its path relative to the table."""
+    return {
+        d.relative_to(path).as_posix(): len(data_files(d))
+        for d in compact.partitions(path, partition_by)
+    }
 
 
 def compaction_leftovers(path: Path) -> list[str]:
@@ -182,6 +204,76 @@ async def test_compaction_merges_files_and_every_reader_sees_each_row_once(
     assert visible_lsns(spark, table) == batch_lsns(batches[:22])
 
 
+async def uncompacted_table(executor_factory: Any, tmp_path: Path) -> tuple[Path, Any, Any]:
+    """20 batches, 20 files per partition, compaction off: (table, batches, sink)."""
+    ex = await executor_factory(stream_options={"compaction": False})
+    batches = make_batches(20, 30)
+    for b in batches:
+        await ex.execute(b)
+    (sink,) = ex.sinks
+    return tmp_path / "cdc" / "all", batches, sink
+
+
+async def test_a_listing_cut_by_a_swap_misses_rows_and_the_snapshot_lists_again(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """1. 20 batches make 20 files per partition.  2. A reader lists the table's
+    files; before it checks the generation again, a real compaction swaps both
+    partitions (a slow reader, or a swap landing mid-listing).  3. What a plain
+    reader keeps of that listing (the names that still exist when it looks them
+    up, as Spark's and pyarrow's listings do) misses every merged row: the
+    hazard is real.  4. The snapshot saw the generation move and listed again:
+    Spark and pyarrow over its files see every row once."""
+    table, batches, sink = await uncompacted_table(executor_factory, tmp_path)
+    generation = read_generation(table)
+    listings: list[list[str]] = []
+
+    def slow_lister(root: Path) -> list[str]:
+        files = table_files(root)
+        listings.append(files)
+        if len(listings) == 1:
+            done = compact_stream(sink, spark, full=True)
+            assert len(done) == 2
+        return files
+
+    snap = await asyncio.to_thread(snapshot, table, lister=slow_lister)
+
+    kept = [f for f in listings[0] if Path(f).exists()]  # noqa: ASYNC240 (a test's look)
+    import pyarrow.dataset as ds
+
+    plain = ds.dataset(kept, format="parquet", partitioning="hive", partition_base_dir=str(table))
+    assert plain.count_rows() == 0  # every input was merged away; the merged files unlisted
+    assert snap.attempts == 2 and snap.generation == generation + 4  # two swaps
+    assert len(snap.files) == 2 and all("part-c" in f for f in snap.files)
+    assert consistent_arrow_lsns(table) == batch_lsns(batches)
+    assert consistent_spark_lsns(spark, table) == batch_lsns(batches)
+
+
+async def test_a_spark_read_that_a_swap_cuts_through_is_made_again_by_consistent(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """1. 20 batches make 20 files per partition.  2. A plain
+    ``spark.read.parquet`` of the folder is made inside ``consistent()``;
+    while the first one is made, a real compaction swaps both partitions.
+    3. ``consistent()`` sees the generation move and makes the DataFrame
+    again: it lists the merged files and reads every row once."""
+    table, batches, sink = await uncompacted_table(executor_factory, tmp_path)
+    listed: list[list[str]] = []
+
+    def build() -> Any:
+        df = spark.read.parquet(str(table))
+        listed.append(df.inputFiles())
+        if len(listed) == 1:
+            assert len(compact_stream(sink, spark, full=True)) == 2
+        return df
+
+    df = await asyncio.to_thread(consistent, table, build)
+
+    data = [[f for f in files if "/part-" in f] for files in listed]  # not _common_metadata
+    assert [len(files) for files in data] == [40, 2]
+    assert sorted(r.lsn for r in df.select("lsn").collect()) == batch_lsns(batches)
+
+
 async def test_merged_files_keep_rows_sorted_and_the_writer_options(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
@@ -302,11 +394,12 @@ async def test_a_failed_spark_write_or_a_row_mismatch_changes_nothing(
 async def test_concurrent_readers_see_every_committed_row_exactly_once(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
-    """Readers (pyarrow threads and one Spark thread) read the table in a loop
-    while batches commit and the service compacts. Every observation has no
-    duplicate, holds every batch committed before the read began, and nothing
-    of a batch not yet begun. A read that listed a folder before a swap may
-    fail with FileNotFound: counted apart (retryable), never wrong rows."""
+    """Readers (pyarrow threads and one Spark thread) read the table through
+    snapshots (daemon/snapshot.py) in a loop while batches commit and the
+    service compacts. Every observation has no duplicate, holds every batch
+    committed before the read began, and nothing of a batch not yet begun. A
+    read whose files a later swap removed before it opened them fails with
+    FileNotFound: counted apart (retryable), never wrong rows."""
     ex = await executor_factory(stream_options={"compact_min_files": 3, "compact_interval_s": 0.1})
     table = tmp_path / "cdc" / "all"
     batches = make_batches(30, 40)
@@ -356,17 +449,10 @@ async def test_concurrent_readers_see_every_committed_row_exactly_once(
             time.sleep(0.01)
 
     def spark_read() -> list[int]:
-        if not list(table.glob("collection=*")):
-            return []
-        return [r.lsn for r in spark.read.parquet(str(table)).select("lsn").collect()]
+        return consistent_spark_lsns(spark, table)
 
     def arrow_read() -> list[int]:
-        import pyarrow.dataset as ds
-
-        if not list(table.glob("collection=*")):
-            return []
-        t = ds.dataset(str(table), format="parquet", partitioning="hive").to_table(["lsn"])
-        return list(t.column("lsn").to_pylist())
+        return consistent_arrow_lsns(table)
 
     threads = [
         threading.Thread(target=reader, args=("arrow", arrow_read)),

@@ -24,6 +24,7 @@ from daemon.cli import cdc as cdccmd
 from daemon.cli.main import build_parser
 from daemon.events import StoredEvent, encode
 from daemon.plane.batch import MicroBatch, Slice
+from daemon.snapshot import snapshot
 from daemon.spark.cdc import CDC_COLUMNS, META_DIR
 from daemon.spark.rewrite import previous_layout_files
 from tests.spark.support import BASE_TS_NS, CORES, make_config
@@ -121,8 +122,9 @@ def _opt_str(v: Any) -> str | None:
 # The readers, each with its own means (the snippets of docs/cdc.md)
 
 
-def read_spark(spark: Any, path: Path) -> dict[int, Row]:
-    df = spark.read.parquet(str(path))
+def read_spark(spark: Any, path: Path, files: Sequence[str] = ()) -> dict[int, Row]:
+    """``files``: a snapshot's list (``eventplane cdc files``) instead of the folder."""
+    df = spark.read.option("basePath", str(path)).parquet(*(files or [str(path)]))
     rows = df.selectExpr(
         "lsn",
         "collection",
@@ -149,13 +151,15 @@ def _pyarrow_json(column: Any, schema: Any) -> Any:
     return pj.read_json(pa.BufferReader(one.as_py().encode()), parse_options=options)
 
 
-def read_pyarrow(path: Path) -> dict[int, Row]:
+def read_pyarrow(path: Path, files: Sequence[str] = ()) -> dict[int, Row]:
     import pyarrow as pa
     import pyarrow.dataset as ds
 
-    table = ds.dataset(path, format="parquet", partitioning="hive").to_table(
-        columns=["lsn", "collection", "op", "key", "new_json", "old_json"]
+    source = list(files) or str(path)
+    dataset = ds.dataset(
+        source, format="parquet", partitioning="hive", partition_base_dir=str(path)
     )
+    table = dataset.to_table(columns=["lsn", "collection", "op", "key", "new_json", "old_json"])
     new = _pyarrow_json(
         table["new_json"],
         pa.schema([("amount", pa.float64()), ("addr", pa.struct([("city", pa.string())]))]),
@@ -177,10 +181,10 @@ def read_pyarrow(path: Path) -> dict[int, Row]:
     }
 
 
-def read_pandas(path: Path) -> dict[int, Row]:
+def read_pandas(path: Path, files: Sequence[str] = ()) -> dict[int, Row]:
     import pandas as pd
 
-    df = pd.read_parquet(path)
+    df = pd.read_parquet(list(files) or path)
     new = pd.json_normalize([json.loads(t) if pd.notna(t) else {} for t in df["new_json"]])
     old = pd.json_normalize([json.loads(t) if pd.notna(t) else {} for t in df["old_json"]])
     return {
@@ -196,11 +200,11 @@ def read_pandas(path: Path) -> dict[int, Row]:
     }
 
 
-def read_polars(path: Path) -> dict[int, Row]:
+def read_polars(path: Path, files: Sequence[str] = ()) -> dict[int, Row]:
     import polars as pl
 
     df = (
-        pl.scan_parquet(f"{path}/collection=*/*.parquet", hive_partitioning=True)
+        pl.scan_parquet(list(files) or f"{path}/collection=*/*.parquet", hive_partitioning=True)
         .select(
             "lsn",
             "collection",
@@ -215,9 +219,10 @@ def read_polars(path: Path) -> dict[int, Row]:
     return {r[0]: tuple(r[1:]) for r in df.iter_rows()}  # type: ignore[misc]
 
 
-def read_duckdb(path: Path) -> dict[int, Row]:
+def read_duckdb(path: Path, files: Sequence[str] = ()) -> dict[int, Row]:
     import duckdb
 
+    source: Any = list(files) or f"{path}/collection=*/*.parquet"
     with duckdb.connect() as con:
         rows = con.execute(
             """
@@ -225,9 +230,9 @@ def read_duckdb(path: Path) -> dict[int, Row]:
                    (new_json ->> '$.amount')::DOUBLE,
                    new_json ->> '$.addr.city',
                    (old_json ->> '$.amount')::DOUBLE
-            FROM read_parquet(? || '/collection=*/*.parquet', hive_partitioning = true)
+            FROM read_parquet(?, hive_partitioning = true)
             """,
-            [str(path)],
+            [source],
         ).fetchall()
     return {r[0]: tuple(r[1:]) for r in rows}
 
@@ -263,6 +268,27 @@ async def test_every_reader_sees_the_same_rows_and_payload_values(
     assert read_spark(spark, table) == want
     for name, read in READERS.items():
         assert read(table) == want, name
+
+
+async def test_every_reader_reads_a_snapshot_file_list_with_the_same_rows(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """The exact-read path of docs/cdc.md ("Reading while compaction runs"):
+    given the file list of a snapshot (``eventplane cdc files``) instead of the
+    folder, Spark, pyarrow, pandas, Polars and DuckDB read every row once with
+    the same values and the ``collection`` partition column."""
+    ex = await executor_factory()
+    batches = shaped_batches(3, 60)
+    for b in batches:
+        await ex.execute(b)
+    table = tmp_path / "cdc" / "all"
+    want = expected(batches)
+    files = snapshot(table).files
+    assert len(files) == 9  # 3 batches x 3 collections
+
+    assert read_spark(spark, table, files) == want
+    for name, read in READERS.items():
+        assert read(table, files) == want, name
 
 
 async def test_every_file_of_a_table_has_one_physical_schema(

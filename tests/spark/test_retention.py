@@ -21,6 +21,7 @@ import pytest
 
 from daemon.cli import cdc as cdc_cli
 from daemon.config import CdcStream
+from daemon.snapshot import read_generation
 from daemon.spark import retention
 from daemon.spark.cdc import (
     CRASH_POINTS,
@@ -206,8 +207,11 @@ async def test_retention_removes_exactly_the_expired_partitions_and_logs_them(
     assert sum(p.rows or 0 for p in preview.expired) == sum(parts[p] for p in gone)
     assert visible_partitions(table) == parts  # a preview changes nothing
 
+    generation = read_generation(table)
     result = retention.apply(stream, NOW)
     assert {r["partition"] for r in result.removed} == gone
+    # Each removal went odd and back to even: snapshot readers list again.
+    assert read_generation(table) == generation + 2 * len(gone)
     assert visible_partitions(table) == Counter({p: n for p, n in parts.items() if p not in gone})
     kept = [
         n for n in lsns if f"collection={event_for(n).collection}/date={ingest_date(n)}" not in gone
@@ -347,6 +351,7 @@ async def test_sigkill_during_retention_leaves_each_partition_whole_or_gone(
     assert sorted(r["partition"] for r in rlog.removed) == sorted(expired)
     assert rlog.rows_removed == sum(parts[p] for p in expired)
     assert sorted(p.name for p in (table / META_DIR).iterdir() if p.is_file()) == [
+        "generation",
         "ledger.json",
         "lock",
         "retention.json",

@@ -467,7 +467,7 @@ async def test_a_store_of_layout_1_opens_and_its_entries_keep_the_keys_they_were
 
     engine = await make_engine([spec(receiver.url)])
     store: TriggerStore = engine._store
-    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == 3  # 1 -> 2 -> 3
     assert [e.call_key for e in store.pending()] == ["hook:10-11"]
     assert [e.call_key for e in store.dlq_list()] == [None]
     assert await engine.deliver_due() == 1
