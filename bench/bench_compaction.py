@@ -10,10 +10,14 @@ ingest with compaction running vs without. Same events, same run, same session.
    20 s by default: the daemon's default looks every 60 s, i.e. every ~60
    batches at 1 s batches, and a bench batch takes about a third of a
    second), in
-   alternating order for ``--rounds`` rounds; the best of each counts. Timed
+   alternating order for ``--rounds`` rounds; the best of each counts, and
+   each round's own ratio is printed too (its two sides ran back to back). Timed
    from the first ``execute`` to the last commit, with the CPU seconds of this
    process and its JVM over the same span (a shared machine moves wall time
-   more than CPU time).
+   more than CPU time), and on the "on" side the CPU seconds of the
+   compaction thread inside step 2 (``write_merged``: the in-process pyarrow
+   merge; a Spark fallback's JVM time is not in it) and how many merges fell
+   back to a Spark job.
 2. **Tables.** From the same events: ``small`` (the compaction-off run: one
    file per collection per batch), ``tiered`` (the compaction-on run, after
    its service had its last look), ``full`` (``small`` after ``eventplane cdc
@@ -62,6 +66,39 @@ def _config(root: Path, table: Path, **stream: Any) -> Config:
     )
 
 
+class MergeClock:
+    """CPU seconds of the calling thread inside ``compact.write_merged`` (the
+    service's step 2), and Spark fallbacks, while installed."""
+
+    def __init__(self) -> None:
+        self.cpu = 0.0
+        self.merges = 0
+        self.spark = 0
+        self._write = compact.write_merged
+        self._spark = compact.write_merged_spark
+
+    def __enter__(self) -> MergeClock:
+        def write(*args: Any) -> None:
+            started = time.thread_time()
+            try:
+                self._write(*args)
+            finally:
+                self.cpu += time.thread_time() - started
+                self.merges += 1
+
+        def spark(*args: Any) -> None:
+            self.spark += 1
+            self._spark(*args)
+
+        compact.write_merged = write  # type: ignore[assignment]
+        compact.write_merged_spark = spark  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        compact.write_merged = self._write  # type: ignore[assignment]
+        compact.write_merged_spark = self._spark  # type: ignore[assignment]
+
+
 async def ingest(
     spark: Any,
     root: Path,
@@ -70,9 +107,11 @@ async def ingest(
     *,
     compaction: bool,
     interval: float = 20.0,
+    clock: MergeClock | None = None,
 ) -> tuple[float, float, int]:
     """Commit every batch; seconds, CPU seconds (this process and its JVM) and
-    compactions the service ran meanwhile."""
+    compactions the service ran meanwhile (``clock``: step 2's CPU, counted
+    until the last commit)."""
     shutil.rmtree(table, ignore_errors=True)
     stream = {"compaction": compaction, "compact_interval_s": interval}
     ex = SparkExecutor(_config(root, table, **stream), Metrics(), wal_id="bench", session=spark)
@@ -88,6 +127,8 @@ async def ingest(
             await running
         seconds = time.perf_counter() - started
         cpu = total_cpu_seconds(pids) - cpu
+        if clock is not None:
+            clock.__exit__()  # the look after the run below is not counted
         assert ex.compaction is not None
         done = ex.compaction.status("all") or {}
         if compaction:  # the service stops (after its running compaction), and
@@ -166,18 +207,31 @@ async def run(spark: Any, root: Path, args: argparse.Namespace) -> int:
     # 1. Ingest, compaction off and on, alternating.
     times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     compactions = 0
+    merges: list[tuple[float, int, int]] = []  # per "on" round: CPU s, merges, Spark jobs
     for r in range(args.rounds):
         for on in (False, True) if r % 2 == 0 else (True, False):
             target = tables["tiered" if on else "small"]
-            seconds, cpu, n = await ingest(
-                spark, root, target, batches, compaction=on, interval=args.interval
-            )
+            clock = MergeClock().__enter__() if on else None
+            try:
+                seconds, cpu, n = await ingest(
+                    spark, root, target, batches, compaction=on, interval=args.interval, clock=clock
+                )
+            finally:
+                if clock is not None:
+                    clock.__exit__()
             times[on].append((seconds, cpu))
-            if on:
+            if clock is not None:
                 compactions = n
+                merges.append((clock.cpu, clock.merges, clock.spark))
             print(
                 f"round {r + 1}: compaction {'on ' if on else 'off'} {seconds:.2f} s, "
-                f"{cpu:.1f} CPU s" + (f" ({n} compactions)" if on else ""),
+                f"{cpu:.1f} CPU s"
+                + (
+                    f" ({n} compactions; step 2: {clock.merges} merges, "
+                    f"{clock.cpu:.2f} CPU s in process, {clock.spark} Spark jobs)"
+                    if clock is not None
+                    else ""
+                ),
                 flush=True,
             )
 
@@ -215,6 +269,23 @@ async def run(spark: Any, root: Path, args: argparse.Namespace) -> int:
             f"| compaction {label} | {s:.2f} | {events / s:,.0f} | {s0 / s:.2f}x "
             f"| {c:.1f} | {c / c0:.2f}x |"
         )
+    # Each round runs both sides back to back: their ratio moves less with the
+    # other jobs on a shared machine than the best of each side does.
+    pairs = [times[False][r][0] / times[True][r][0] for r in range(args.rounds)]
+    cpus = [times[True][r][1] / times[False][r][1] for r in range(args.rounds)]
+    print(
+        "per round, events/s on vs off: "
+        + ", ".join(f"{x:.2f}x" for x in pairs)
+        + f" (median {statistics.median(pairs):.2f}x); CPU on vs off: "
+        + ", ".join(f"{x:.2f}x" for x in cpus)
+        + f" (median {statistics.median(cpus):.2f}x); least CPU s: off "
+        + f"{min(c for _, c in times[False]):.1f}, on {min(c for _, c in times[True]):.1f}"
+    )
+    for i, (cpu, n, jobs) in enumerate(merges):
+        print(
+            f"step 2 of compaction, 'on' round {i + 1}: {n} merges, {cpu:.2f} CPU s in "
+            f"process, {jobs} Spark jobs"
+        )
     print()
     print(f"full compaction of `small`: {len(full)} partitions in {full_s:.2f} s")
     print()
@@ -234,6 +305,8 @@ async def run(spark: Any, root: Path, args: argparse.Namespace) -> int:
                 {
                     "ingest_s_cpu_s": {"off": times[False], "on": times[True]},
                     "compactions": compactions,
+                    "step2_cpu_s_merges_spark_jobs": merges,
+                    "per_round_events_per_s_on_vs_off": pairs,
                     "reads_median_s": {f"{n}/{q}": v for (n, q), v in med.items()},
                     "files_per_partition": {n: files_per_partition(t) for n, t in tables.items()},
                 }
