@@ -193,7 +193,7 @@ def snapshot(
     sleep: Callable[[float], None] = time.sleep,
     lister: Callable[[Path], list[str]] = data_files,
 ) -> Snapshot:
-    """A consistent list of the table's data files (module doc, "A reader").
+    """A consistent list of the table's data files (module doc, "Any reader").
 
     Raises :class:`TableBusyError` when a change stays in progress for
     ``wait_s`` while its writer runs, :class:`SnapshotError` when the table
@@ -203,15 +203,8 @@ def snapshot(
     root = Path(path).absolute()
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a folder (a CDC stream's path)")
-    for attempt in range(1, MAX_ATTEMPTS + 1):
-        before = _even_generation(root, wait_s, clock, sleep)
-        files = lister(root)
-        if read_generation(root) == before:
-            return Snapshot(str(root), before, files, attempt)
-    raise SnapshotError(
-        f"{root}: the table changed during each of {MAX_ATTEMPTS} listings; compactions or "
-        f"retention are running far more often than they should (compact_interval_s)"
-    )
+    files, generation, attempts = _bracketed(root, lambda: lister(root), wait_s, clock, sleep)
+    return Snapshot(str(root), generation, files, attempts)
 
 
 def consistent(
@@ -231,8 +224,20 @@ def consistent(
     while it ran, or it failed while the generation moved, it runs again; an
     error of its own (the generation did not move) is raised as is.
     """
-    root = Path(path).absolute()
-    for _ in range(MAX_ATTEMPTS):
+    result, _, _ = _bracketed(Path(path).absolute(), build, wait_s, clock, sleep)
+    return result
+
+
+def _bracketed(
+    root: Path,
+    build: Callable[[], T],
+    wait_s: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> tuple[T, int, int]:
+    """``build()`` between two reads of an even generation, again until they
+    agree: (its result, the generation, the attempts it took)."""
+    for attempt in range(1, MAX_ATTEMPTS + 1):
         before = _even_generation(root, wait_s, clock, sleep)
         try:
             result = build()
@@ -241,9 +246,9 @@ def consistent(
                 continue  # a swap or removal cut through the read: read again
             raise
         if read_generation(root) == before:
-            return result
+            return result, before, attempt
     raise SnapshotError(
-        f"{root}: the table changed during each of {MAX_ATTEMPTS} reads; compactions or "
+        f"{root}: the table changed during each of {MAX_ATTEMPTS} listings; compactions or "
         f"retention are running far more often than they should (compact_interval_s)"
     )
 

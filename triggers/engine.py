@@ -158,8 +158,10 @@ class TriggerEngine:
         # retry loop's passes fail; None while they work.
         self.loop_failing: tuple[float, str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Triggers an operator paused (a copy of the store's table) and the rows
-        # queued per trigger as of the last gauge refresh.
+        # Triggers an operator paused (a copy of the store's table), and the rows
+        # a paused trigger holds in the retry queue: counted from the store when
+        # it is paused or the store opens, then kept up by finish() (the retry
+        # loop leaves its entries alone), so no retry pass parses the queue.
         self._paused: dict[str, Pause] = {}
         self._queued_rows: dict[str, int] = {}
 
@@ -272,6 +274,7 @@ class TriggerEngine:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trigger-store")
         self._store = await self._db(TriggerStore, self.store_path, self._dlq_max)
         self._paused = await self._db(self._store.pauses)
+        self._queued_rows = await self._db(self._store.queued_rows, list(self._paused))
         due = await self._db(self._store.make_all_due, self._clock())
         depth = await self._refresh_gauges()
         log.info(
@@ -392,6 +395,10 @@ class TriggerEngine:
         if retries or dead:
             evicted = await self._db(store.record, retries, dead)
             self._evicted(evicted)
+            for r in retries:
+                if r.chunk.trigger in self._paused:
+                    name = r.chunk.trigger
+                    self._queued_rows[name] = self._queued_rows.get(name, 0) + len(r.chunk)
             log.info(
                 "trigger_batch_failures_queued",
                 batch_id=batch_id,
@@ -818,6 +825,7 @@ class TriggerEngine:
         if not await self._db(store.pause, name, since, by, reason):
             return False
         self._paused[name] = Pause(name, since, by, reason)
+        self._queued_rows.update(await self._db(store.queued_rows, [name]))
         log.info("trigger.paused", trigger=name, reason=reason or None, by=by or None)
         await self._refresh_gauges()
         return True
@@ -854,8 +862,8 @@ class TriggerEngine:
             "paused_for_s": round(max(self._clock() - pause.since, 0.0), 3) if pause else None,
             "paused_by": (pause.by or None) if pause else None,
             "paused_reason": (pause.reason or None) if pause else None,
-            # Rows waiting in the retry queue (as of the last refresh, every
-            # retry pass): what resuming will deliver.
+            # Rows a paused trigger holds in the retry queue: what resuming
+            # delivers (after a resume, what it held then).
             "queued_rows": self._queued_rows.get(name, 0),
         }
 
@@ -901,7 +909,6 @@ class TriggerEngine:
         store = self._require_store()
         depth = self._depth = await self._db(store.retry_depth)
         self._dlq_size = await self._db(store.dlq_size)
-        self._queued_rows = await self._db(store.queued_rows)
         self._metrics.retry_depth.set(depth)
         self._metrics.dlq_entries.set(self._dlq_size)
         for name in self._triggers.keys() | self._paused.keys():

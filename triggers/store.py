@@ -332,12 +332,20 @@ class TriggerStore:
         rows = self._db.execute("SELECT trigger, since, by, reason FROM paused").fetchall()
         return {r[0]: Pause(*r) for r in rows}
 
-    def queued_rows(self) -> dict[str, int]:
-        """Rows waiting in the retry queue, per trigger."""
+    def queued_rows(self, triggers: Collection[str]) -> dict[str, int]:
+        """Rows waiting in the retry queue for each of ``triggers`` (parses their
+        entries: the engine asks when a trigger is paused or the store opens)."""
+        out = dict.fromkeys(triggers, 0)
+        if not out:
+            return out
+        marks = ",".join("?" * len(out))
         rows = self._db.execute(
-            "SELECT trigger, SUM(json_array_length(rows)) FROM retry GROUP BY trigger"
+            "SELECT trigger, SUM(json_array_length(rows)) FROM retry "
+            f"WHERE trigger IN ({marks}) GROUP BY trigger",
+            tuple(out),
         ).fetchall()
-        return {r[0]: int(r[1] or 0) for r in rows}
+        out.update((r[0], int(r[1] or 0)) for r in rows)
+        return out
 
     def make_all_due(self, now: float) -> int:
         """After a restart every pending retry is due at once (issue 5)."""
