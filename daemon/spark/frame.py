@@ -69,11 +69,11 @@ INBOX_WRITE_OPTIONS: dict[str, Any] = {
 def batch_table(batch: MicroBatch) -> Any:
     """The batch's rows as one Arrow table, slices in core order, LSN order within.
 
-    Rows are decoded ``TABLE_CHUNK_ROWS`` at a time, so the Python objects of
-    decoding (about 1 KiB per event) exist for one chunk only; the table itself
-    (about 1.2x the payload bytes) is what the batch holds. Columnar parts
-    (WAL replay) are decoded straight from their contiguous payload bytes,
-    without a ``Record`` per event.
+    Rows are read ``TABLE_CHUNK_ROWS`` at a time, the delivered parts joined
+    into whole chunks, each chunk a field at a time for all its events
+    (:mod:`daemon.spark.unpack`; one Python object per event only for a chunk
+    that reader refuses). The table itself (about 1.2x the payload bytes) is
+    what the batch holds.
     """
     import pyarrow as pa
 
@@ -83,10 +83,12 @@ def batch_table(batch: MicroBatch) -> Any:
         for c in sorted(batch.slices)
         for chunk in _chunks(batch.slices[c].records, TABLE_CHUNK_ROWS)
     ]
-    return pa.Table.from_batches(chunks or [_record_batch((), (), (), b"", bid)])
+    return pa.Table.from_batches(chunks or [_record_batch((), (), (), b"", None, bid)])
 
 
-_Chunk = tuple[Sequence[int], Sequence[int], Sequence[int], bytes]
+# ``(lsns, cores, seqs, concatenated payloads, each payload's start in them)``:
+# sequences of ints or numpy arrays (pa.array takes either), and a numpy array.
+_Chunk = tuple[Any, Any, Any, bytes, Any]
 
 
 def _parts(records: Sequence[Record]) -> Sequence[Sequence[Record] | RecordBatch]:
@@ -95,55 +97,129 @@ def _parts(records: Sequence[Record]) -> Sequence[Sequence[Record] | RecordBatch
 
 
 def _chunks(records: Sequence[Record], size: int) -> Iterator[_Chunk]:
-    """``(lsns, cores, seqs, concatenated payloads)`` of at most ``size`` rows each."""
+    """The rows in chunks of ``size`` (the last may be smaller), parts joined.
+
+    Consumers deliver a slice in many small parts (a ring run each: tens of
+    rows at 20k events/s), and the cost of a chunk is mostly per chunk, not
+    per row: parts are cut and joined into whole chunks first.
+    """
+    import numpy as np
+
+    pieces: list[tuple[Any, Any, Any, Any, Any]] = []  # lsns, cores, seqs, lengths, data
+    held = 0
     for part in _parts(records):
         n = len(part)
-        if isinstance(part, RecordBatch):
-            offs = part.offsets
-            for i in range(0, n, size):
-                j = min(i + size, n)
-                first = part.first_seq + i
-                data = part.data[offs[i] : offs[j]]
-                yield part.lsns[i:j], [part.core] * (j - i), range(first, first + j - i), data
-        else:
-            for i in range(0, n, size):
-                cols = tuple(zip(*part[i : i + size], strict=True))
-                yield cols[0], cols[1], cols[2], b"".join(cols[3])
+        i = 0
+        while i < n:
+            j = min(n, i + size - held)
+            pieces.append(_piece(np, part, i, j))
+            held += j - i
+            i = j
+            if held == size:
+                yield _joined(np, pieces)
+                pieces, held = [], 0
+    if pieces:
+        yield _joined(np, pieces)
+
+
+def _piece(np: Any, part: Sequence[Record] | RecordBatch, i: int, j: int) -> tuple[Any, ...]:
+    """Rows ``i:j`` of one part as ``(lsns, cores, seqs, lengths, payload bytes)``."""
+    if isinstance(part, RecordBatch):
+        offs = np.frombuffer(part.offsets, np.uint64)[i : j + 1].astype(np.int64)
+        lsns = np.frombuffer(part.lsns, np.uint64)[i:j].astype(np.int64)
+        first = part.first_seq + i
+        data = memoryview(part.data)[int(offs[0]) : int(offs[-1])]
+        cores = np.full(j - i, part.core, np.int32)
+        return lsns, cores, np.arange(first, first + j - i, dtype=np.int64), np.diff(offs), data
+    lsns, cores, seqs, payloads = zip(*part[i:j], strict=True)
+    lengths = np.fromiter(map(len, payloads), np.int64, j - i)
+    return (
+        np.array(lsns, np.int64),
+        np.array(cores, np.int32),
+        np.array(seqs, np.int64),
+        lengths,
+        b"".join(payloads),
+    )
+
+
+def _joined(np: Any, pieces: list[tuple[Any, ...]]) -> _Chunk:
+    lsns, cores, seqs, lengths, data = zip(*pieces, strict=True)
+    lengths_all = np.concatenate(lengths)
+    starts = np.zeros(len(lengths_all), np.int64)
+    np.cumsum(lengths_all[:-1], out=starts[1:])
+    return (
+        np.concatenate(lsns),
+        np.concatenate(cores),
+        np.concatenate(seqs),
+        b"".join(data),
+        starts,
+    )
 
 
 def _record_batch(
-    lsns: Sequence[int], cores: Sequence[int], seqs: Sequence[int], payloads: bytes, batch_id: int
+    lsns: Sequence[int],
+    cores: Sequence[int],
+    seqs: Sequence[int],
+    payloads: bytes,
+    starts: Any,
+    batch_id: int,
 ) -> Any:
+    """One chunk (``_Chunk``) as an Arrow record batch; ``starts`` None takes
+    the general path."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    # The payloads are msgpack StoredEvents back to back: prefix an array
-    # header and decode them in one call.
-    header = b"\xdd" + len(lsns).to_bytes(4, "big")
-    events = _events_decoder.decode(header + payloads)
-    ts_ns = pa.array([e.ingest_ts_ns for e in events], pa.int64())
+    from daemon.spark.unpack import stored_columns  # numpy: imported with the first batch
+
+    fields = None if starts is None else stored_columns(payloads, starts)
+    if fields is None:
+        fields = _decoded_columns(len(lsns), payloads)
+    n = len(lsns)
     return pa.record_batch(
         {
             "lsn": pa.array(lsns, pa.int64()),
             "core": pa.array(cores, pa.int32()),
             "seq": pa.array(seqs, pa.int64()),
-            "collection": pa.array([e.collection for e in events], pa.string()),
-            "op": pa.array([e.op for e in events], pa.string()),
-            "key": pa.array([e.key for e in events], pa.string()),
-            # Binary then one C-level UTF-8 check: 5x faster than str conversion.
-            "new_json": pa.array([e.new for e in events], pa.binary()).cast(pa.string()),
-            "old_json": pa.array([e.old for e in events], pa.binary()).cast(pa.string()),
-            "ingest_ts": pc.divide(ts_ns, 1000).cast(pa.timestamp("us", tz="UTC")),
+            "collection": fields["collection"],
+            "op": fields["op"],
+            "key": fields["key"],
+            "new_json": fields["new"],
+            "old_json": fields["old"],
+            "ingest_ts": pc.divide(fields["ingest_ts_ns"], 1000).cast(pa.timestamp("us", tz="UTC")),
             # A column, not a literal in the plan: Spark inlines literals into
             # the Java it generates, so a new id per batch meant compiling the
             # job's code again each batch (20-40 ms; the same plan is cached).
-            "batch_id": pa.repeat(pa.scalar(batch_id, pa.int64()), len(lsns)),
-            "event_id": pa.array([e.event_id for e in events], pa.string()),
-            "event_time": pa.array([e.event_time_us for e in events], pa.timestamp("us", tz="UTC")),
-            "depth": pa.array([e.depth for e in events], pa.int32()),
-            "source": pa.array([e.source for e in events], pa.string()),
+            "batch_id": pa.repeat(pa.scalar(batch_id, pa.int64()), n),
+            "event_id": fields["event_id"],
+            "event_time": fields["event_time_us"].cast(pa.timestamp("us", tz="UTC")),
+            "depth": fields["depth"],
+            "source": fields["source"],
         }
     )
+
+
+def _decoded_columns(n: int, payloads: bytes) -> dict[str, Any]:
+    """``unpack.stored_columns``'s columns through one Python object per event:
+    the general path, for any payload msgspec reads (it raises on a bad one)."""
+    import pyarrow as pa
+
+    # The payloads are msgpack StoredEvents back to back: prefix an array
+    # header and decode them in one call.
+    header = b"\xdd" + n.to_bytes(4, "big")
+    events = _events_decoder.decode(header + payloads)
+    return {
+        "collection": pa.array([e.collection for e in events], pa.string()),
+        "op": pa.array([e.op for e in events], pa.string()),
+        "key": pa.array([e.key for e in events], pa.string()),
+        # Binary then one C-level UTF-8 check: 5x faster than str conversion.
+        "new": pa.array([e.new for e in events], pa.binary()).cast(pa.string()),
+        "old": pa.array([e.old for e in events], pa.binary()).cast(pa.string()),
+        "ingest_ts_ns": pa.array([e.ingest_ts_ns for e in events], pa.int64()),
+        "event_id": pa.array([e.event_id for e in events], pa.string()),
+        "event_time_us": pa.array([e.event_time_us for e in events], pa.int64()),
+        "depth": pa.array([e.depth for e in events], pa.int32()),
+        "source": pa.array([e.source for e in events], pa.string()),
+    }
 
 
 def collection_counts(table: Any) -> dict[str, int]:
@@ -247,7 +323,7 @@ def write_batch_file(
                     rest = table.slice(full)
                     pending, pending_rows = rest.to_batches(), rest.num_rows
         if writer is None:  # no rows: a file with the schema and no row group
-            schema = _record_batch((), (), (), b"", batch.batch_id).schema
+            schema = _record_batch((), (), (), b"", None, batch.batch_id).schema
             writer = pq.ParquetWriter(path, schema, **INBOX_WRITE_OPTIONS)
         if pending_rows:
             writer.write_table(pa.Table.from_batches(pending))
