@@ -908,7 +908,12 @@ class TriggerEngine:
     async def _refresh_gauges(self) -> int:
         store = self._require_store()
         depth = self._depth = await self._db(store.retry_depth)
-        self._dlq_size = await self._db(store.dlq_size)
+        before, self._dlq_size = self._dlq_size, await self._db(store.dlq_size)
+        if self._paused and self._dlq_size < before:
+            # Rows left the DLQ from outside: `eventplane dlq replay` (another
+            # process) may have moved a paused trigger's rows back to the retry
+            # queue, where they now wait with its other queued rows.
+            self._queued_rows.update(await self._db(store.queued_rows, list(self._paused)))
         self._metrics.retry_depth.set(depth)
         self._metrics.dlq_entries.set(self._dlq_size)
         for name in self._triggers.keys() | self._paused.keys():

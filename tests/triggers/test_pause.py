@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 from tests.triggers.support import (
     FakeClock,
     Receiver,
+    Reply,
     batch,
     event,
     hand_evaluation,
@@ -97,6 +98,32 @@ async def test_a_pause_survives_a_restart_and_holds_its_rows(
     await again.resume_trigger("hook")
     assert await again.deliver_due() == 1
     assert [r.lsns for r in receiver.requests] == [[5]]
+
+
+async def test_rows_replayed_from_the_dlq_by_another_process_count_as_queued_while_paused(
+    make_engine: Any, receiver: Receiver, tmp_path: Path, metrics: Any
+) -> None:
+    """1. ``hook``'s call is refused for good (HTTP 400): its rows go to the DLQ.
+    2. ``hook`` is paused. 3. ``eventplane dlq replay`` (its own store
+    connection, as the CLI has) moves them back to the retry queue. 4. The
+    next retry pass makes no call and counts them as the paused trigger's."""
+    receiver.default = Reply(status=400)
+    engine = await make_engine([spec("hook", receiver.url)])
+    await engine.finish(batch(1), hand_evaluation(engine, {"hook": [event(7), event(8)]}))
+    assert engine.status()["dlq"] == {"entries": 2}
+    await engine.pause_trigger("hook")
+    calls = len(receiver.requests)
+
+    cli_store = TriggerStore(store_path(tmp_path / "data"))
+    try:
+        assert cli_store.dlq_replay(trigger="hook") == 2
+    finally:
+        cli_store.close()
+    assert await engine.deliver_due() == 0
+
+    assert len(receiver.requests) == calls
+    assert engine.status()["triggers"]["paused"]["hook"]["queued_rows"] == 2
+    assert sample(metrics, PAUSED_ROWS, trigger="hook") == 2
 
 
 async def test_pausing_an_unknown_trigger_names_the_known_ones(
