@@ -57,6 +57,15 @@ def newest_files(stream: CdcStream, limit: int) -> list[Path]:
 
 
 def latest_rows(spark: Any, stream: CdcStream, limit: int) -> list[dict[str, Any]]:
+    """The newest ``limit`` rows, listed and read within one table generation:
+    a compaction or retention run meanwhile makes the whole query run again
+    (docs/cdc.md, "Reading while compaction runs")."""
+    from daemon.snapshot import consistent
+
+    return consistent(stream.path, lambda: _newest_rows(spark, stream, limit))
+
+
+def _newest_rows(spark: Any, stream: CdcStream, limit: int) -> list[dict[str, Any]]:
     files = newest_files(stream, limit)
     if not files:
         return []

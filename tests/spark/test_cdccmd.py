@@ -40,6 +40,37 @@ async def test_cdc_show_prints_the_latest_rows_newest_first(
     assert '"lsn":120' in lines[3]
 
 
+async def test_cdc_show_lists_again_when_the_table_changed_while_it_read(
+    spark: Any, executor_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A change that removes files (a compaction's swap) between ``cdc show``'s
+    listing and its read moves the table generation: the whole query runs
+    again, and the rows shown are those of the table after the change."""
+    from daemon.snapshot import read_generation, table_change
+
+    ex = await executor_factory()
+    for b in make_batches(2, 10):
+        await ex.execute(b)
+    stream = make_config(tmp_path).cdc.streams[0]
+    listings: list[int] = []
+    real = cdccmd.newest_files
+
+    def listing_then_a_swap(s: Any, limit: int) -> list[Path]:
+        files = real(s, limit)
+        listings.append(read_generation(s.path))
+        if len(listings) == 1:
+            with table_change(s.path):  # what a compaction's swap does
+                pass
+        return files
+
+    monkeypatch.setattr(cdccmd, "newest_files", listing_then_a_swap)
+
+    rows = cdccmd.latest_rows(spark, stream, 3)
+
+    assert len(listings) == 2 and listings[1] == listings[0] + 2
+    assert [r["lsn"] for r in rows] == [20, 19, 18]
+
+
 def test_cdc_show_unknown_stream_says_which_exist(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
