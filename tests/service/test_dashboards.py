@@ -32,6 +32,8 @@ def exposed_series() -> dict[str, set[str]]:
     m.ingest_requests.labels(code="200")
     m.batch_outcomes.labels(outcome="committed")
     m.trigger_failures.labels(trigger="t", kind="timeout")
+    m.trigger_paused_rows.labels(trigger="t")
+    m.trigger_action_latency.labels(trigger="t")
     for family in (
         m.stage_stalled,
         m.stage_failing_seconds,
@@ -39,8 +41,19 @@ def exposed_series() -> dict[str, set[str]]:
         m.stage_lag_events,
         m.stage_paused,
         m.stage_paused_backlog_ratio,
+        m.stage_failures,
+        m.stage_backfill_remaining,
     ):
         family.labels(stage="cdc:all")
+    m.cdc_compactions.labels(stream="all", outcome="done")
+    m.cdc_retention_runs.labels(stream="all", outcome="ok")
+    for family in (
+        m.cdc_compaction_files_removed,
+        m.cdc_compaction_seconds,
+        m.cdc_table_files,
+        m.cdc_retention_removed,
+    ):
+        family.labels(stream="all")
     out: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(m.render().decode()):
         for sample in family.samples:
@@ -121,6 +134,11 @@ def test_dashboard_covers_what_operators_watch(dashboard: dict[str, Any]) -> Non
         "eventplane_microbatch_duration_seconds_bucket",  # batch duration
         "eventplane_trigger_action_failures_total",  # trigger failures
         "eventplane_dlq_entries",  # DLQ size
+        "eventplane_stage_lag_events",  # a stage behind (failing, paused, backfilling)
+        "eventplane_trigger_paused_rows",  # a paused trigger's queue
+        "eventplane_cdc_table_files",  # small files piling up
+        "eventplane_cdc_compactions_total",  # compaction outcomes
+        "eventplane_cdc_retention_runs_total",  # retention outcomes
     ):
         assert name in queried, name
 
