@@ -10,9 +10,10 @@ parameters and does not import :mod:`daemon.service.app`, which calls it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -134,7 +135,8 @@ class StagePauses:
         self, name: str, *, reason: str | None = None, by: str | None = None
     ) -> dict[str, Any]:
         if not name.startswith(TRIGGER_PREFIX):
-            answer: dict[str, Any] = await self._plane.pause_stage(name, reason=reason, by=by)
+            with self._naming_every_pausable():
+                answer: dict[str, Any] = await self._plane.pause_stage(name, reason=reason, by=by)
             return answer
         engine, trigger = self._trigger(name)
         changed = await engine.pause_trigger(trigger, reason=reason or "", by=by or "")
@@ -142,7 +144,8 @@ class StagePauses:
 
     async def resume_stage(self, name: str) -> dict[str, Any]:
         if not name.startswith(TRIGGER_PREFIX):
-            answer: dict[str, Any] = await self._plane.resume_stage(name)
+            with self._naming_every_pausable():
+                answer: dict[str, Any] = await self._plane.resume_stage(name)
             return answer
         engine, trigger = self._trigger(name)
         changed = await engine.resume_trigger(trigger)
@@ -154,6 +157,24 @@ class StagePauses:
         engine = self._engine()
         trigger = name[len(TRIGGER_PREFIX) :]
         if engine is None or (trigger not in engine.triggers and not engine.is_paused(trigger)):
-            names = sorted(engine.triggers) if engine is not None else []
-            raise UnknownStageError(name, [TRIGGER_PREFIX + n for n in names])
+            raise UnknownStageError(name, self._pausable([]))
         return engine, trigger
+
+    def _pausable(self, stages: Sequence[str]) -> list[str]:
+        """Every name pause and resume take: the plane's stages, then each trigger."""
+        engine = self._engine()
+        planner = getattr(self._plane, "planner", None)
+        if not stages and planner is not None:
+            stages = planner.stages.names
+        triggers = sorted(engine.triggers) if engine is not None else []
+        return [*stages, *(TRIGGER_PREFIX + n for n in triggers)]
+
+    @contextlib.contextmanager
+    def _naming_every_pausable(self) -> Iterator[None]:
+        """A refused stage name is answered with the triggers' names too."""
+        from daemon.plane.stages import UnknownStageError
+
+        try:
+            yield
+        except UnknownStageError as exc:
+            raise UnknownStageError(exc.name, self._pausable(exc.names)) from None
