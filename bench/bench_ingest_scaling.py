@@ -42,9 +42,11 @@ Measured, sides alternating ``--repeat`` times in the same run:
 5. a model: events/s and CPU per event for 2-16 cores from the measured parts.
 
 ``--check N`` sends N unique events through a fresh owner + 2 workers with an
-``Idempotency-Key`` per request (``--kill-worker`` SIGKILLs one worker half way,
-the producers retry on the other), then reads the owner's WAL: every
-acknowledged event must be there exactly once, at the LSNs its ack named.
+``Idempotency-Key`` per request (with ``--kill-worker``, one worker SIGKILLs
+itself right after handing its 5th request to the owner, before the answer; the
+producers retry on the other), then reads the owner's WAL: every acknowledged
+event must be there exactly once, at the LSNs its ack named, and the killed
+worker's request must have been answered to its retry as a replay.
 
 Run: ``python -m bench.bench_ingest_scaling`` (``--duration 3 --repeat 3``).
 """
@@ -54,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -67,7 +70,7 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, chain
 from operator import itemgetter
 from pathlib import Path
 from typing import Any, Final
@@ -301,9 +304,10 @@ class RemoteWal(_Framed):
     """The worker's WAL: :meth:`append` ships the items to the owner and waits for
     its durable LSNs. Duck-types ``daemon.ingest.server.WalAppender``."""
 
-    def __init__(self) -> None:
+    def __init__(self, die_after: int = 0) -> None:
         super().__init__(_REP, Counters())
         self._ids = iter(range(1, 1 << 63))
+        self._die_after = die_after  # --check --kill-worker: SIGKILL after this hand-off
         self._waiting: dict[int, asyncio.Future[tuple[int, int, int]]] = {}
 
     async def append(
@@ -322,6 +326,9 @@ class RemoteWal(_Framed):
         if self.transport is None or self.transport.is_closing():
             raise WalClosedError("the WAL owner is gone")
         self.send(message)
+        if rid == self._die_after:
+            # A worker killed mid-request: the owner has the request, its answer is lost.
+            os.kill(os.getpid(), signal.SIGKILL)
         status, first, last = await fut
         if status == OK:
             return first, last
@@ -350,7 +357,9 @@ class RemoteWal(_Framed):
         self._waiting.clear()
 
 
-async def _serve_worker(sock_path: Path, port: int, cores: int, ready: Path, stats: Path) -> None:
+async def _serve_worker(
+    sock_path: Path, port: int, cores: int, ready: Path, stats: Path, die_after: int
+) -> None:
     from bench.bench_ingest import _wait_for_signal
     from daemon.config import Config, DaemonConfig, IngestConfig, Listen
     from daemon.ingest import server as ingest_server
@@ -375,7 +384,9 @@ async def _serve_worker(sock_path: Path, port: int, cores: int, ready: Path, sta
 
     ingest_server._CappedSite = ReusePortSite  # type: ignore[misc]
     loop = asyncio.get_running_loop()
-    _t, remote = await loop.create_unix_connection(RemoteWal, str(sock_path))
+    _t, remote = await loop.create_unix_connection(
+        functools.partial(RemoteWal, die_after), str(sock_path)
+    )
     cfg = Config(
         daemon=DaemonConfig(data_dir=sock_path.parent, cores=cores),
         ingest=IngestConfig(listen=Listen("127.0.0.1", port), max_lag_events=1 << 62),
@@ -416,7 +427,9 @@ class Split:
 
     keyed = False
 
-    def __init__(self, name: str, workdir: Path, workers: int, cores: int) -> None:
+    def __init__(
+        self, name: str, workdir: Path, workers: int, cores: int, die_after: int = 0
+    ) -> None:
         self.name = name
         self.dir = workdir / name
         self.dir.mkdir(parents=True)
@@ -430,7 +443,7 @@ class Split:
         for i in range(workers):
             proc = subprocess.Popen(
                 [*me, "--serve-worker", str(self.dir), "--worker", str(i), "--port", str(port),
-                 "--cores", str(cores)],
+                 "--cores", str(cores), "--die-after", str(die_after if i == 0 else 0)],
                 stdout=subprocess.DEVNULL,
             )  # fmt: skip
             self.workers.append(proc)
@@ -566,6 +579,7 @@ def measure_parts(bodies: list[bytes], cores: int, workdir: Path, repeat: int) -
     from daemon.service.metrics import Metrics
     from daemon.shard import collection_seed
     from wal import Wal
+    from wal.format import encode_frame
 
     cfg = Config(daemon=DaemonConfig(data_dir=workdir, cores=cores), ingest=IngestConfig())
     server = IngestServer(cfg, None, Metrics(), lag=lambda: 0)  # type: ignore[arg-type]
@@ -611,6 +625,20 @@ def measure_parts(bodies: list[bytes], cores: int, workdir: Path, repeat: int) -
 
         await asyncio.gather(*(one(items) for items in parsed))
 
+    # The frame encoding alone, over groups of 8 requests as the closed loop makes
+    # them: what stays in the owner with a grouped append (docs/scaling.md, Plan).
+    eight = [list(chain.from_iterable(parsed[i : i + 8])) for i in range(0, len(parsed), 8)]
+    columns = [
+        (
+            list(map(_core_of, g)),
+            list(map(_payload_of, g)),
+            array("I", map(len, map(_payload_of, g))),
+        )
+        for g in eight
+    ]
+    frame_ns = _best_ns(
+        lambda: [encode_frame(1, 1, c, p, n, {}) for c, p, n in columns], events, repeat
+    )
     groups: list[tuple[int, float]] = []
 
     def wal_cost(fsync: str, rings: bool) -> float:
@@ -633,6 +661,7 @@ def measure_parts(bodies: list[bytes], cores: int, workdir: Path, repeat: int) -
             wal.close()
 
     parts["WAL enqueue + group commit (fsync never)"] = wal_cost("never", False)
+    parts["  of which: frame encoding (encode_frame)"] = frame_ns
     always = wal_cost("always", False)
     parts["WAL fdatasync (always - never)"] = max(
         0.0, always - parts["WAL enqueue + group commit (fsync never)"]
@@ -700,11 +729,10 @@ async def check(args: argparse.Namespace, workdir: Path) -> tuple[bool, str]:
     per_request = args.batch
     nreq = max(1, args.check // per_request)
     bodies = make_bodies(nreq, per_request, seed=11)
-    side = Split("check", workdir, 2, args.cores)
+    side = Split("check", workdir, 2, args.cores, die_after=5 if args.kill_worker else 0)
     acks: dict[int, tuple[int, int]] = {}
     retries = [0]
     next_req = iter(range(nreq))
-    killed = asyncio.Event()
     prefix = f"check-{os.getpid()}-{time.time_ns()}"
 
     async def producer() -> None:
@@ -732,13 +760,11 @@ async def check(args: argparse.Namespace, workdir: Path) -> tuple[bool, str]:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"request {i} was not acknowledged within 30 s")
                 await asyncio.sleep(0.02)
-            if args.kill_worker and not killed.is_set() and len(acks) >= nreq // 2:
-                killed.set()
-                side.workers[0].send_signal(signal.SIGKILL)
 
     try:
         await asyncio.gather(*(producer() for _ in range(args.clients)))
     finally:
+        killed = side.workers[0].poll() == -signal.SIGKILL
         stats = side.stop()
     from daemon.events import decode
     from wal import Wal
@@ -776,11 +802,16 @@ async def check(args: argparse.Namespace, workdir: Path) -> tuple[bool, str]:
     missing = nreq - len(acks)
     if missing:
         problems.append(f"{missing} requests were never acknowledged")
+    replays = stats["owner"].replays if "owner" in stats else 0
+    if args.kill_worker and not killed:
+        problems.append("the worker was not killed")
+    elif args.kill_worker and not replays:
+        problems.append("the killed worker's request was not answered to its retry as a replay")
     report = (
         f"check: {acked:,} acknowledged events in {len(acks)} requests, {len(records):,} "
         f"records in the WAL, {retries[0]} retries, "
-        f"{stats['owner'].replays if 'owner' in stats else '?'} answered as replays, "
-        f"worker killed: {'yes' if killed.is_set() else 'no'}; "
+        f"{replays} answered as replays, "
+        f"worker killed: {'yes' if killed else 'no'}; "
         + ("every acknowledged event is in the WAL once" if not problems else "; ".join(problems))
     )
     return not problems, report
@@ -945,12 +976,15 @@ def main(argv: list[str] | None = None) -> int:
         "--no-daemon", dest="daemon", action="store_false", help="skip the eventplane run side"
     )
     parser.add_argument("--check", type=int, default=0, help="verify N events instead")
-    parser.add_argument("--kill-worker", action="store_true", help="--check: SIGKILL a worker")
+    parser.add_argument(
+        "--kill-worker", action="store_true", help="--check: a worker dies mid-request"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--serve-owner", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--serve-worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--die-after", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_owner:
         d = args.serve_owner
@@ -960,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(
             _serve_worker(
                 d / "owner.sock", args.port, args.cores, d / f"worker{i}.ready",
-                d / f"worker{i}.stats",
+                d / f"worker{i}.stats", args.die_after,
             )
         )  # fmt: skip
     args.workers = [int(x) for x in args.workers.split(",") if x.strip()]
