@@ -297,6 +297,75 @@ async def _serve_owner(directory: Path, sock_path: Path, ready: Path, stats: Pat
     await asyncio.to_thread(stats.write_text, json.dumps(owner.counters.__dict__))
 
 
+class _FloorConn(_Framed):
+    """A worker's connection to the floor owner: whole messages, never unpacked."""
+
+    def __init__(self, owner: FloorOwner) -> None:
+        super().__init__(_REQ, owner.counters)
+        self._owner = owner
+
+    def _body_len(self, fields: tuple[Any, ...]) -> int:
+        return int(fields[0])
+
+    def message(self, fields: tuple[Any, ...], body: bytes) -> None:
+        self._owner.store(self, fields[1], fields[2], body)
+
+
+class FloorOwner:
+    """The floor of any owner (``--floor``): no per-event work at all. Messages are
+    written as they came, with a group commit (one ``writev`` + ``fdatasync`` per
+    group, in a thread), and answered with counted LSNs. Not a WAL: no frames, no
+    CRC, no keys. What an owner with a grouped append could approach."""
+
+    def __init__(self, fd: int) -> None:
+        self.counters = Counters()
+        self._fd = fd
+        self._pending: list[tuple[_FloorConn, int, int, bytes]] = []
+        self._busy = False
+        self._next_lsn = 1
+
+    def store(self, conn: _FloorConn, rid: int, n: int, body: bytes) -> None:
+        self._pending.append((conn, rid, n, body))
+        if not self._busy:
+            self._busy = True
+            asyncio.get_running_loop().create_task(self._commit())
+
+    async def _commit(self) -> None:
+        while self._pending:
+            group, self._pending = self._pending[:1000], self._pending[1000:]
+            await asyncio.to_thread(_write_synced, self._fd, [g[3] for g in group])
+            for conn, rid, n, _body in group:
+                first = self._next_lsn
+                self._next_lsn += n
+                conn.send(_REP.pack(rid, OK, first, first + n - 1))
+        self._busy = False
+
+
+def _write_synced(fd: int, buffers: list[bytes]) -> None:
+    size = sum(map(len, buffers))
+    written = os.writev(fd, buffers)
+    if written != size:  # a short write: the rest in one piece
+        os.write(fd, b"".join(buffers)[written:])
+    os.fdatasync(fd)
+
+
+async def _serve_floor(directory: Path, sock_path: Path, ready: Path, stats: Path) -> None:
+    from bench.bench_ingest import _wait_for_signal
+    from daemon.service.app import tune_gc
+
+    await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
+    fd = os.open(directory / "messages.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    owner = FloorOwner(fd)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_unix_server(lambda: _FloorConn(owner), str(sock_path))
+    tune_gc()
+    await asyncio.to_thread(ready.write_text, "ready")
+    await _wait_for_signal()
+    server.close()
+    os.close(fd)
+    await asyncio.to_thread(stats.write_text, json.dumps(owner.counters.__dict__))
+
+
 # -- a worker (subprocess) ---------------------------------------------------------
 
 
@@ -428,14 +497,22 @@ class Split:
     keyed = False
 
     def __init__(
-        self, name: str, workdir: Path, workers: int, cores: int, die_after: int = 0
+        self,
+        name: str,
+        workdir: Path,
+        workers: int,
+        cores: int,
+        die_after: int = 0,
+        floor: bool = False,
     ) -> None:
         self.name = name
+        self.floor = floor
         self.dir = workdir / name
         self.dir.mkdir(parents=True)
         me = [sys.executable, "-m", "bench.bench_ingest_scaling"]
+        owner = [*me, "--serve-owner", str(self.dir), "--cores", str(cores)]
         self.owner = subprocess.Popen(
-            [*me, "--serve-owner", str(self.dir), "--cores", str(cores)], stdout=subprocess.DEVNULL
+            [*owner, "--floor"] if floor else owner, stdout=subprocess.DEVNULL
         )
         _wait_file(self.dir / "owner.ready", [self.owner], "the WAL owner")
         port = _free_port()
@@ -833,6 +910,9 @@ async def run_sides(args: argparse.Namespace, workdir: Path) -> list[SideResult]
         sides.append(Today(workdir, args.cores, "daemon"))
     for w in args.workers:
         sides.append(Split(f"w{w}", workdir, w, args.cores))
+    if args.floor:
+        w = max(args.workers)
+        sides.append(Split(f"w{w}floor", workdir, w, args.cores, floor=True))
     results = {s.name: SideResult(s.name) for s in sides}
     try:
         for r in range(args.repeat):
@@ -893,7 +973,10 @@ def render(results: list[SideResult], parts: dict[str, float], args: argparse.Na
     today = next(r for r in results if r.name == "today").median()
     for r in results:
         m = r.median()
-        label = LABELS.get(r.name, f"{r.name[1:]} worker(s) + WAL owner")
+        if r.name.endswith("floor"):
+            label = f"{r.name[1:-5]} worker(s) + floor owner"
+        else:
+            label = LABELS.get(r.name, f"{r.name[1:]} worker(s) + WAL owner")
         cells = " ".join(
             f"{m.cpu_us[g]:>14.2f}" if g in m.cpu_us else f"{'':>14}" for g in [*groups, "total"]
         )
@@ -933,7 +1016,7 @@ def render(results: list[SideResult], parts: dict[str, float], args: argparse.Na
             f"({inside:.2f}): {today.cpu_us['total'] - inside:.2f} µs/event of HTTP "
             "(aiohttp, the event loop, the body read, the ack)"
         )
-    split = [r for r in results if r.name not in ("today", "daemon")]
+    split = [r for r in results if r.name[0] == "w" and not r.name.endswith("floor")]
     if split and parts:
         best = max(split, key=lambda r: r.median().events_per_s).median()
         owner_us = best.cpu_us.get("owner", 0.0)
@@ -954,6 +1037,15 @@ def render(results: list[SideResult], parts: dict[str, float], args: argparse.Na
                 "minus today, this run: rings, consumers, planner; no Spark)",
                 *model(owner_us + plane, worker_us, (2, 4, 8, 16)),
             ]
+        floor = next((r for r in results if r.name.endswith("floor")), None)
+        if floor is not None:
+            floor_us = floor.median().cpu_us.get("owner", 0.0)
+            lines += [
+                "",
+                f"Model with the floor owner: {floor_us:.2f} µs/event (no per-event work: "
+                "what a grouped append could approach; the plane not counted)",
+                *model(max(floor_us, 1e-3), worker_us, (2, 4, 8, 16)),
+            ]
     return "\n".join(lines)
 
 
@@ -973,6 +1065,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-parts", action="store_true", help="skip the per-part timings")
     parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="add a side whose owner only writes and fsyncs the messages (no WAL)",
+    )
+    parser.add_argument(
         "--no-daemon", dest="daemon", action="store_false", help="skip the eventplane run side"
     )
     parser.add_argument("--check", type=int, default=0, help="verify N events instead")
@@ -988,7 +1085,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.serve_owner:
         d = args.serve_owner
-        return _run(_serve_owner(d / "wal", d / "owner.sock", d / "owner.ready", d / "owner.stats"))
+        serve = _serve_floor if args.floor else _serve_owner
+        return _run(serve(d / "wal", d / "owner.sock", d / "owner.ready", d / "owner.stats"))
     if args.serve_worker:
         d, i = args.serve_worker, args.worker
         return _run(

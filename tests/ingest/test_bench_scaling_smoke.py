@@ -32,15 +32,17 @@ def test_bench_scaling_runs_and_reports_every_side(
 ) -> None:
     out = tmp_path / "result.json"
     argv = ["--duration", "0.4", "--warmup", "0.2", "--repeat", "1", "--clients", "2"]
-    argv += ["--batch", "100", "--rate", "5000", "--json", str(out)]
+    argv += ["--batch", "100", "--rate", "5000", "--floor", "--json", str(out)]
     rc = scaling.main(argv)
     text = capsys.readouterr().out
     assert rc == 0, text
-    for label in ("today: ingest + WAL", "eventplane run, no Spark", "1 worker(s) + WAL owner"):
+    labels = ("today: ingest + WAL", "eventplane run, no Spark", "1 worker(s) + WAL owner")
+    for label in (*labels, "2 worker(s) + floor owner"):
         assert label in text, text
     assert "hand-off pack (worker)" in text and "Model with the plane in the owner" in text
+    assert "Model with the floor owner" in text
     result = json.loads(out.read_text())
-    assert [s["name"] for s in result["sides"]] == ["today", "daemon", "w1", "w2"]
+    assert [s["name"] for s in result["sides"]] == ["today", "daemon", "w1", "w2", "w2floor"]
     for side in result["sides"]:
         assert side["median"]["events_per_s"] > 0 and side["p99_ms"] > 0, side
     w2 = result["sides"][3]["stats"]
