@@ -9,6 +9,8 @@ bodies (1000 events of about 150 bytes, ``bench.bench_ingest.make_bodies``):
 
 - ``today``: ``bench.bench_ingest``'s eventplane server, one process:
   :class:`daemon.ingest.server.IngestServer` + :class:`wal.Wal`.
+- ``daemon`` (``--no-daemon`` skips it): ``eventplane run`` without Spark, the
+  same ingest plus rings, consumers and planner: what the plane adds per event.
 - ``w1``, ``w2``: one WAL owner process and 1 or 2 worker processes. Each
   worker is the daemon's own ``IngestServer`` (admission, body limits, parse,
   validate, shard, encode: steps 1-4 and 6 of ``daemon/ingest/server.py``) on
@@ -19,6 +21,9 @@ bodies (1000 events of about 150 bytes, ``bench.bench_ingest.make_bodies``):
   worker acknowledges only durable events (invariant 1). The owner holds the
   Idempotency-Key window (``wal/requests.py``) and the in-flight keys, so a
   retry that reaches another worker is still de-duplicated (invariant 15).
+- ``w<N>floor`` (``--floor``): the same workers and a :class:`FloorOwner`
+  that writes and fsyncs each message as it came, with no per-event work:
+  the bound for an owner with a grouped append (docs/scaling.md, Plan).
 
 The hand-off, one message per request each way:
 
@@ -31,7 +36,7 @@ The hand-off, one message per request each way:
 
 Measured, sides alternating ``--repeat`` times in the same run:
 
-1. ``--parts``: per-event CPU of each part in this process (parse + validate
+1. per-event CPU of each part in this process (``--no-parts`` skips it: parse + validate
    + shard + encode, hand-off pack and unpack, a socket round trip of one
    request, the WAL append without and with fdatasync, records + ring push);
 2. closed loop: events/s and CPU-µs per event per process group (owner,
