@@ -200,6 +200,10 @@ class _OwnerConn(_Framed):
         asyncio.get_running_loop().create_task(self._owner.store(self, rid, items, key, digest))
 
 
+class KeyReused(Exception):
+    """An Idempotency-Key sent again with another body (the owner answers 422)."""
+
+
 class Owner:
     """The WAL owner: appends what the workers send, answers with durable LSNs.
 
@@ -248,7 +252,7 @@ class Owner:
                 else:
                     self.counters.replays += 1
                     first, last = claimed
-        except KeyError:
+        except KeyReused:
             status = KEY_REUSED
         except WalFullError:
             status = FULL
@@ -262,15 +266,15 @@ class Owner:
             held = self._in_flight.get(key)
             if held is not None:
                 if held[0] != digest:
-                    raise KeyError(key)
-                if await asyncio.shield(held[1]) is None:
-                    continue  # the first attempt failed: this one stores it
-                continue  # stored: the window has it now
+                    raise KeyReused(key)
+                # Stored: the window has it now; not stored: this one may store it.
+                await asyncio.shield(held[1])
+                continue
             entry = self.wal.find_request(key)
             if entry is None:
                 return None
             if entry.digest != digest:
-                raise KeyError(key)
+                raise KeyReused(key)
             return int(entry.first_lsn), int(entry.last_lsn)
 
 

@@ -61,3 +61,32 @@ def test_a_killed_worker_loses_no_acknowledged_event_and_stores_none_twice(
     assert "worker killed: yes" in text, text
     assert "3,000 acknowledged events in 30 requests" in text, text
     assert "every acknowledged event is in the WAL once" in text, text
+
+
+async def test_the_owner_answers_a_key_from_any_worker_and_refuses_it_for_another_body(
+    tmp_path: Path,
+) -> None:
+    """The claim lives in the owner: a retry on a fresh connection (either worker)
+    gets the first LSNs back, and the same key with another body gets 422."""
+    import aiohttp
+
+    from bench.bench_ingest import make_bodies
+
+    first_body, other_body = make_bodies(2, 10)
+    side = scaling.Split("keys", tmp_path, 2, 4)
+    headers = {"Content-Type": "application/x-ndjson", "Idempotency-Key": "k-1"}
+    answers = []
+    try:
+        for body in (first_body, first_body, first_body, other_body):
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(side.url, data=body, headers=headers) as resp,
+            ):
+                answers.append((resp.status, await resp.json()))
+    finally:
+        stats = side.stop()
+    assert [status for status, _ in answers] == [200, 200, 200, 422], answers
+    lsns = [(a["first_lsn"], a["last_lsn"]) for _, a in answers[:3]]
+    assert lsns == [(1, 10)] * 3
+    assert answers[3][1]["error"] == "idempotency_key_reused"
+    assert stats["owner"].replays == 2
