@@ -648,7 +648,7 @@ def run_daemon_side(
             poller.start()
             total = args.warmup_seconds + args.seconds
             print(
-                f"eventplane: {args.rate:,} events/s for {total:g} s "
+                f"{side}: {args.rate:,} events/s for {total:g} s "
                 f"({args.warmup_seconds:g} s warm-up) ...",
                 file=sys.stderr,
                 flush=True,
