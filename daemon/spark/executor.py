@@ -679,7 +679,8 @@ class SparkExecutor:
 
         1. The worker thread runs steps 1-5; as soon as a stage's
            ``run_in_spark`` returns, its ``finish`` starts on the loop
-           (``_start_finish``), while the thread goes on with the CDC commits.
+           (``hand_over`` -> ``start``), while the thread goes on with the CDC
+           commits.
         2. Once the thread is done, every stage's ``finish`` is awaited: the
            batch is done only when all are (invariant 6), and a ``finish``
            that fails is that stage's failure alone.
