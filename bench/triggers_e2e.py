@@ -354,8 +354,16 @@ action = {{ type = "webhook", url = "{hook_url}" }}
 
 
 def start_daemon(
-    root: Path, master: str, interval_ms: int, hook_url: str, cdc: bool, timeout_s: float = 300
+    root: Path,
+    master: str,
+    interval_ms: int,
+    hook_url: str,
+    cdc: bool,
+    timeout_s: float = 300,
+    src: Path | None = None,
 ) -> DaemonProc:
+    """``src``: run the daemon package of that source tree (``--baseline``; its
+    folder is the process's working directory, first on ``sys.path``)."""
     root.mkdir(parents=True)
     config, ingest, admin = daemon_config(root, master, interval_ms, hook_url, cdc)
     log = root / "daemon.log"
@@ -367,6 +375,7 @@ def start_daemon(
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=src,
         )
     d = DaemonProc(proc, ingest, admin, log)
     deadline = time.monotonic() + timeout_s
@@ -494,14 +503,22 @@ class BatchTimes:
     exec_s: float  # executor: whole execute()
     spark_s: float  # executor: the Spark-thread part (inbox file, trigger job, collect)
     planner_s: float | None = None  # planner: close -> commit, when /v1/status caught it
+    # executor: run start -> the trigger stage's result ready (its calls start);
+    # None from a daemon that does not log it (it then called after spark_s).
+    ready_s: float | None = None
 
     @property
     def exec_start(self) -> float:
         return self.exec_end - self.exec_s
 
     @property
+    def trigger_s(self) -> float:
+        """Run start -> the webhook calls start."""
+        return self.spark_s if self.ready_s is None else self.ready_s
+
+    @property
     def spark_end(self) -> float:
-        return self.exec_start + self.spark_s
+        return self.exec_start + self.trigger_s
 
 
 def _ts(text: str) -> float:
@@ -526,6 +543,7 @@ def batch_times(log: Path, planner_s: Mapping[int, float]) -> dict[int, BatchTim
             float(doc["seconds"]),
             float(doc["spark_seconds"]),
             planner_s.get(bid),
+            (doc.get("stage_ready_seconds") or {}).get("triggers"),
         )
     return out
 
@@ -575,8 +593,8 @@ def breakdown(
     parts: dict[str, list[float]] = {
         "ack: HTTP + WAL group commit + fsync": [],
         "ack -> batch runs: waiting for the batch to close, plan fsync, previous batch": [],
-        "Spark: inbox file + trigger job + collect": [],
-        "Spark done -> row received: webhook POSTs": [],
+        "Spark until the trigger's result: inbox file + trigger job + collect": [],
+        "trigger's result -> row received: webhook POSTs": [],
     }
     keys = list(parts)
     used: set[int] = set()
@@ -585,7 +603,7 @@ def breakdown(
         if b is None:
             continue
         used.add(bid)
-        values = (s.acked - s.due, b.exec_start - s.acked, b.spark_s, arrived - b.spark_end)
+        values = (s.acked - s.due, b.exec_start - s.acked, b.trigger_s, arrived - b.spark_end)
         for k, v in zip(keys, values, strict=True):
             parts[k].append(v * 1000)
     mine = [batches[b] for b in sorted(used)]
@@ -609,10 +627,19 @@ def breakdown(
 
 
 def run_daemon_side(
-    root: Path, args: argparse.Namespace, receiver: RowReceiver
+    root: Path,
+    args: argparse.Namespace,
+    receiver: RowReceiver,
+    src: Path | None = None,
+    cpu: dict[str, float] | None = None,
 ) -> tuple[LatencyRun | None, MaxRun | None, Breakdown | None]:
-    print("eventplane: starting the daemon (Spark boots in it) ...", file=sys.stderr, flush=True)
-    d = start_daemon(root, args.master, args.interval_ms, receiver.url, args.cdc)
+    """The daemon's runs. ``src``: the daemon of that source tree (``--baseline``);
+    ``cpu`` gets the daemon's CPU-seconds (its process tree) over the measured window."""
+    from bench.bench_pipeline import tree_cpu
+
+    side = "baseline" if src is not None else "eventplane"
+    print(f"{side}: starting the daemon (Spark boots in it) ...", file=sys.stderr, flush=True)
+    d = start_daemon(root, args.master, args.interval_ms, receiver.url, args.cdc, src=src)
     latency = maxrun = explained = None
     try:
         if not args.skip_latency:
@@ -621,7 +648,7 @@ def run_daemon_side(
             poller.start()
             total = args.warmup_seconds + args.seconds
             print(
-                f"eventplane: {args.rate:,} events/s for {total:g} s "
+                f"{side}: {args.rate:,} events/s for {total:g} s "
                 f"({args.warmup_seconds:g} s warm-up) ...",
                 file=sys.stderr,
                 flush=True,
@@ -635,16 +662,19 @@ def run_daemon_side(
                 )
                 await asyncio.sleep(max(0.0, t_measure - time.time()))
                 before.update(await asyncio.to_thread(scrape, d))
-                return await task
+                cpu_start = tree_cpu(d.proc.pid)
+                sent = await task
+                if cpu is not None:
+                    cpu["latency_cpu_s"] = tree_cpu(d.proc.pid) - cpu_start
+                return sent
 
             sent = asyncio.run(paced())
             missing = wait_for_ids(receiver, expected_ids(sent), args.drain_timeout, d.check)
             after = scrape(d)
             poller.stop()
             warm = warmup_requests(args)
-            latency = LatencyRun(
-                "eventplane", args.rate, args.seconds, sent, receiver.take(), warm, missing
-            )
+            got = receiver.take()
+            latency = LatencyRun(side, args.rate, args.seconds, sent, got, warm, missing)
             delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
             explained = breakdown(
                 latency, batch_times(d.log, poller.planner_s), delta, poller.max_lag
@@ -1061,8 +1091,117 @@ def render_breakdown(b: Breakdown) -> str:
     return "\n".join(out)
 
 
+@dataclass
+class Round:
+    """One latency run of one side in ``--baseline`` mode."""
+
+    side: str
+    round: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    trigger_p50_ms: float  # run start -> the trigger's calls start, per batch
+    exec_p50_ms: float  # whole run (CDC commit included), per batch
+    cpu_s: float  # the daemon's process tree over the measured window
+    load_before: str
+    load_after: str
+    missing: int
+
+
+def compare(args: argparse.Namespace) -> int:
+    """``--baseline DIR``: the daemon of this tree and the one of DIR, latency runs
+    only, taking turns (reverse order every other round), ``--rounds`` each."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-triggers-e2e-", dir=args.dir))
+    receiver = RowReceiver()
+    receiver.start()
+    args.skip_max = True
+    sides: list[tuple[str, Path | None]] = [("eventplane", None), ("baseline", args.baseline)]
+    rounds: list[Round] = []
+    load_start = load_average()
+    try:
+        for n in range(args.rounds):
+            for name, src in sides if n % 2 == 0 else sides[::-1]:
+                cpu: dict[str, float] = {}
+                load_before = load_average()
+                lat, _, explained = run_daemon_side(
+                    root / f"round{n + 1}" / name, args, receiver, src=src, cpu=cpu
+                )
+                if lat is None or explained is None:
+                    continue
+                ms = [r[0] * 1000 for r in lat.row_latencies()]
+                trig = explained.parts[list(explained.parts)[2]]
+                rounds.append(
+                    Round(
+                        name,
+                        n + 1,
+                        pct(ms, 0.5),
+                        pct(ms, 0.99),
+                        pct(ms, 1.0),
+                        pct(trig, 0.5),
+                        pct(explained.exec_ms, 0.5),
+                        cpu.get("latency_cpu_s", float("nan")),
+                        load_before,
+                        load_average(),
+                        lat.missing,
+                    )
+                )
+                print(
+                    f"{name} round {n + 1}: p50 {rounds[-1].p50_ms:,.0f} ms, "
+                    f"p99 {rounds[-1].p99_ms:,.0f} ms, max {rounds[-1].max_ms:,.0f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    finally:
+        receiver.stop()
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print(
+        f"\ningest -> webhook received, one webhook trigger matching 10 % ({WHEN}), Spark "
+        f"{args.master}, interval {args.interval_ms} ms, {args.rate:,} events/s in requests of "
+        f"{args.request_events} for {args.seconds:g} s after {args.warmup_seconds:g} s warm-up; "
+        f"CDC stream: {'yes' if args.cdc else 'no'}; baseline: {args.baseline}\n"
+    )
+    print(
+        "| round | side | p50 | p99 | max | trigger's result p50 | run p50 | daemon CPU-s "
+        "| load before | load after |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---|")
+    for r in rounds:
+        print(
+            f"| {r.round} | {r.side} | {r.p50_ms:,.0f} ms | {r.p99_ms:,.0f} ms | "
+            f"{r.max_ms:,.0f} ms | {r.trigger_p50_ms:,.0f} ms | {r.exec_p50_ms:,.0f} ms | "
+            f"{r.cpu_s:.1f} | {r.load_before} | {r.load_after} |"
+        )
+    by_round: dict[int, dict[str, Round]] = {}
+    for r in rounds:
+        by_round.setdefault(r.round, {})[r.side] = r
+    ratios = [
+        (x["baseline"].p99_ms / x["eventplane"].p99_ms, x["baseline"].cpu_s / x["eventplane"].cpu_s)
+        for x in by_round.values()
+        if "baseline" in x and "eventplane" in x and x["eventplane"].p99_ms
+    ]
+    if ratios:
+        shown = ", ".join(f"{p:.2f}x" for p, _ in ratios)
+        cpu_shown = ", ".join(f"{c:.2f}x" for _, c in ratios)
+        print(f"\np99 baseline / eventplane per round: {shown} (> 1: this tree is faster)")
+        print(f"daemon CPU-s baseline / eventplane per round: {cpu_shown}")
+    print(f"\nload average at the start: {load_start}; at the end: {load_average()}")
+    if args.json:
+        text = json.dumps({"rounds": [vars(r) for r in rounds]}, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    return 1 if any(r.missing for r in rounds) else 0
+
+
 def run(args: argparse.Namespace) -> int:
     """The whole e2e benchmark; prints the table (and writes JSON if asked)."""
+    if args.baseline is not None:
+        return compare(args)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
@@ -1172,6 +1311,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--no-peer", action="store_true", help="the daemon only")
     g.add_argument("--skip-latency", action="store_true")
     g.add_argument("--skip-max", action="store_true")
+    g.add_argument(
+        "--baseline",
+        type=Path,
+        help="compare with the daemon of this source tree (for example `git archive` of an "
+        "older commit, unpacked): latency runs only, no peer, the two daemons taking turns",
+    )
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --baseline: latency runs per side, in reverse order every other round (1)",
+    )
     g.add_argument("--dir", type=Path, help="work folder, kept (default: a temp folder, removed)")
     g.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-': stdout)")
 
