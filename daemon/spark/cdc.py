@@ -26,8 +26,8 @@ Commit protocol for batch B of stream S (the steps are marked in the code):
    committed: check that its recorded per-core LSN ranges equal the batch's
    (same id must mean same rows) and return without writing. A pending commit
    intent left by an earlier attempt is completed first (roll forward).
-1. **Stage.** Spark writes the stream's rows of B under ``staging/b<B>/``
-   (``mode=overwrite``, so a failed attempt's leftovers are replaced).
+1. **Stage.** Spark writes the stream's rows of B under ``staging/b<B>/``,
+   which is emptied first, so a failed attempt's leftovers are replaced.
 2. **Intent.** fsync every staged file, then write ``pending/b<B>.json``
    listing each staged file and its final name (atomic replace + fsync).
    This is the point of no return: from here the commit only rolls forward.
