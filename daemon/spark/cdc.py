@@ -155,7 +155,8 @@ PARQUET_OPTIONS = {
 # - the plain local file system writes no ``.crc`` file beside each staged
 #   file (the daemon fsyncs and renames the staged files itself, and never
 #   publishes a ``.crc``). Uncached, so that the session's shared ``file:``
-#   file system stays Hadoop's default for everything else;
+#   file system (whatever Hadoop's defaults or ``[spark.conf]`` made it)
+#   stays as it is for everything else;
 # - no ``_SUCCESS`` marker: a staged batch is complete when Spark's write
 #   returns, and ``_staged_files`` skipped the marker anyway.
 STAGING_WRITE_OPTIONS = {
