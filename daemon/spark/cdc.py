@@ -26,8 +26,8 @@ Commit protocol for batch B of stream S (the steps are marked in the code):
    committed: check that its recorded per-core LSN ranges equal the batch's
    (same id must mean same rows) and return without writing. A pending commit
    intent left by an earlier attempt is completed first (roll forward).
-1. **Stage.** Spark writes the stream's rows of B under ``staging/b<B>/``
-   (``mode=overwrite``, so a failed attempt's leftovers are replaced).
+1. **Stage.** Spark writes the stream's rows of B under ``staging/b<B>/``,
+   which is emptied first, so a failed attempt's leftovers are replaced.
 2. **Intent.** fsync every staged file, then write ``pending/b<B>.json``
    listing each staged file and its final name (atomic replace + fsync).
    This is the point of no return: from here the commit only rolls forward.
@@ -148,6 +148,28 @@ PARQUET_OPTIONS = {
     "parquet.enable.dictionary#new_json": "false",
     "parquet.enable.dictionary#old_json": "false",
 }
+# Hadoop options of step 1's write only (the batch's staging folder), for its
+# fixed cost: without Hadoop's native library, the local file system forks a
+# ``chmod`` process for every folder and file it creates (docs/performance.md,
+# "The fixed cost of a batch"). 19 forks per 4-collection batch became 9:
+# - the plain local file system writes no ``.crc`` file beside each staged
+#   file (the daemon fsyncs and renames the staged files itself, and never
+#   publishes a ``.crc``). Uncached, so that the session's shared ``file:``
+#   file system (whatever Hadoop's defaults or ``[spark.conf]`` made it)
+#   stays as it is for everything else;
+# - no ``_SUCCESS`` marker: a staged batch is complete when Spark's write
+#   returns, and ``_staged_files`` skipped the marker anyway.
+STAGING_WRITE_OPTIONS = {
+    "fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
+    "fs.file.impl.disable.cache": "true",
+    "mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
+}
+# The folders Hadoop's file committer (algorithm 1, application attempt 0)
+# creates under a job's output before its tasks write: made by the daemon
+# beforehand (``os.makedirs``, no fork), Hadoop finds them and creates none.
+# Where a cluster names them otherwise, they stay empty and go with the
+# staging folder.
+STAGING_JOB_DIRS = Path("_temporary") / "0" / "_temporary"
 # The table's schema for readers that infer it: Spark (without ``mergeSchema``)
 # reads this file's footer first and only falls back to one data file's.
 SUMMARY_FILE = "_common_metadata"
@@ -458,6 +480,8 @@ class CdcSink:
         self._lock_fd: int | None = None
         # Folders whose _common_metadata this process checked or wrote.
         self._summarized: set[Path] = set()
+        # (session, select list, collection filter) of the write (_write_columns).
+        self._columns: tuple[Any, list[Any], Any | None] | None = None
         self.commit_lock = threading.RLock()
         # Leaf partitions a compaction claimed (daemon/spark/compact.py), by
         # relative path; retention leaves them alone. Under commit_lock.
@@ -642,18 +666,40 @@ class CdcSink:
         return CommitResult(self.name, bid, rows, len(files), False, time.monotonic() - started)
 
     def _select(self, df: Any) -> Any:
-        from pyspark.sql import functions as F
+        columns, keep = self._write_columns(df.sparkSession)
+        out = df.select(*columns)
+        return out if keep is None else out.where(keep)
 
-        out = df.select(*TABLE_COLUMNS)
-        if self.stream.collections != ("*",):
-            out = out.where(F.col("collection").isin(list(self.stream.collections)))
-        return with_time_columns(out, self.stream.partition_by)
+    def _write_columns(self, spark: Any) -> tuple[list[Any], Any | None]:
+        """The write's select list (the table's columns, then the time partition
+        columns) and the filter on the stream's collections (None: all), built
+        once per session. A Column is an expression object in the JVM, and each
+        one took py4j calls on every batch; a rebuilt session (a new JVM) gets
+        new ones."""
+        cached = self._columns
+        if cached is None or cached[0] is not spark:
+            from pyspark.sql import functions as F
+
+            columns = [F.col(c) for c in TABLE_COLUMNS]
+            columns += [col.alias(name) for name, col in time_columns(self.stream.partition_by)]
+            keep = None
+            if self.stream.collections != ("*",):
+                keep = F.col("collection").isin(list(self.stream.collections))
+            cached = self._columns = (spark, columns, keep)
+        return cached[1], cached[2]
 
     def _write_staged(self, df: Any, staging: Path) -> None:
-        """The Spark write of step 1 (tests wrap this to inject write failures)."""
+        """The Spark write of step 1 (tests wrap this to inject write failures).
+
+        The staging folder starts empty (a failed attempt's leftovers go), with
+        the committer's job folders made here (``STAGING_JOB_DIRS``); Spark then
+        appends into it, which keeps those folders.
+        """
+        shutil.rmtree(staging, ignore_errors=True)
+        (staging / STAGING_JOB_DIRS).mkdir(parents=True)
         partition_by = self.stream.partition_by
-        writer = df.write.mode("overwrite").partitionBy(*partition_by).options(**PARQUET_OPTIONS)
-        writer.parquet(str(staging))
+        writer = df.write.mode("append").partitionBy(*partition_by)
+        writer.options(**PARQUET_OPTIONS, **STAGING_WRITE_OPTIONS).parquet(str(staging))
 
     def _staging_dir(self, batch_id: int) -> Path:
         return self.meta / "staging" / f"b{batch_id:012d}"
@@ -883,19 +929,30 @@ class CdcSink:
 
 
 def with_time_columns(df: Any, partition_by: tuple[str, ...]) -> Any:
-    """``df`` plus the time partition columns of ``partition_by``: ``date``, the
-    UTC day of ``ingest_ts`` as ``yyyy-MM-dd``, and ``hour``, ``00``..``23``.
-    Computed from epoch seconds, so Spark's session time zone does not matter."""
+    """``df`` plus the time partition columns of ``partition_by`` (``time_columns``)."""
+    for name, col in time_columns(partition_by):
+        df = df.withColumn(name, col)
+    return df
+
+
+def time_columns(partition_by: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """The time partition columns of ``partition_by``, as ``(name, Column)``:
+    ``date``, the UTC day of ``ingest_ts`` as ``yyyy-MM-dd``, and ``hour``,
+    ``00``..``23``. Computed from epoch seconds, so Spark's session time zone
+    does not matter."""
+    if "date" not in partition_by and "hour" not in partition_by:
+        return []
     from pyspark.sql import functions as F
 
     secs = F.unix_seconds(F.col("ingest_ts"))
+    out = []
     if "date" in partition_by:
         day = F.floor(secs / 86_400).cast("int")
-        df = df.withColumn("date", F.date_add(F.lit("1970-01-01").cast("date"), day).cast("string"))
+        out.append(("date", F.date_add(F.lit("1970-01-01").cast("date"), day).cast("string")))
     if "hour" in partition_by:
         hour = F.pmod(F.floor(secs / 3_600), F.lit(24)).cast("string")
-        df = df.withColumn("hour", F.lpad(hour, 2, "0"))
-    return df
+        out.append(("hour", F.lpad(hour, 2, "0")))
+    return out
 
 
 def _published(path: Path) -> list[tuple[int, Path]]:

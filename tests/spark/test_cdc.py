@@ -290,3 +290,50 @@ def test_ledger_keeps_a_bounded_window_but_every_total() -> None:
         2 * n,
         {0: 2 * n - 1, 1: 2 * n},
     )
+
+
+async def test_staged_write_leaves_no_checksum_or_marker_files_and_replaces_leftovers(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """Step 1 writes only the Parquet files: no ``.crc`` beside each one and no
+    ``_SUCCESS`` (each cost a forked ``chmod``), and a failed attempt's leftover in
+    the staging folder is gone (the write appends into a folder it empties first)."""
+    ex = await executor_factory()
+    (batch,) = make_batches(1, 200)
+    staged: list[str] = []
+    jvm = spark.sparkContext._jvm
+
+    def session_fs() -> str:
+        conf = spark.sparkContext._jsc.hadoopConfiguration()
+        fs = jvm.org.apache.hadoop.fs.FileSystem.get(jvm.java.net.URI("file:///"), conf)
+        return str(fs.getClass().getName())
+
+    def write_and_list(self: CdcSink, df: Any, staging: Path) -> None:
+        leftover = staging / "collection=c0" / "part-99999-old.c000.snappy.parquet"
+        leftover.parent.mkdir(parents=True)
+        leftover.write_bytes(b"an earlier attempt")
+        REAL_WRITE(self, df, staging)
+        staged.extend(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+
+    before = session_fs()
+    with mock.patch.object(CdcSink, "_write_staged", autospec=True, side_effect=write_and_list):
+        await ex.execute(batch)
+    assert staged and all(p.endswith(".parquet") for p in staged), staged
+    assert not any("part-99999-old" in p for p in staged)
+    assert visible_lsns(spark, tmp_path / "cdc" / "all") == batch_lsns([batch])
+    # The staging write's file system is its own: the session's is left as it was.
+    assert session_fs() == before != "org.apache.hadoop.fs.RawLocalFileSystem"
+
+
+async def test_write_columns_are_built_once_per_session(spark: Any, executor_factory: Any) -> None:
+    """The write's Columns (JVM objects) are reused batch after batch, and built
+    again for another session: a rebuilt session's JVM does not know the old ones."""
+    ex = await executor_factory()
+    (sink,) = ex.sinks
+    columns, keep = sink._write_columns(spark)
+    again, _ = sink._write_columns(spark)
+    assert again is columns and keep is None
+    other = spark.newSession()
+    rebuilt, _ = sink._write_columns(other)
+    assert rebuilt is not columns
+    assert sink._write_columns(other)[0] is rebuilt
