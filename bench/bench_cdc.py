@@ -158,13 +158,18 @@ def land_json(batches: Sequence[MicroBatch], folder: Path) -> tuple[int, int]:
     return event_bytes // max(lines, 1), line_bytes // max(lines, 1)
 
 
-async def run_eventplane(spark: Any, batches: Sequence[MicroBatch], root: Path) -> float:
-    cfg = Config(
+def executor_config(root: Path) -> Config:
+    """The executor's config for the executor-only runs: one stream ``all`` of
+    every collection under ``root/cdc``, state under ``root/var``."""
+    return Config(
         daemon=DaemonConfig(data_dir=root / "var", cores=CORES),
         spark=SparkConfig(),
         cdc=CdcConfig(streams=(CdcStream("all", ("*",), root / "cdc"),)),
     )
-    ex = SparkExecutor(cfg, Metrics(), wal_id="bench", session=spark)
+
+
+async def run_eventplane(spark: Any, batches: Sequence[MicroBatch], root: Path) -> float:
+    ex = SparkExecutor(executor_config(root), Metrics(), wal_id="bench", session=spark)
     await ex.start()
     started = time.perf_counter()
     for i, b in enumerate(batches):

@@ -35,9 +35,8 @@ from typing import Any
 
 sys.path.insert(0, os.getcwd())  # the working directory's tree, not this file's
 
-from bench.bench_cdc import CORES, make_batches
+from bench.bench_cdc import executor_config, make_batches
 from bench.common import _stat, process_tree, total_cpu_seconds
-from daemon.config import CdcConfig, CdcStream, Config, DaemonConfig, SparkConfig
 from daemon.plane.batch import MicroBatch
 from daemon.service.metrics import Metrics
 from daemon.spark.executor import SparkExecutor
@@ -90,12 +89,7 @@ def thread_cpu(pids: list[int]) -> collections.Counter[str]:
 
 
 async def run(spark: Any, batches: list[MicroBatch], root: Path, jvm: list[int]) -> dict[str, Any]:
-    cfg = Config(
-        daemon=DaemonConfig(data_dir=root / "var", cores=CORES),
-        spark=SparkConfig(),
-        cdc=CdcConfig(streams=(CdcStream("all", ("*",), root / "cdc"),)),
-    )
-    ex = SparkExecutor(cfg, Metrics(), wal_id="bench", session=spark)
+    ex = SparkExecutor(executor_config(root), Metrics(), wal_id="bench", session=spark)
     await ex.start()
     me = [os.getpid()]
     walls = []

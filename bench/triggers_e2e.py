@@ -1108,15 +1108,21 @@ class Round:
     missing: int
 
 
-def compare(args: argparse.Namespace) -> int:
-    """``--baseline DIR``: the daemon of this tree and the one of DIR, latency runs
-    only, taking turns (reverse order every other round), ``--rounds`` each."""
+def _work_root_and_receiver(args: argparse.Namespace) -> tuple[Path, RowReceiver]:
+    """The run's work folder (under ``--dir`` if given) and the started receiver."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-triggers-e2e-", dir=args.dir))
     receiver = RowReceiver()
     receiver.start()
+    return root, receiver
+
+
+def compare(args: argparse.Namespace) -> int:
+    """``--baseline DIR``: the daemon of this tree and the one of DIR, latency runs
+    only, taking turns (reverse order every other round), ``--rounds`` each."""
+    root, receiver = _work_root_and_receiver(args)
     args.skip_max = True
     sides: list[tuple[str, Path | None]] = [("eventplane", None), ("baseline", args.baseline)]
     rounds: list[Round] = []
@@ -1202,12 +1208,7 @@ def run(args: argparse.Namespace) -> int:
     """The whole e2e benchmark; prints the table (and writes JSON if asked)."""
     if args.baseline is not None:
         return compare(args)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    if args.dir is not None:
-        args.dir.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="bench-triggers-e2e-", dir=args.dir))
-    receiver = RowReceiver()
-    receiver.start()
+    root, receiver = _work_root_and_receiver(args)
     load_before = load_average()
     try:
         ep_lat, ep_max, explained = run_daemon_side(root / "eventplane", args, receiver)

@@ -480,8 +480,9 @@ class CdcSink:
         self._lock_fd: int | None = None
         # Folders whose _common_metadata this process checked or wrote.
         self._summarized: set[Path] = set()
-        # (session, select list, collection filter) of the write (_write_columns).
-        self._columns: tuple[Any, list[Any], Any | None] | None = None
+        # (session, table columns, select list, collection filter) of the write
+        # (_write_columns).
+        self._columns: tuple[Any, tuple[str, ...], list[Any], Any | None] | None = None
         self.commit_lock = threading.RLock()
         # Leaf partitions a compaction claimed (daemon/spark/compact.py), by
         # relative path; retention leaves them alone. Under commit_lock.
@@ -675,18 +676,20 @@ class CdcSink:
         columns) and the filter on the stream's collections (None: all), built
         once per session. A Column is an expression object in the JVM, and each
         one took py4j calls on every batch; a rebuilt session (a new JVM) gets
-        new ones."""
+        new ones. The table's column list is part of the key: tests that write
+        an earlier layout put another one in place for some batches."""
         cached = self._columns
-        if cached is None or cached[0] is not spark:
+        table = TABLE_COLUMNS
+        if cached is None or cached[0] is not spark or cached[1] is not table:
             from pyspark.sql import functions as F
 
-            columns = [F.col(c) for c in TABLE_COLUMNS]
+            columns = [F.col(c) for c in table]
             columns += [col.alias(name) for name, col in time_columns(self.stream.partition_by)]
             keep = None
             if self.stream.collections != ("*",):
                 keep = F.col("collection").isin(list(self.stream.collections))
-            cached = self._columns = (spark, columns, keep)
-        return cached[1], cached[2]
+            cached = self._columns = (spark, table, columns, keep)
+        return cached[2], cached[3]
 
     def _write_staged(self, df: Any, staging: Path) -> None:
         """The Spark write of step 1 (tests wrap this to inject write failures).
