@@ -314,7 +314,10 @@ async def test_background_compaction_keeps_up_with_live_batches(
     assert status["compactions"] >= 2, status
     assert status["last"]["step"] == "done" and status["last_error"] is None
     assert max(files_per_partition(table).values()) < 16
-    assert visible_lsns(spark, table) == batch_lsns(batches)
+    # The service goes on compacting on its schedule: the read runs within one
+    # table generation, as docs/cdc.md tells readers to (a plain read that a
+    # swap cuts through fails or misses rows).
+    assert consistent(table, lambda: visible_lsns(spark, table)) == batch_lsns(batches)
     text = ex.metrics.render().decode()
     assert 'eventplane_cdc_compactions_total{outcome="done",stream="all"}' in text
 
