@@ -101,12 +101,12 @@ def _columns(data: bytes, starts: Ints) -> dict[str, Any]:
     ):
         start, length, valid = _sized(buf, pos, kind, nullable)
         spans[name] = (start, length, valid)
-        pos = _within(start + length, len(data))
+        pos = start + length
     ts, pos, _ = _int(buf, pos, nullable=False)
     depth, pos, _ = _int(buf, pos, nullable=False)
     start, length, _ = _sized(buf, pos, _STR_SIZED, nullable=False)
     spans["source"] = (start, length, None)
-    pos = _within(start + length, len(data))
+    pos = start + length
     # The long form's event_id (string or nil) and event_time_us (int or nil).
     eid_start = pos.copy()  # absent: an empty span where it would be (offsets ascend)
     eid_len = np.zeros(n, np.int64)
@@ -116,12 +116,10 @@ def _columns(data: bytes, starts: Ints) -> dict[str, Any]:
     if long_form.any():
         at = pos[long_form]
         s, ln, v = _sized(buf, at, _STR_SIZED, nullable=True)
-        _within(s + ln, len(data))
         eid_start[long_form], eid_len[long_form] = s, ln
         eid_valid[long_form] = True if v is None else v
         value, after, ok = _int(buf, s + ln, nullable=True)
         etime[long_form], etime_valid[long_form] = value, ok
-        pos = pos.copy()
         pos[long_form] = after
     spans["event_id"] = (eid_start, eid_len, eid_valid)
     # Step 3. Each event ends where the next begins.
@@ -139,12 +137,13 @@ def _columns(data: bytes, starts: Ints) -> dict[str, Any]:
     return cols
 
 
-def _within(pos: Ints, size: int) -> Ints:
-    """``pos``, when every position is inside the data (a length read from a
-    damaged payload can point anywhere)."""
-    if pos.max() > size:
+def _kind(buf: npt.NDArray[np.uint8], pos: Ints) -> npt.NDArray[np.uint8]:
+    """The type bytes at ``pos``, when every position is inside the data (a
+    length read from a damaged payload can point anywhere; the padding covers
+    the value bytes read after a type byte at the very end)."""
+    if pos.max() > len(buf) - _PAD:
         raise _Refused
-    return pos
+    return buf[pos]
 
 
 def _be(buf: npt.NDArray[np.uint8], at: Ints, width: int) -> Ints:
@@ -163,7 +162,7 @@ def _sized(
 ) -> tuple[Ints, Ints, Mask | None]:
     """A str (``_STR_SIZED``, and fixstr) or bin (``_BIN_SIZED``) field at
     ``pos``: ``(value starts, lengths, valid or None when all are)``."""
-    kind = buf[pos]
+    kind = _kind(buf, pos)
     start = np.empty_like(pos)
     length = np.empty_like(pos)
     seen = np.zeros(len(pos), np.bool_)
@@ -194,7 +193,7 @@ def _sized(
 
 def _int(buf: npt.NDArray[np.uint8], pos: Ints, nullable: bool) -> tuple[Ints, Ints, Mask]:
     """An integer field at ``pos``: ``(values, positions after it, valid)``."""
-    kind = buf[pos].astype(np.int64)
+    kind = _kind(buf, pos).astype(np.int64)
     value = np.zeros(len(pos), np.int64)
     size = np.zeros(len(pos), np.int64)
     fix = kind <= 0x7F  # positive fixint

@@ -135,6 +135,14 @@ def test_a_payload_outside_the_stored_forms_is_left_to_the_general_path(
     assert stored_columns(b"".join(payloads), starts_of(payloads)) is None, why
 
 
+def test_every_truncation_of_a_payload_is_left_to_the_general_path() -> None:
+    """Cut anywhere (inside a length, an integer, a string), a payload is
+    refused, never read past its end."""
+    payload = _stored_payload("c0", "insert", "k1", b'{"a":1}', None, 2**62, "e-1", -5)
+    for cut in range(len(payload)):
+        assert stored_columns(payload[:cut], np.zeros(1, np.int64)) is None, cut
+
+
 def test_an_old_eight_field_payload_reads_like_the_short_form() -> None:
     """Payloads written before event_id existed have 8 fields, like ingest's short form."""
     old = msgspec.msgpack.encode(["c0", "insert", "k1", b"{}", None, 1_000, 0, "t"])
