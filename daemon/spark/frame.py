@@ -103,27 +103,27 @@ def _chunks(records: Sequence[Record], size: int) -> Iterator[_Chunk]:
     rows at 20k events/s), and the cost of a chunk is mostly per chunk, not
     per row: parts are cut and joined into whole chunks first.
     """
-    import numpy as np
-
-    pieces: list[tuple[Any, Any, Any, Any, Any]] = []  # lsns, cores, seqs, lengths, data
+    pieces: list[tuple[Any, ...]] = []  # lsns, cores, seqs, lengths, data
     held = 0
     for part in _parts(records):
         n = len(part)
         i = 0
         while i < n:
             j = min(n, i + size - held)
-            pieces.append(_piece(np, part, i, j))
+            pieces.append(_piece(part, i, j))
             held += j - i
             i = j
             if held == size:
-                yield _joined(np, pieces)
+                yield _joined(pieces)
                 pieces, held = [], 0
     if pieces:
-        yield _joined(np, pieces)
+        yield _joined(pieces)
 
 
-def _piece(np: Any, part: Sequence[Record] | RecordBatch, i: int, j: int) -> tuple[Any, ...]:
+def _piece(part: Sequence[Record] | RecordBatch, i: int, j: int) -> tuple[Any, ...]:
     """Rows ``i:j`` of one part as ``(lsns, cores, seqs, lengths, payload bytes)``."""
+    import numpy as np
+
     if isinstance(part, RecordBatch):
         offs = np.frombuffer(part.offsets, np.uint64)[i : j + 1].astype(np.int64)
         lsns = np.frombuffer(part.lsns, np.uint64)[i:j].astype(np.int64)
@@ -131,18 +131,19 @@ def _piece(np: Any, part: Sequence[Record] | RecordBatch, i: int, j: int) -> tup
         data = memoryview(part.data)[int(offs[0]) : int(offs[-1])]
         cores = np.full(j - i, part.core, np.int32)
         return lsns, cores, np.arange(first, first + j - i, dtype=np.int64), np.diff(offs), data
-    lsns, cores, seqs, payloads = zip(*part[i:j], strict=True)
-    lengths = np.fromiter(map(len, payloads), np.int64, j - i)
+    lsn_col, core_col, seq_col, payloads = zip(*part[i:j], strict=True)
     return (
-        np.array(lsns, np.int64),
-        np.array(cores, np.int32),
-        np.array(seqs, np.int64),
-        lengths,
+        np.array(lsn_col, np.int64),
+        np.array(core_col, np.int32),
+        np.array(seq_col, np.int64),
+        np.fromiter(map(len, payloads), np.int64, j - i),
         b"".join(payloads),
     )
 
 
-def _joined(np: Any, pieces: list[tuple[Any, ...]]) -> _Chunk:
+def _joined(pieces: list[tuple[Any, ...]]) -> _Chunk:
+    import numpy as np
+
     lsns, cores, seqs, lengths, data = zip(*pieces, strict=True)
     lengths_all = np.concatenate(lengths)
     starts = np.zeros(len(lengths_all), np.int64)
