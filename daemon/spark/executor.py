@@ -710,31 +710,24 @@ class SparkExecutor:
 
         try:
             try:
-                # Step 1. Spark work in the worker thread; finishes start as results come.
-                outcome = await loop.run_in_executor(
-                    self._pool, ctx.run, self._run_in_spark, batch, wanted, hand_over
-                )
-            except asyncio.CancelledError:
-                taking[0] = False
-                await _cancel_all(finishing)
-                raise
-            except Exception:
-                # Step 3. Calls already under way complete (at least once: the
-                # batch re-runs); their outcome does not change this failure.
-                taking[0] = False
                 try:
+                    # Step 1. Spark work in the worker thread; finishes start as results come.
+                    outcome = await loop.run_in_executor(
+                        self._pool, ctx.run, self._run_in_spark, batch, wanted, hand_over
+                    )
+                except Exception:
+                    # Step 3. Calls already under way complete (at least once:
+                    # the batch re-runs); their outcome does not change this failure.
+                    taking[0] = False
                     await _settle(finishing)
-                except asyncio.CancelledError:
-                    await _cancel_all(finishing)
                     raise
-                raise
-            for stage, result in outcome.stage_results:
-                start(stage, result)  # a no-op for those the thread handed over
-            taking[0] = False
-            # Step 2. Every stage's finish, whatever the others did.
-            try:
+                for stage, result in outcome.stage_results:
+                    start(stage, result)  # a no-op for those the thread handed over
+                taking[0] = False
+                # Step 2. Every stage's finish, whatever the others did.
                 outcome.failures.update(await _settle(finishing))
             except asyncio.CancelledError:
+                taking[0] = False
                 await _cancel_all(finishing)
                 raise
             crash_point("executor.after_commit")
