@@ -61,7 +61,7 @@ Recovery when a stream opens (before the first batch):
   were not yet, and deleted (``daemon/spark/retention.py``).
 
 ``partition_by`` (``[[cdc.streams]]``) adds ``date``/``hour`` folders under
-each ``collection=...`` (``with_time_columns``); the ledger records it, and a
+each ``collection=...`` (``time_columns``); the ledger records it, and a
 stream whose ``partition_by`` changed after its first commit refuses to open.
 
 Crash points: ``EVENTPLANE_CRASH_AT=<name>[@<n>]`` makes the process SIGKILL
@@ -929,13 +929,6 @@ class CdcSink:
             if batch_id > last:
                 f.unlink()
                 report.orphans_removed.append(str(f.relative_to(self.path)))
-
-
-def with_time_columns(df: Any, partition_by: tuple[str, ...]) -> Any:
-    """``df`` plus the time partition columns of ``partition_by`` (``time_columns``)."""
-    for name, col in time_columns(partition_by):
-        df = df.withColumn(name, col)
-    return df
 
 
 def time_columns(partition_by: tuple[str, ...]) -> list[tuple[str, Any]]:
