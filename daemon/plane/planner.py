@@ -14,6 +14,9 @@ catches up) or its memory budget. With fast batches that is about once per
 interval; a slower executor gets batches closed sooner, so rows do not wait a
 whole interval and then a run on top of it (a batch that is due while another
 runs starts right after it commits, prepared meanwhile if the executor can).
+With none running, a batch waits at least a quarter of the interval
+(``IDLE_MIN_WAIT``) after its oldest row, so that a burst's first batch is not
+its first few rows alone.
 
 How much a slice takes: everything the core has pending, up to
 ``catchup_max_rows``. Rows that piled up while a batch ran (more than
@@ -109,6 +112,17 @@ RUN_TIME_MARGIN = 1.25
 # and the hand-over to ``prepare``.
 ETA_BATCHES = 3
 CLOSE_AHEAD_MARGIN_S = 0.05
+
+# With no batch running, a batch closes no sooner than this share of
+# ``interval_ms`` after its oldest row's delivery (``idle_close_due``). When
+# the last runs took about the interval (large batches under load), the close
+# deadline falls on the first row's delivery, so the first batch of a burst
+# closed with the first ring run in it and the burst's rows waited behind a
+# whole run of that near-empty batch: in a 1M-event run here, 4,096 rows and
+# 1.3 s of Spark before the rows that piled up meanwhile could start. Waiting a
+# quarter of the interval lets them join it; at most that is added to the
+# first row's commit, where a separate batch adds a whole run to the others'.
+IDLE_MIN_WAIT = 0.25
 
 
 class PlanMismatchError(DaemonError):
@@ -710,7 +724,7 @@ class Planner:
         # A batch closed ahead stays planned: a restart re-runs it from the plan log.
 
     def _deadline_passed(self) -> bool:
-        due = self.close_due()
+        due = self.idle_close_due()
         return due is not None and due <= self._clock()
 
     def _sync_stages(self, batch_id: int) -> tuple[str, ...]:
@@ -953,7 +967,7 @@ class Planner:
         while not self._stopping:
             if self._due_by_size():
                 return True
-            due = self.close_due()
+            due = self.idle_close_due()
             behind = self.stages.next_due(self._live_id)
             if behind is not None:
                 due = behind if due is None else min(due, behind)
@@ -976,10 +990,23 @@ class Planner:
     def close_due(self) -> float | None:
         """When (planner clock) the next batch is due so that its oldest row commits
         ``interval_ms`` after delivery; None while nothing is pending."""
-        oldest = min((p.parts[0][2] for p in self._pending if p.parts), default=None)
+        oldest = self._oldest_delivery()
         if oldest is None:
             return None
         return oldest + self.cfg.interval_ms / 1000 - self.expected_run_s()
+
+    def idle_close_due(self) -> float | None:
+        """``close_due`` for a batch that closes while none runs: not before its
+        oldest row has waited ``IDLE_MIN_WAIT`` of the interval."""
+        due = self.close_due()
+        oldest = self._oldest_delivery()
+        if due is None or oldest is None:
+            return None
+        return max(due, oldest + IDLE_MIN_WAIT * self.cfg.interval_ms / 1000)
+
+    def _oldest_delivery(self) -> float | None:
+        """Planner clock when the oldest pending row was delivered; None when none is."""
+        return min((p.parts[0][2] for p in self._pending if p.parts), default=None)
 
     def _close(self) -> MicroBatch | None:
         slices: dict[int, Slice] = {}

@@ -16,7 +16,7 @@ from daemon.config import MicrobatchConfig
 from daemon.plane.batch import MicroBatch
 from daemon.plane.parts import RECORD_OVERHEAD_BYTES, join_small_parts, part_bytes
 from daemon.plane.planlog import PlanLog, Ranges
-from daemon.plane.planner import RUN_TIME_MARGIN, PlanMismatchError, Planner
+from daemon.plane.planner import IDLE_MIN_WAIT, RUN_TIME_MARGIN, PlanMismatchError, Planner
 from daemon.plane.watermarks import Watermarks, WatermarkSnapshot
 from daemon.service.metrics import Metrics
 from tests.core.conftest import RecordingExecutor, columnar, rec
@@ -562,11 +562,15 @@ async def test_rows_left_by_a_full_slice_keep_their_delivery_time_for_the_next_d
     assert planner.close_due() == pytest.approx(11.0)  # LSN 3 came at 10.0, not 10.4
 
 
-async def test_executor_slower_than_the_interval_gets_each_batch_as_soon_as_rows_wait(
+async def test_slow_runs_close_a_burst_in_one_batch_a_quarter_interval_after_its_first_row(
     tmp_path: Path, metrics: Metrics
 ) -> None:
-    """Runs take longer than the 60 s interval: the next batch closes at once
-    instead of waiting the interval on top (the expected run is capped at it)."""
+    """Runs take longer than the 60 s interval, so the expected run is capped at
+    it: a batch closed while another runs is due at its first row's delivery
+    (``close_due``). With none running, the planner waits a quarter of the
+    interval (``IDLE_MIN_WAIT``), not the interval on top of the run, and the
+    rows that arrive meanwhile go in the same batch instead of behind a run of
+    the first row alone."""
     now = [0.0]
     executor = ClockedExecutor(now, run_s=90.0)
     cfg = MicrobatchConfig(interval_ms=60_000, max_rows=100, retry_initial_ms=1)
@@ -577,10 +581,17 @@ async def test_executor_slower_than_the_interval_gets_each_batch_as_soon_as_rows
 
     task = asyncio.create_task(planner.run())
     planner.add(0, [rec(2)])
-    await executor.wait_rows(2, within_s=5)
+    assert planner.close_due() == pytest.approx(90.0)
+    assert planner.idle_close_due() == pytest.approx(90.0 + IDLE_MIN_WAIT * 60.0)
+    await asyncio.sleep(0.2)
+    assert [b.ranges() for b in executor.committed] == [{0: (1, 1)}]  # still waiting
+
+    now[0] = 90.0 + IDLE_MIN_WAIT * 60.0
+    planner.add(1, [rec(3, core=1)])  # a core's first row wakes the run loop
+    await executor.wait_rows(3, within_s=5)
     planner.request_stop()
     await asyncio.wait_for(task, 5)
-    assert [b.ranges() for b in executor.committed] == [{0: (1, 1)}, {0: (2, 2)}]
+    assert [b.ranges() for b in executor.committed] == [{0: (1, 1)}, {0: (2, 2), 1: (3, 3)}]
 
 
 async def test_a_batch_due_by_its_deadline_while_another_runs_is_closed_and_prepared_ahead(
@@ -652,6 +663,15 @@ class ClockedPreparer(PreparingExecutor):
         return self.prep_s_per_row * rows
 
 
+def _add_idle_due(planner: Planner, now: list[float], lsn: int) -> None:
+    """Add a row on core 0 and move the clock to where no batch running, it is
+    due (``IDLE_MIN_WAIT`` of the 1 s interval later; runs slower than the
+    interval have made ``close_due`` its delivery)."""
+    planner.add(0, [rec(lsn)])
+    now[0] += IDLE_MIN_WAIT * 1.0
+    assert planner.idle_close_due() == pytest.approx(now[0])
+
+
 async def _two_runs_of(planner: Planner, executor: ClockedPreparer) -> None:
     """Give the planner a history of two runs of ``executor.run_s`` each."""
     for lsn in (1, 2):
@@ -687,11 +707,12 @@ async def test_next_batch_is_due_when_the_running_one_should_commit_less_its_pre
 async def test_rows_arriving_while_a_batch_runs_go_into_one_batch_closed_just_before_it_commits(
     tmp_path: Path, metrics: Metrics
 ) -> None:
-    """1. Runs took 2 s; batch 3 starts at 104 (stalled in the executor).
+    """1. Runs took 2 s; batch 3 starts at 104.25, when its row has waited the
+       idle minimum (stalled in the executor).
     2. Three rows come, more than max_rows (2): before, the next batch closed at
-       once; now nothing closes while batch 3 is not near its commit (106).
-    3. At 105.96 (after 106 less the 50 ms margin) batch 4 closes with every row
-       pending, and is prepared; it commits after batch 3."""
+       once; now nothing closes while batch 3 is not near its commit (106.25).
+    3. At 106.21 (after 106.25 less the 50 ms margin) batch 4 closes with every
+       row pending, and is prepared; it commits after batch 3."""
     now = [100.0]
     executor = ClockedPreparer(now, run_s=2.0)
     cfg = MicrobatchConfig(interval_ms=1000, max_rows=2, catchup_max_rows=100)
@@ -699,17 +720,17 @@ async def test_rows_arriving_while_a_batch_runs_go_into_one_batch_closed_just_be
     await _two_runs_of(planner, executor)
     assert now[0] == 104.0
     executor.stall = asyncio.Event()
-    planner.add(0, [rec(3)])
+    _add_idle_due(planner, now, 3)
     task = asyncio.create_task(planner.run())
     await executor.wait_until(lambda: len(executor.attempts) == 3)
 
     planner.add(0, [rec(4), rec(5), rec(6)])  # over max_rows: wakes the planner
-    now[0] = 105.9
+    now[0] = 106.15
     planner.add(1, [rec(7, core=1)])  # wakes it again, 10 ms before its time
     await asyncio.sleep(0.05)
     assert executor.prepared == []
 
-    now[0] = 105.96
+    now[0] = 106.21
     planner.add(1, [rec(8, core=1)])
     await executor.wait_until(lambda: executor.prepared == [4])
     assert executor.committed_when_prepared == [[1, 2]]
@@ -739,11 +760,11 @@ async def test_a_batch_that_commits_sooner_than_expected_has_the_next_one_closed
     await _two_runs_of(planner, executor)
     executor.stall = asyncio.Event()
     executor.run_s = 0.0
-    planner.add(0, [rec(3)])
+    _add_idle_due(planner, now, 3)
     task = asyncio.create_task(planner.run())
     await executor.wait_until(lambda: len(executor.attempts) == 3)
     planner.add(0, [rec(4), rec(5), rec(6)])
-    now[0] = 104.5
+    now[0] = 104.75
     planner.add(1, [rec(7, core=1)])
     await asyncio.sleep(0.05)
     assert executor.prepared == []
@@ -768,12 +789,12 @@ async def test_a_slice_at_catchup_max_rows_is_closed_ahead_at_once_whatever_the_
     planner, _ = make_planner(tmp_path, executor, metrics, cfg=cfg, clock=lambda: now[0])
     await _two_runs_of(planner, executor)
     executor.stall = asyncio.Event()
-    planner.add(0, [rec(3)])
+    _add_idle_due(planner, now, 3)
     task = asyncio.create_task(planner.run())
     await executor.wait_until(lambda: len(executor.attempts) == 3)
     planner.add(0, [rec(4), rec(5), rec(6), rec(7)])
     await executor.wait_until(lambda: executor.prepared == [4])
-    assert now[0] == 104.0
+    assert now[0] == 104.25
 
     executor.stall.set()
     await executor.wait_rows(7, within_s=2)
