@@ -54,7 +54,9 @@ Measured per side:
    events/s in requests of 200 events, ``--latency-warmup-seconds``
    unmeasured then ``--latency-seconds`` measured; each request's latency runs
    from its *scheduled* send time to the first poll (every 20 ms) that finds all
-   of its events visible;
+   of its events visible. The side's CPU over that run (its warm-up included,
+   producers not) per wall second is shown as "CPU cores": what that freshness
+   costs at that rate (a shorter ``--interval-ms`` buys freshness with it);
 5. the table's row count (Parquet footers) against every event sent.
 
 The landing side's ``availableNow`` run alone (its Spark driver's time and
@@ -1105,6 +1107,9 @@ class SideResult:
     rows_checked: int | None = None
     # Micro-batches committed in the throughput run and in the latency run.
     batches: tuple[int, int] | None = None
+    # CPU seconds per wall second over the latency run (its warm-up included,
+    # producers not): what the side's freshness at that rate costs.
+    latency_cores: float | None = None
     error: str = ""
     skipped: str = ""
 
@@ -1193,6 +1198,7 @@ def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> 
 
     poller = threading.Thread(target=poll, name="bench-visible", daemon=True)
     poller.start()
+    lat_cpu, lat_t0 = side.cpu(), time.monotonic()
     try:
         got = run_producers(
             side.url, plan.lat_file, LATENCY_REQUEST_EVENTS, 1, plan.rate, work / "lat.json"
@@ -1212,6 +1218,8 @@ def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> 
             if time.monotonic() > deadline:
                 raise RuntimeError("latency run: rows not visible after 600 s")
             time.sleep(POLL_S)
+        lat_cpu_end, lat_t1 = side.cpu(), time.monotonic()
+        res.latency_cores = sum(lat_cpu_end[k] - lat_cpu[k] for k in lat_cpu) / (lat_t1 - lat_t0)
         time.sleep(2 * POLL_S)
     finally:
         halt.set()
@@ -1267,7 +1275,14 @@ def best_of(results: Iterable[SideResult]) -> list[SideResult]:
             continue
         best = min(ok, key=lambda r: r.visible_s)
         low = min(ok, key=lambda r: pct(r.latencies, 0.99) if r.latencies else float("inf"))
-        out.append(dataclasses.replace(best, latencies=low.latencies, achieved=low.achieved))
+        out.append(
+            dataclasses.replace(
+                best,
+                latencies=low.latencies,
+                achieved=low.achieved,
+                latency_cores=low.latency_cores,
+            )
+        )
     return out
 
 
@@ -1287,6 +1302,7 @@ def _as_json(r: SideResult) -> dict[str, Any]:
         "reference": r.reference,
         "rows_checked": r.rows_checked,
         "batches": r.batches,
+        "latency_cores": r.latency_cores,
         "error": r.error,
         "skipped": r.skipped,
     }
@@ -1362,16 +1378,17 @@ def render(results: Sequence[SideResult], args: argparse.Namespace) -> str:
         f"{LATENCY_REQUEST_EVENTS}, {args.latency_seconds:g} s measured after "
         f"{args.latency_warmup_seconds:g} s:",
         "",
-        "| side | requests | achieved/s | p50 ms | p99 ms | max ms | p99 ep x |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| side | requests | achieved/s | p50 ms | p99 ms | max ms | p99 ep x | CPU cores |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         p99 = pct(r.latencies, 0.99)
         ratio = f"{p99 / pct(ep.latencies, 0.99):.2f}x" if ep and ep.latencies else ""
+        cores = "-" if r.latency_cores is None else f"{r.latency_cores:.2f}"
         out.append(
             f"| {LABELS[r.name]} | {len(r.latencies)} | {r.achieved:,.0f} "
             f"| {pct(r.latencies, 0.5) * 1000:,.0f} | {p99 * 1000:,.0f} "
-            f"| {max(r.latencies, default=float('nan')) * 1000:,.0f} | {ratio} |"
+            f"| {max(r.latencies, default=float('nan')) * 1000:,.0f} | {ratio} | {cores} |"
         )
     peers = [r for r in rows if r.name not in ("eventplane", "baseline")]
     if ep is not None and peers:

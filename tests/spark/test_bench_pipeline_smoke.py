@@ -50,8 +50,8 @@ def test_bench_pipeline_runs_eventplane_and_the_landing_peer(
        one, here) and the landing peer (HTTP server + Structured Streaming
        process) each take the warm-up, the closed-loop run and a paced second.
     2. Every event sent is in each table once (exit code 0), the table names
-       every side and the reference row, latencies were measured, and the
-       daemons' batches were counted.
+       every side and the reference row, latencies and the paced run's CPU
+       were measured, and the daemons' batches were counted.
     """
     out = tmp_path / "result.json"
     repo = Path(__file__).resolve().parents[2]
@@ -73,6 +73,7 @@ def test_bench_pipeline_runs_eventplane_and_the_landing_peer(
         assert s["events_per_s"] > 0 and s["latency_requests"] > 0 and not s["error"]
         assert s["rows_checked"] == 1000 + 3000 + 1400
         assert s["cpu_s"]["spark"] > 0 and "producers" in s["cpu_s"]
+        assert 0 < s["latency_cores"] <= (os.cpu_count() or 64)
 
 
 @pytest.mark.spark
