@@ -30,7 +30,7 @@ import uuid
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from itertools import chain, count, repeat
+from itertools import accumulate, chain, count, repeat
 from operator import itemgetter
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
@@ -63,6 +63,7 @@ from wal.format import (
     MAX_FRAME_BYTES,
     SECTION_HEADER_SIZE,
     SEGMENT_HEADER_SIZE,
+    EncodedFrame,
     RequestEntry,
     RequestTag,
     crc32c,
@@ -84,6 +85,8 @@ def _log() -> Any:
 MiB: Final = 1024 * 1024
 FsyncMode = Literal["always", "interval", "never"]
 Listener = Callable[[list[Record]], None]
+# The columnar listener: one RecordBatch per core of the group, cores ascending.
+BatchListener = Callable[[list[RecordBatch]], None]
 GroupObserver = Callable[[int, int, float], None]
 MIN_SEGMENT_BYTES: Final = 4096  # tests rotate tiny segments; the config asks for >= 1 MiB
 _PER_EVENT_BYTES: Final = 8  # one u32 LSN delta + one u32 length per event
@@ -202,7 +205,8 @@ class Wal:
         self._fatal: BaseException | None = None
         self._dirty = False  # written but not fdatasynced (fsync = interval | never)
         self._last_sync = time.monotonic()
-        self._listener: Listener | None = None
+        self._listener: Listener | BatchListener | None = None
+        self._listen_batches = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.on_group = None
         self._thread = threading.Thread(target=self._writer_main, name="wal-writer", daemon=True)
@@ -387,6 +391,21 @@ class Wal:
         Without a loop (only ``append_blocking``) it runs on the writer thread.
         """
         self._listener = fn
+        self._listen_batches = False
+        with contextlib.suppress(RuntimeError):
+            self._loop = asyncio.get_running_loop()
+
+    def set_batch_listener(self, fn: BatchListener | None) -> None:
+        """:meth:`set_listener`, columnar: ``fn(batches)`` gets one
+        :class:`~wal.reader.RecordBatch` per core of the group (cores ascending,
+        each in LSN order), the same events a record listener would get.
+
+        The batches are the frame's sections as the writer encoded them (the
+        section's joined payloads are the batch's ``data``): no object per
+        event is made, which is what the daemon's rings take (``RingSet.push_batches``).
+        """
+        self._listener = fn
+        self._listen_batches = True
         with contextlib.suppress(RuntimeError):
             self._loop = asyncio.get_running_loop()
 
@@ -604,41 +623,50 @@ class Wal:
             except Exception:
                 _log().exception("wal.on_group_failed")
         listener = self._listener
-        records: list[Record] | None = None
+        records: list[Record] | list[RecordBatch] | None = None
         if listener is not None:
-            counters = {core: count(base) for core, base in frame.base_seqs.items()}
-            seqs = map(next, map(counters.__getitem__, cores))
-            rows = zip(range(first, first + n), cores, seqs, payloads, strict=True)
-            records = list(map(tuple.__new__, repeat(Record), rows))
-        self._deliver(records, group)
+            if self._listen_batches:
+                records = _section_batches(first, frame)
+            else:
+                counters = {core: count(base) for core, base in frame.base_seqs.items()}
+                seqs = map(next, map(counters.__getitem__, cores))
+                rows = zip(range(first, first + n), cores, seqs, payloads, strict=True)
+                records = list(map(tuple.__new__, repeat(Record), rows))
+        self._deliver(records, group, first, n)
 
-    def _deliver(self, records: list[Record] | None, group: list[_Waiter]) -> None:
+    def _deliver(
+        self,
+        records: list[Record] | list[RecordBatch] | None,
+        group: list[_Waiter],
+        first: int = 0,
+        n: int = 0,
+    ) -> None:
         loop = self._loop
         if records is not None and loop is not None and not loop.is_closed():
             try:
-                loop.call_soon_threadsafe(self._finish, records, group, loop)
+                loop.call_soon_threadsafe(self._finish, records, group, loop, first, n)
                 return
             except RuntimeError:  # closed between the check and the call
                 pass
-        self._finish(records, group, None)
+        self._finish(records, group, None, first, n)
 
     def _finish(
         self,
-        records: list[Record] | None,
+        records: list[Record] | list[RecordBatch] | None,
         group: list[_Waiter],
         on_loop: asyncio.AbstractEventLoop | None,
+        first: int = 0,
+        n: int = 0,
     ) -> None:
         listener = self._listener
         if records is not None and listener is not None:
             try:
-                listener(records)
+                listener(records)  # type: ignore[arg-type]  # the kind set_*listener chose
             except Exception:
                 # The events are durable whatever the listener did: acknowledge
                 # them. A consumer that missed them finds a gap and catches up
                 # from the WAL (docs/design.md, consumer modes).
-                _log().exception(
-                    "wal.listener_failed", first_lsn=records[0].lsn, events=len(records)
-                )
+                _log().exception("wal.listener_failed", first_lsn=first, events=n)
         for w in group:
             w.settle(on_loop)
 
@@ -930,6 +958,25 @@ class ReadIterator(chain[T]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _section_batches(first: int, frame: EncodedFrame) -> list[RecordBatch]:
+    """The group's events as one RecordBatch per core, from the encoded sections.
+
+    The per-event work is two C-level passes (LSNs, offsets); the payload bytes
+    are the section's blob, already joined for the write.
+    """
+    out: list[RecordBatch] = []
+    base_seqs = frame.base_seqs
+    for core, deltas, lens, blob in frame.sections:
+        k = len(deltas)
+        if deltas[-1] == k - 1:  # deltas ascend from >= 0: the section is 0 .. k-1
+            lsns = array("Q", range(first, first + k))
+        else:
+            lsns = array("Q", map(first.__add__, deltas))
+        offsets = array("Q", accumulate(lens, initial=0))
+        out.append(RecordBatch(core, lsns, base_seqs[core], offsets, blob))
+    return out
 
 
 def _pwrite_all(fd: int, parts: list[Any], offset: int, size: int) -> None:
