@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 
 from tests.wal.helpers import OpenWal, events
 from wal import Record, Wal, WalClosedError, WalLockedError
+from wal.reader import RecordBatch
 
 
 async def test_concurrent_appends_get_consecutive_lsns_and_read_back_in_order(
@@ -314,3 +315,25 @@ def test_frames_bigger_than_a_read_chunk_read_back_from_the_active_and_sealed_se
     wal.append_blocking(events(1))  # rotates: the big frame's segment is sealed (mmap)
     assert wal.segment_count() >= 2
     assert [(r.core, r.payload) for r in wal.read(1, to_lsn=len(expected))] == expected
+
+
+async def test_batch_listener_gets_each_group_as_one_batch_per_core_with_the_logged_events(
+    open_wal: OpenWal,
+) -> None:
+    """The columnar listener sees exactly what a reader of the log sees: every
+    event once, its LSN, core, sequence and payload, one batch per core and
+    group, cores ascending; one-core groups and mixed groups alike."""
+    wal = open_wal()
+    groups: list[list[RecordBatch]] = []
+    wal.set_batch_listener(groups.append)
+
+    await wal.append(events(7, cores=1, tag="one"))  # one section: LSNs 1..7 as they come
+    await wal.append([(2, b"a"), (0, b"b"), (2, b"c"), (1, b"d"), (0, b"e")])
+    await asyncio.gather(*(wal.append(events(9, tag=f"g{k}")) for k in range(5)))
+
+    for group in groups:
+        assert [b.core for b in group] == sorted({b.core for b in group})
+    heard = sorted((r for group in groups for b in group for r in b.records()), key=lambda r: r.lsn)
+    assert heard == list(wal.read(1))
+    assert [b.lsns.tolist() for b in groups[1]] == [[9, 12], [11], [8, 10]]
+    assert [b.first_seq for b in groups[1]] == [8, 1, 1]
