@@ -493,7 +493,9 @@ class Wal:
                 taken = self._next_group()
                 if taken is None:
                     break
-                group = taken
+                # Only ``group`` holds the waiters (and their payloads): it is
+                # emptied after the commit, so nothing outlives it here.
+                group, taken = taken, None
                 if group:
                     self._commit(group)
                 elif self._dirty:

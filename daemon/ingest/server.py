@@ -54,14 +54,13 @@ from daemon.config import Config
 from daemon.errors import DaemonError
 from daemon.ingest.validate import (
     _LBRACE,
-    _NULL,
     InEvent,
     Rejection,
     _decode_many,
     _decode_one,
     _disagreement,
     _json,
-    _msgpack_into,
+    _msgpack_encode,
     event_time_us,
     explain_body,
 )
@@ -272,7 +271,6 @@ class IngestServer:
         # Bodies being read or parsed hold at most max_buffered_bytes; parsed
         # events and payloads add about 2x on top, so ingest stays within ~3x.
         self._budget = ByteBudget(c.max_buffered_bytes)
-        self._scratch = bytearray()  # _encode's msgpack buffer (event loop only)
         self._draining = False
         self._hurry = False
         self._wal_errors_logged: set[type[Exception]] = set()
@@ -825,23 +823,35 @@ class IngestServer:
         length or ``time`` range rule is broken.
 
         The hot loop of ingest: keep it free of calls that are not needed. The
-        payload is ``validate._stored_payload`` inlined.
+        payload is ``validate._stored_payload`` inlined (``encode`` instead of
+        ``encode_into``: see ``validate._msgpack_encode``).
         """
         ts = time.time_ns()  # one wall-clock stamp per request
         cores = self._cores
         seeds = self._seeds
         max_event = self._max_event
         max_id = self._max_event_id
-        null = _NULL
-        into = _msgpack_into
-        scratch = self._scratch
+        null = b"null"
+        encode = _msgpack_encode
         items: list[tuple[int, bytes]] = []
         append = items.append
         for ev in events:
-            n = ev.new
-            o = ev.old
-            new = None if n == null else bytes(n)
-            old = None if o == null else bytes(o)
+            # new/old: the raw text of a JSON object, or null (absent is null too).
+            # One look at the first byte tells them apart from anything else.
+            text = bytes(ev.new)
+            if text[0] == _LBRACE:
+                new: bytes | None = text
+            elif text == null:
+                new = None
+            else:
+                return None
+            text = bytes(ev.old)
+            if text[0] == _LBRACE:
+                old: bytes | None = text
+            elif text == null:
+                old = None
+            else:
+                return None
             op = ev.op
             if op == "update":
                 if new is None:
@@ -851,21 +861,18 @@ class IngestServer:
                     return None
             elif new is not None:
                 return None
-            if (new is not None and new[0] != _LBRACE) or (old is not None and old[0] != _LBRACE):
-                return None
             collection = ev.collection
             key = ev.key
             eid = ev.event_id
             etime = ev.event_time
             if eid is None and etime is None:  # the short form (validate._stored_payload)
-                into((collection, op, key, new, old, ts, 0, ""), scratch)
+                payload = encode((collection, op, key, new, old, ts, 0, ""))
             else:
                 if eid is not None and len(eid) > max_id:
                     return None
                 if etime is not None and (etime := event_time_us(etime)) is None:
                     return None
-                into((collection, op, key, new, old, ts, 0, "", eid, etime), scratch)
-            payload = bytes(scratch)  # exact size (see _msgpack_into)
+                payload = encode((collection, op, key, new, old, ts, 0, "", eid, etime))
             if len(payload) > max_event:
                 self._event_too_large(len(items), len(payload))
             seed = seeds.get(collection)

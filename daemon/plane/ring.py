@@ -28,7 +28,7 @@ from array import array
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from daemon.errors import LsnRegressionError
 from daemon.plane.parts import pack
@@ -80,6 +80,7 @@ class Ring:
 
     __slots__ = (
         "_count",
+        "_gauges",
         "_metrics",
         "_runs",
         "capacity",
@@ -110,10 +111,17 @@ class Ring:
         self.last_drop_lsn = 0
         self.dropped = 0
         self.state = Backpressure.NORMAL
+        # The per-core gauges settle() sets after every push and take, looked up
+        # once: a labels() call per settle is measurable.
+        self._gauges: tuple[Any, Any] | None = None
         if metrics is not None:
             metrics.backpressure_state.labels(core=str(core)).set(0)
-            metrics.ring_utilization.labels(core=str(core)).set(0)
-            metrics.ring_bytes.labels(core=str(core)).set(0)
+            self._gauges = (
+                metrics.ring_utilization.labels(core=str(core)),
+                metrics.ring_bytes.labels(core=str(core)),
+            )
+            for gauge in self._gauges:
+                gauge.set(0)
 
     def __len__(self) -> int:
         return self._count
@@ -263,13 +271,13 @@ class Ring:
         """Recompute the backpressure state and publish gauges."""
         fill = self.fill()
         new = next_state(self.state, fill)
-        m = self._metrics
-        if m is not None:
-            core = str(self.core)
-            m.ring_utilization.labels(core=core).set(self._count / self.capacity)
-            m.ring_bytes.labels(core=core).set(self.nbytes)
+        gauges = self._gauges
+        if gauges is not None:
+            gauges[0].set(self._count / self.capacity)
+            gauges[1].set(self.nbytes)
         if new is not self.state:
             self.state = new
+            m = self._metrics
             if m is not None:
                 core = str(self.core)
                 m.backpressure_state.labels(core=core).set(int(new))
