@@ -30,7 +30,7 @@ import uuid
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from itertools import accumulate, chain, count, repeat
+from itertools import accumulate, chain
 from operator import itemgetter
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
@@ -63,12 +63,15 @@ from wal.format import (
     MAX_FRAME_BYTES,
     SECTION_HEADER_SIZE,
     SEGMENT_HEADER_SIZE,
+    CoreSections,
     EncodedFrame,
+    EncodedSection,
     RequestEntry,
     RequestTag,
     crc32c,
-    encode_frame,
     encode_request_table,
+    encode_sections,
+    sections_of,
 )
 from wal.reader import ReadBuf, RecordBatch, frame_batches, frame_records, segment_frames
 from wal.record import Record
@@ -99,31 +102,28 @@ class _Waiter:
     """One append() call waiting for its group's fdatasync."""
 
     __slots__ = (
-        "cores",
         "error",
         "event",
         "future",
-        "lens",
+        "n",
         "nbytes",
-        "payloads",
         "request",
         "result",
+        "sections",
     )
 
     def __init__(
         self,
-        cores: list[int],
-        payloads: list[bytes],
-        lens: array[int],
+        n: int,
+        sections: list[EncodedSection],
         future: asyncio.Future[tuple[int, int]] | None,
         event: threading.Event | None,
         request: RequestTag | None,
     ) -> None:
-        self.cores = cores
-        self.payloads = payloads
-        self.lens = lens
+        self.n = n  # events
+        self.sections = sections  # one per core, cores ascending; deltas from this append's start
         self.request = request
-        self.nbytes = sum(lens) + _PER_EVENT_BYTES * len(lens)
+        self.nbytes = sum(len(s.blob) for s in sections) + _PER_EVENT_BYTES * n
         if request is not None:
             self.nbytes += len(request.key) + 32
         self.future = future
@@ -459,19 +459,25 @@ class Wal:
     ) -> _Waiter:
         if request is not None:
             check_tag(request)
-        cores = list(map(_core_of, items))
-        if not cores:
-            raise ValueError("append() needs at least one (core, payload) item")
-        payloads = list(map(_payload_of, items))
-        try:
-            array("I", cores)  # C-level range check: 0 <= core < 2**32
-            lens = array("I", map(len, payloads))
-        except (TypeError, OverflowError) as exc:
-            raise ValueError(f"append(): cores must be ints in [0, 2**32): {exc}") from exc
-        if set(map(type, payloads)) != {bytes}:
-            raise TypeError("append(): payloads must be bytes")
-        waiter = _Waiter(cores, payloads, lens, fut, event, request)
-        if waiter.nbytes + FRAME_HEADER_SIZE + SECTION_HEADER_SIZE * len(cores) > MAX_FRAME_BYTES:
+        if isinstance(items, CoreSections):
+            # Ingest's form: split by core already (no pass per event here).
+            n, sections = items.n, items.sections
+            _check_sections(n, sections)
+        else:
+            cores = list(map(_core_of, items))
+            if not cores:
+                raise ValueError("append() needs at least one (core, payload) item")
+            payloads = list(map(_payload_of, items))
+            try:
+                array("I", cores)  # C-level range check: 0 <= core < 2**32
+                lens = array("I", map(len, payloads))
+            except (TypeError, OverflowError) as exc:
+                raise ValueError(f"append(): cores must be ints in [0, 2**32): {exc}") from exc
+            if set(map(type, payloads)) != {bytes}:
+                raise TypeError("append(): payloads must be bytes")
+            n, sections = len(cores), sections_of(cores, payloads, lens)
+        waiter = _Waiter(n, sections, fut, event, request)
+        if waiter.nbytes + FRAME_HEADER_SIZE + SECTION_HEADER_SIZE * n > MAX_FRAME_BYTES:
             raise ValueError(f"append(): {waiter.nbytes} bytes do not fit one frame (4 GiB)")
         with self._cond:
             if self._fatal is not None:
@@ -550,28 +556,21 @@ class Wal:
         the head moves only there, so a group that stops at step 3 leaves no
         LSN, index entry, listener call or ``on_group`` call behind.
         """
-        # Step 1. Gather.
-        if len(group) == 1:
-            cores, payloads, lens = group[0].cores, group[0].payloads, group[0].lens
-        else:
-            cores = list(chain.from_iterable(w.cores for w in group))
-            payloads = list(chain.from_iterable(w.payloads for w in group))
-            lens = array("I")
-            for w in group:
-                lens += w.lens
+        # Step 1. Gather: each core's events of the group, in LSN order.
+        sections = group[0].sections if len(group) == 1 else _merge(group)
         first = self._head + 1
-        n = len(cores)
+        n = sum(w.n for w in group)
         tagged: list[tuple[int, int, RequestTag]] = []
         delta = 0
         for w in group:
             if w.request is not None:
-                tagged.append((delta, len(w.cores), w.request))
-            delta += len(w.cores)
+                tagged.append((delta, w.n, w.request))
+            delta += w.n
         written_ms = time.time_ns() // 1_000_000 if tagged else 0
         table = encode_request_table(written_ms, tagged) if tagged else b""
         # Step 2. Encode (and rotate).
         seg = self._segments[-1]
-        frame = encode_frame(seg.number, first, cores, payloads, lens, self._next_seq, table)
+        frame = encode_sections(seg.number, first, n, sections, self._next_seq, table)
         offset = seg.end
         tried = frame.size
         try:
@@ -615,7 +614,7 @@ class Wal:
         # Step 6. Hand over.
         lsn = first
         for w in group:
-            k = len(w.cores)
+            k = w.n
             w.result = (lsn, lsn + k - 1)
             lsn += k
         observer = self.on_group
@@ -627,13 +626,11 @@ class Wal:
         listener = self._listener
         records: list[Record] | list[RecordBatch] | None = None
         if listener is not None:
+            batches = _section_batches(first, frame)
             if self._listen_batches:
-                records = _section_batches(first, frame)
-            else:
-                counters = {core: count(base) for core, base in frame.base_seqs.items()}
-                seqs = map(next, map(counters.__getitem__, cores))
-                rows = zip(range(first, first + n), cores, seqs, payloads, strict=True)
-                records = list(map(tuple.__new__, repeat(Record), rows))
+                records = batches
+            else:  # tools and tests: Records in LSN order
+                records = sorted(chain.from_iterable(b.records() for b in batches))
         self._deliver(records, group, first, n)
 
     def _deliver(
@@ -960,6 +957,60 @@ class ReadIterator(chain[T]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_sections(n: int, sections: list[EncodedSection]) -> None:
+    """What :class:`CoreSections` promises, checked where it costs no pass per event."""
+    if n < 1 or not sections:
+        raise ValueError("append() needs at least one event")
+    total = 0
+    prev = -1
+    for core, deltas, lens, blob in sections:
+        k = len(deltas)
+        if not isinstance(core, int) or not prev < core < 1 << 32:
+            raise ValueError(f"append(): section cores must ascend in [0, 2**32), got {core!r}")
+        if (
+            not k
+            or len(lens) != k
+            or deltas.typecode != "I"
+            or lens.typecode != "I"
+            or deltas[0] < 0
+            or deltas[-1] >= n
+            or not isinstance(blob, bytes)
+            or len(blob) != sum(lens)
+        ):
+            raise ValueError(f"append(): core {core}'s section is not a valid one of {n} events")
+        total += k
+        prev = core
+    if total != n:
+        raise ValueError(f"append(): the sections hold {total} events, not {n}")
+
+
+def _merge(group: list[_Waiter]) -> list[EncodedSection]:
+    """The group's sections, per core: each append's deltas moved to its place
+    in the group, lengths and payloads concatenated (C-level, per core)."""
+    by_core: dict[int, list[tuple[int, EncodedSection]]] = {}
+    base = 0
+    for w in group:
+        for sec in w.sections:
+            by_core.setdefault(sec.core, []).append((base, sec))
+        base += w.n
+    out: list[EncodedSection] = []
+    for core in sorted(by_core):
+        runs = by_core[core]
+        if len(runs) == 1:
+            base, sec = runs[0]
+            if base:
+                sec = sec._replace(deltas=array("I", map(base.__add__, sec.deltas)))
+            out.append(sec)
+            continue
+        deltas = array("I")
+        lens = array("I")
+        for base, sec in runs:
+            deltas.extend(map(base.__add__, sec.deltas) if base else sec.deltas)
+            lens.extend(sec.lens)
+        out.append(EncodedSection(core, deltas, lens, b"".join(sec.blob for _, sec in runs)))
+    return out
 
 
 def _section_batches(first: int, frame: EncodedFrame) -> list[RecordBatch]:

@@ -39,6 +39,7 @@ import functools
 import re
 import struct
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol, cast
@@ -67,7 +68,7 @@ from daemon.ingest.validate import (
 from daemon.service.metrics import Metrics
 from daemon.shard import collection_seed
 from wal.errors import WalClosedError, WalFatalError, WalFullError
-from wal.format import RequestEntry, RequestTag, crc32c
+from wal.format import CoreSections, EncodedSection, RequestEntry, RequestTag, crc32c
 
 log = structlog.get_logger("eventplane.ingest")
 
@@ -682,9 +683,7 @@ class IngestServer:
             key=key,
         )
 
-    async def _append(
-        self, items: list[tuple[int, bytes]], tag: RequestTag | None
-    ) -> tuple[int, int]:
+    async def _append(self, items: CoreSections, tag: RequestTag | None) -> tuple[int, int]:
         """Step 5: one WAL append, its failures turned into answers."""
         try:
             if tag is None:
@@ -773,7 +772,7 @@ class IngestServer:
 
     # -- parsing (steps 3 and 4) ---------------------------------------------
 
-    def _parse(self, body: bytes, ndjson: bool) -> list[tuple[int, bytes]]:
+    def _parse(self, body: bytes, ndjson: bool) -> CoreSections:
         if not body or body.isspace():
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
         if ndjson:
@@ -818,9 +817,9 @@ class IngestServer:
                 limit=self._max_events,
             )
 
-    def _encode(self, events: list[InEvent]) -> list[tuple[int, bytes]] | None:
-        """Step 4. ``(core, payload)`` per event; None when an op/new/old, ``id``
-        length or ``time`` range rule is broken.
+    def _encode(self, events: list[InEvent]) -> CoreSections | None:
+        """Step 4. ``(core, payload)`` per event, split by core (``CoreSections``);
+        None when an op/new/old, ``id`` length or ``time`` range rule is broken.
 
         The hot loop of ingest: keep it free of calls that are not needed. The
         payload is ``validate._stored_payload`` inlined (``encode`` instead of
@@ -833,9 +832,12 @@ class IngestServer:
         max_id = self._max_event_id
         null = b"null"
         encode = _msgpack_encode
-        items: list[tuple[int, bytes]] = []
-        append = items.append
-        for ev in events:
+        # Per core: the events' positions in the request and their payloads. The
+        # WAL takes them as sections (CoreSections): no (core, payload) tuple per
+        # event, and no sort by core in the writer.
+        positions: list[list[int]] = [[] for _ in range(cores)]
+        payloads: list[list[bytes]] = [[] for _ in range(cores)]
+        for i, ev in enumerate(events):
             # new/old: the raw text of a JSON object, or null (absent is null too).
             # One look at the first byte tells them apart from anything else.
             text = bytes(ev.new)
@@ -874,7 +876,7 @@ class IngestServer:
                     return None
                 payload = encode((collection, op, key, new, old, ts, 0, "", eid, etime))
             if len(payload) > max_event:
-                self._event_too_large(len(items), len(payload))
+                self._event_too_large(i, len(payload))
             seed = seeds.get(collection)
             if seed is None:
                 seed = seeds[collection] = collection_seed(collection)
@@ -883,8 +885,14 @@ class IngestServer:
             # daemon.shard.core_of, inlined; JSON strings never hold lone surrogates,
             # so plain encode() gives the same bytes as core_of's surrogatepass.
             core = (crc32(key.encode(), seed) * cores) >> 32
-            append((core, payload))
-        return items
+            positions[core].append(i)
+            payloads[core].append(payload)
+        sections = [
+            EncodedSection(c, array("I", at), array("I", map(len, got)), b"".join(got))
+            for c, (at, got) in enumerate(zip(positions, payloads, strict=True))
+            if at
+        ]
+        return CoreSections(sections, len(events))
 
     def _event_too_large(self, index: int, size: int) -> None:
         raise Rejection(
