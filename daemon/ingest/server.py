@@ -272,6 +272,9 @@ class IngestServer:
         # Bodies being read or parsed hold at most max_buffered_bytes; parsed
         # events and payloads add about 2x on top, so ingest stays within ~3x.
         self._budget = ByteBudget(c.max_buffered_bytes)
+        # _encode's per-core lists (event loop only; empty between requests).
+        self._positions: list[list[int]] = [[] for _ in range(self._cores)]
+        self._payloads: list[list[bytes]] = [[] for _ in range(self._cores)]
         self._draining = False
         self._hurry = False
         self._wal_errors_logged: set[type[Exception]] = set()
@@ -834,64 +837,81 @@ class IngestServer:
         encode = _msgpack_encode
         # Per core: the events' positions in the request and their payloads. The
         # WAL takes them as sections (CoreSections): no (core, payload) tuple per
-        # event, and no sort by core in the writer.
-        positions: list[list[int]] = [[] for _ in range(cores)]
-        payloads: list[list[bytes]] = [[] for _ in range(cores)]
-        for i, ev in enumerate(events):
-            # new/old: the raw text of a JSON object, or null (absent is null too).
-            # One look at the first byte tells them apart from anything else.
-            text = bytes(ev.new)
-            if text[0] == _LBRACE:
-                new: bytes | None = text
-            elif text == null:
-                new = None
-            else:
-                return None
-            text = bytes(ev.old)
-            if text[0] == _LBRACE:
-                old: bytes | None = text
-            elif text == null:
-                old = None
-            else:
-                return None
-            op = ev.op
-            if op == "update":
-                if new is None:
+        # event, and no sort by core in the writer. The per-core lists are the
+        # server's, reused (this runs on the event loop, never re-entered), and
+        # only the cores this request touched are visited and emptied again, so
+        # a small request pays nothing per configured core.
+        positions = self._positions
+        payloads = self._payloads
+        used: list[int] = []
+        try:
+            for i, ev in enumerate(events):
+                # new/old: the raw text of a JSON object, or null (absent is null too).
+                # One look at the first byte tells them apart from anything else.
+                text = bytes(ev.new)
+                if text[0] == _LBRACE:
+                    new: bytes | None = text
+                elif text == null:
+                    new = None
+                else:
                     return None
-            elif op == "insert":
-                if new is None or old is not None:
+                text = bytes(ev.old)
+                if text[0] == _LBRACE:
+                    old: bytes | None = text
+                elif text == null:
+                    old = None
+                else:
                     return None
-            elif new is not None:
-                return None
-            collection = ev.collection
-            key = ev.key
-            eid = ev.event_id
-            etime = ev.event_time
-            if eid is None and etime is None:  # the short form (validate._stored_payload)
-                payload = encode((collection, op, key, new, old, ts, 0, ""))
-            else:
-                if eid is not None and len(eid) > max_id:
+                op = ev.op
+                if op == "update":
+                    if new is None:
+                        return None
+                elif op == "insert":
+                    if new is None or old is not None:
+                        return None
+                elif new is not None:
                     return None
-                if etime is not None and (etime := event_time_us(etime)) is None:
-                    return None
-                payload = encode((collection, op, key, new, old, ts, 0, "", eid, etime))
-            if len(payload) > max_event:
-                self._event_too_large(i, len(payload))
-            seed = seeds.get(collection)
-            if seed is None:
-                seed = seeds[collection] = collection_seed(collection)
-                if len(seeds) > 4096:  # a producer inventing collections: bound the cache
-                    seeds.clear()
-            # daemon.shard.core_of, inlined; JSON strings never hold lone surrogates,
-            # so plain encode() gives the same bytes as core_of's surrogatepass.
-            core = (crc32(key.encode(), seed) * cores) >> 32
-            positions[core].append(i)
-            payloads[core].append(payload)
-        sections = [
-            EncodedSection(c, array("I", at), array("I", map(len, got)), b"".join(got))
-            for c, (at, got) in enumerate(zip(positions, payloads, strict=True))
-            if at
-        ]
+                collection = ev.collection
+                key = ev.key
+                eid = ev.event_id
+                etime = ev.event_time
+                if eid is None and etime is None:  # the short form (validate._stored_payload)
+                    payload = encode((collection, op, key, new, old, ts, 0, ""))
+                else:
+                    if eid is not None and len(eid) > max_id:
+                        return None
+                    if etime is not None and (etime := event_time_us(etime)) is None:
+                        return None
+                    payload = encode((collection, op, key, new, old, ts, 0, "", eid, etime))
+                if len(payload) > max_event:
+                    self._event_too_large(i, len(payload))
+                seed = seeds.get(collection)
+                if seed is None:
+                    seed = seeds[collection] = collection_seed(collection)
+                    if len(seeds) > 4096:  # a producer inventing collections: bound the cache
+                        seeds.clear()
+                # daemon.shard.core_of, inlined; JSON strings never hold lone surrogates,
+                # so plain encode() gives the same bytes as core_of's surrogatepass.
+                core = (crc32(key.encode(), seed) * cores) >> 32
+                at = positions[core]
+                if not at:
+                    used.append(core)
+                at.append(i)
+                payloads[core].append(payload)
+            used.sort()
+            sections = [
+                EncodedSection(
+                    c,
+                    array("I", positions[c]),
+                    array("I", map(len, payloads[c])),
+                    b"".join(payloads[c]),
+                )
+                for c in used
+            ]
+        finally:
+            for c in used:
+                positions[c].clear()
+                payloads[c].clear()
         return CoreSections(sections, len(events))
 
     def _event_too_large(self, index: int, size: int) -> None:
