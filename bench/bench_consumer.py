@@ -124,7 +124,7 @@ async def catch_up(
     busy = {c: n for c, n in expected.items() if n}
     executor = CountingExecutor(busy)
     plane = EventPlane(cfg, wal, executor, Metrics())
-    wal.set_listener(plane.on_durable)
+    wal.set_batch_listener(plane.on_durable_batches)
     caught_up: dict[int, float] = {}
 
     async def watch() -> None:

@@ -30,6 +30,12 @@ Measured per server:
 Run: ``python -m bench.bench_ingest`` (``--duration 3`` for a quick look;
 ``--repeat 3`` reports the best of three runs on a busy machine).
 
+``--baseline TREE`` is the A/B form: each of ``--peers`` (``eventplane``,
+``daemon``) from this tree and from another source tree (for example an
+unpacked ``main``), ``--repeat`` closed-loop rounds alternating between the
+two, medians of each and the CPU-per-event ratio, with the load average at the
+start and the end.
+
 ``--keys`` measures what idempotent requests cost instead: two eventplane
 ingest servers (the same code and config, de-duplication window on), one
 fed requests without a key and one fed a fresh ``Idempotency-Key`` on every
@@ -252,10 +258,13 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, kind: str, workdir: Path, cores: int) -> None:
+    def __init__(self, kind: str, workdir: Path, cores: int, tree: Path | None = None) -> None:
+        """``tree``: run the server from that source tree (its ``daemon``/``wal``
+        packages) instead of this one; ``--baseline`` uses it."""
         self.kind = kind
         self.keyed = kind == KEYED
-        self.dir = workdir / kind
+        self.tree = tree
+        self.dir = workdir / (kind if tree is None else f"{kind}-baseline")
         self.dir.mkdir(parents=True)
         if kind == "daemon":
             self._start_daemon(cores)
@@ -265,6 +274,7 @@ class Server:
             [sys.executable, "-m", "bench.bench_ingest", "--serve", kind, "--dir", str(self.dir),
              "--port-file", str(port_file), "--cores", str(cores)],
             stdout=subprocess.DEVNULL,
+            cwd=self.tree,
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while not port_file.exists() or not port_file.read_text():
@@ -288,6 +298,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon.cli.main", "run", "--config", str(config)],
             stdout=subprocess.DEVNULL,
+            cwd=self.tree,
         )
         deadline = time.monotonic() + 60
         while True:
@@ -448,6 +459,67 @@ async def run_keys(args: argparse.Namespace, workdir: Path) -> list[Result]:
     return results
 
 
+async def run_baseline(args: argparse.Namespace, workdir: Path) -> list[Result]:
+    """Each peer from this tree and from ``--baseline``, closed-loop runs alternating
+    (the first side alternating too); medians per side."""
+    bodies = make_bodies(64, args.batch)
+    results: list[Result] = []
+    for peer in args.peer_list:
+        servers = [
+            Server(peer, workdir, args.cores),
+            Server(peer, workdir, args.cores, args.baseline),
+        ]
+        runs: list[list[tuple[float, float]]] = [[], []]
+        try:
+            for i in range(args.repeat):
+                for side in (0, 1) if i % 2 == 0 else (1, 0):
+                    runs[side].append(
+                        await closed_loop(
+                            servers[side], bodies, args.clients, args.warmup, args.duration
+                        )
+                    )
+        finally:
+            for server in servers:
+                server.stop()
+        for side, got in enumerate(runs):
+            eps = sorted(e for e, _c in got)
+            cpu = sorted(c for _e, c in got)
+            result = Result(peer if side == 0 else f"{peer} (baseline)")
+            result.events_per_s, result.cpu_us_per_event = eps[len(eps) // 2], cpu[len(cpu) // 2]
+            result.runs = got
+            results.append(result)
+    return results
+
+
+def render_baseline(results: list[Result], args: argparse.Namespace) -> str:
+    lines = [
+        f"this tree against {args.baseline}: HTTP ingest, fsync on, {args.batch} events/request, "
+        f"{args.clients} clients, {args.repeat} alternating runs of {args.duration:g} s per "
+        f"side, medians; {os.cpu_count()} CPUs",
+        f"load average at the start: {args.load_before}; at the end: {_load()}",
+        "",
+        f"{'server':<42} {'events/s':>10} {'CPU µs/ev':>10}   runs: CPU µs/ev",
+        f"{'-' * 42} {'-' * 10} {'-' * 10}",
+    ]
+    for r in results:
+        base = r.peer.removesuffix(" (baseline)")
+        label = LABELS[base] + (" baseline" if r.peer != base else "")
+        spread = " ".join(f"{c:.2f}" for _e, c in r.runs)
+        lines.append(f"{label:<42} {r.events_per_s:>10,.0f} {r.cpu_us_per_event:>10.2f}   {spread}")
+    lines.append("")
+    for ours, base in zip(results[::2], results[1::2], strict=True):
+        lines.append(
+            f"{LABELS[ours.peer]}: this tree / baseline = "
+            f"{ours.cpu_us_per_event / max(base.cpu_us_per_event, 1e-9):.3f}x CPU per event, "
+            f"{ours.events_per_s / max(base.events_per_s, 1e-9):.3f}x events/s"
+        )
+    return "\n".join(lines)
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def render_keys(results: list[Result], args: argparse.Namespace) -> str:
     plain, keyed = results
     ratio = keyed.events_per_s / max(plain.events_per_s, 1e-9)
@@ -527,6 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keys", action="store_true", help="measure Idempotency-Key on every request vs none"
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="A/B: also run each of --peers (eventplane, daemon) from this source tree, "
+        "rounds alternating (--repeat of them); report CPU per event of both and the ratio",
+    )
     parser.add_argument("--serve", choices=(*PEERS, KEYED), help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
@@ -538,11 +616,22 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         parser.error(f"unknown peer(s) {unknown}; choose from {', '.join(PEERS)}")
-    args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    args.load_before = _load()
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-ingest-", dir=os.environ.get("BENCH_DIR")) as d:
         import uvloop
 
+        if args.baseline is not None:
+            bad = [p for p in peers if p not in ("eventplane", "daemon")]
+            if bad:
+                parser.error(f"--baseline runs eventplane and daemon only, not {bad}")
+            args.peer_list = peers
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                results = runner.run(run_baseline(args, Path(d)))
+            print(render_baseline(results, args))
+            if args.json:
+                args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
+            return 0
         if args.keys:
             args.repeat = max(args.repeat, 3)
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

@@ -739,7 +739,7 @@ def measure_parts(bodies: list[bytes], cores: int, workdir: Path, repeat: int) -
                     ring_set = RingSet(cores, 1 << 30, 1 << 40)
 
                     async def listen() -> None:
-                        wal.set_listener(ring_set.push_group)
+                        wal.set_batch_listener(ring_set.push_batches)
 
                     runner.run(listen())
                 return _best_ns(lambda: runner.run(appends(wal)), events, repeat)

@@ -30,7 +30,7 @@ import uuid
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from itertools import chain, count, repeat
+from itertools import accumulate, chain
 from operator import itemgetter
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
@@ -63,11 +63,15 @@ from wal.format import (
     MAX_FRAME_BYTES,
     SECTION_HEADER_SIZE,
     SEGMENT_HEADER_SIZE,
+    CoreSections,
+    EncodedFrame,
+    EncodedSection,
     RequestEntry,
     RequestTag,
     crc32c,
-    encode_frame,
     encode_request_table,
+    encode_sections,
+    sections_of,
 )
 from wal.reader import ReadBuf, RecordBatch, frame_batches, frame_records, segment_frames
 from wal.record import Record
@@ -84,6 +88,8 @@ def _log() -> Any:
 MiB: Final = 1024 * 1024
 FsyncMode = Literal["always", "interval", "never"]
 Listener = Callable[[list[Record]], None]
+# The columnar listener: one RecordBatch per core of the group, cores ascending.
+BatchListener = Callable[[list[RecordBatch]], None]
 GroupObserver = Callable[[int, int, float], None]
 MIN_SEGMENT_BYTES: Final = 4096  # tests rotate tiny segments; the config asks for >= 1 MiB
 _PER_EVENT_BYTES: Final = 8  # one u32 LSN delta + one u32 length per event
@@ -96,31 +102,28 @@ class _Waiter:
     """One append() call waiting for its group's fdatasync."""
 
     __slots__ = (
-        "cores",
         "error",
         "event",
         "future",
-        "lens",
+        "n",
         "nbytes",
-        "payloads",
         "request",
         "result",
+        "sections",
     )
 
     def __init__(
         self,
-        cores: list[int],
-        payloads: list[bytes],
-        lens: array[int],
+        n: int,
+        sections: list[EncodedSection],
         future: asyncio.Future[tuple[int, int]] | None,
         event: threading.Event | None,
         request: RequestTag | None,
     ) -> None:
-        self.cores = cores
-        self.payloads = payloads
-        self.lens = lens
+        self.n = n  # events
+        self.sections = sections  # one per core, cores ascending; deltas from this append's start
         self.request = request
-        self.nbytes = sum(lens) + _PER_EVENT_BYTES * len(lens)
+        self.nbytes = sum(len(s.blob) for s in sections) + _PER_EVENT_BYTES * n
         if request is not None:
             self.nbytes += len(request.key) + 32
         self.future = future
@@ -202,7 +205,8 @@ class Wal:
         self._fatal: BaseException | None = None
         self._dirty = False  # written but not fdatasynced (fsync = interval | never)
         self._last_sync = time.monotonic()
-        self._listener: Listener | None = None
+        self._listener: Listener | BatchListener | None = None
+        self._listen_batches = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.on_group = None
         self._thread = threading.Thread(target=self._writer_main, name="wal-writer", daemon=True)
@@ -387,6 +391,21 @@ class Wal:
         Without a loop (only ``append_blocking``) it runs on the writer thread.
         """
         self._listener = fn
+        self._listen_batches = False
+        with contextlib.suppress(RuntimeError):
+            self._loop = asyncio.get_running_loop()
+
+    def set_batch_listener(self, fn: BatchListener | None) -> None:
+        """:meth:`set_listener`, columnar: ``fn(batches)`` gets one
+        :class:`~wal.reader.RecordBatch` per core of the group (cores ascending,
+        each in LSN order), the same events a record listener would get.
+
+        The batches are the frame's sections as the writer encoded them (the
+        section's joined payloads are the batch's ``data``): no object per
+        event is made, which is what the daemon's rings take (``RingSet.push_batches``).
+        """
+        self._listener = fn
+        self._listen_batches = True
         with contextlib.suppress(RuntimeError):
             self._loop = asyncio.get_running_loop()
 
@@ -440,19 +459,25 @@ class Wal:
     ) -> _Waiter:
         if request is not None:
             check_tag(request)
-        cores = list(map(_core_of, items))
-        if not cores:
-            raise ValueError("append() needs at least one (core, payload) item")
-        payloads = list(map(_payload_of, items))
-        try:
-            array("I", cores)  # C-level range check: 0 <= core < 2**32
-            lens = array("I", map(len, payloads))
-        except (TypeError, OverflowError) as exc:
-            raise ValueError(f"append(): cores must be ints in [0, 2**32): {exc}") from exc
-        if set(map(type, payloads)) != {bytes}:
-            raise TypeError("append(): payloads must be bytes")
-        waiter = _Waiter(cores, payloads, lens, fut, event, request)
-        if waiter.nbytes + FRAME_HEADER_SIZE + SECTION_HEADER_SIZE * len(cores) > MAX_FRAME_BYTES:
+        if isinstance(items, CoreSections):
+            # Ingest's form: split by core already (no pass per event here).
+            n, sections = items.n, items.sections
+            _check_sections(n, sections)
+        else:
+            cores = list(map(_core_of, items))
+            if not cores:
+                raise ValueError("append() needs at least one (core, payload) item")
+            payloads = list(map(_payload_of, items))
+            try:
+                array("I", cores)  # C-level range check: 0 <= core < 2**32
+                lens = array("I", map(len, payloads))
+            except (TypeError, OverflowError) as exc:
+                raise ValueError(f"append(): cores must be ints in [0, 2**32): {exc}") from exc
+            if set(map(type, payloads)) != {bytes}:
+                raise TypeError("append(): payloads must be bytes")
+            n, sections = len(cores), sections_of(cores, payloads, lens)
+        waiter = _Waiter(n, sections, fut, event, request)
+        if waiter.nbytes + FRAME_HEADER_SIZE + SECTION_HEADER_SIZE * n > MAX_FRAME_BYTES:
             raise ValueError(f"append(): {waiter.nbytes} bytes do not fit one frame (4 GiB)")
         with self._cond:
             if self._fatal is not None:
@@ -474,7 +499,9 @@ class Wal:
                 taken = self._next_group()
                 if taken is None:
                     break
-                group = taken
+                # Only ``group`` holds the waiters (and their payloads): it is
+                # emptied after the commit, so nothing outlives it here.
+                group, taken = taken, None
                 if group:
                     self._commit(group)
                 elif self._dirty:
@@ -529,28 +556,21 @@ class Wal:
         the head moves only there, so a group that stops at step 3 leaves no
         LSN, index entry, listener call or ``on_group`` call behind.
         """
-        # Step 1. Gather.
-        if len(group) == 1:
-            cores, payloads, lens = group[0].cores, group[0].payloads, group[0].lens
-        else:
-            cores = list(chain.from_iterable(w.cores for w in group))
-            payloads = list(chain.from_iterable(w.payloads for w in group))
-            lens = array("I")
-            for w in group:
-                lens += w.lens
+        # Step 1. Gather: each core's events of the group, in LSN order.
+        sections = group[0].sections if len(group) == 1 else _merge(group)
         first = self._head + 1
-        n = len(cores)
+        n = sum(w.n for w in group)
         tagged: list[tuple[int, int, RequestTag]] = []
         delta = 0
         for w in group:
             if w.request is not None:
-                tagged.append((delta, len(w.cores), w.request))
-            delta += len(w.cores)
+                tagged.append((delta, w.n, w.request))
+            delta += w.n
         written_ms = time.time_ns() // 1_000_000 if tagged else 0
         table = encode_request_table(written_ms, tagged) if tagged else b""
         # Step 2. Encode (and rotate).
         seg = self._segments[-1]
-        frame = encode_frame(seg.number, first, cores, payloads, lens, self._next_seq, table)
+        frame = encode_sections(seg.number, first, n, sections, self._next_seq, table)
         offset = seg.end
         tried = frame.size
         try:
@@ -594,7 +614,7 @@ class Wal:
         # Step 6. Hand over.
         lsn = first
         for w in group:
-            k = len(w.cores)
+            k = w.n
             w.result = (lsn, lsn + k - 1)
             lsn += k
         observer = self.on_group
@@ -604,41 +624,48 @@ class Wal:
             except Exception:
                 _log().exception("wal.on_group_failed")
         listener = self._listener
-        records: list[Record] | None = None
+        records: list[Record] | list[RecordBatch] | None = None
         if listener is not None:
-            counters = {core: count(base) for core, base in frame.base_seqs.items()}
-            seqs = map(next, map(counters.__getitem__, cores))
-            rows = zip(range(first, first + n), cores, seqs, payloads, strict=True)
-            records = list(map(tuple.__new__, repeat(Record), rows))
-        self._deliver(records, group)
+            batches = _section_batches(first, frame)
+            if self._listen_batches:
+                records = batches
+            else:  # tools and tests: Records in LSN order
+                records = sorted(chain.from_iterable(b.records() for b in batches))
+        self._deliver(records, group, first, n)
 
-    def _deliver(self, records: list[Record] | None, group: list[_Waiter]) -> None:
+    def _deliver(
+        self,
+        records: list[Record] | list[RecordBatch] | None,
+        group: list[_Waiter],
+        first: int = 0,
+        n: int = 0,
+    ) -> None:
         loop = self._loop
         if records is not None and loop is not None and not loop.is_closed():
             try:
-                loop.call_soon_threadsafe(self._finish, records, group, loop)
+                loop.call_soon_threadsafe(self._finish, records, group, loop, first, n)
                 return
             except RuntimeError:  # closed between the check and the call
                 pass
-        self._finish(records, group, None)
+        self._finish(records, group, None, first, n)
 
     def _finish(
         self,
-        records: list[Record] | None,
+        records: list[Record] | list[RecordBatch] | None,
         group: list[_Waiter],
         on_loop: asyncio.AbstractEventLoop | None,
+        first: int = 0,
+        n: int = 0,
     ) -> None:
         listener = self._listener
         if records is not None and listener is not None:
             try:
-                listener(records)
+                listener(records)  # type: ignore[arg-type]  # the kind set_*listener chose
             except Exception:
                 # The events are durable whatever the listener did: acknowledge
                 # them. A consumer that missed them finds a gap and catches up
                 # from the WAL (docs/design.md, consumer modes).
-                _log().exception(
-                    "wal.listener_failed", first_lsn=records[0].lsn, events=len(records)
-                )
+                _log().exception("wal.listener_failed", first_lsn=first, events=n)
         for w in group:
             w.settle(on_loop)
 
@@ -930,6 +957,79 @@ class ReadIterator(chain[T]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_sections(n: int, sections: list[EncodedSection]) -> None:
+    """What :class:`CoreSections` promises, checked where it costs no pass per event."""
+    if n < 1 or not sections:
+        raise ValueError("append() needs at least one event")
+    total = 0
+    prev = -1
+    for core, deltas, lens, blob in sections:
+        k = len(deltas)
+        if not isinstance(core, int) or not prev < core < 1 << 32:
+            raise ValueError(f"append(): section cores must ascend in [0, 2**32), got {core!r}")
+        if (
+            not k
+            or len(lens) != k
+            or deltas.typecode != "I"
+            or lens.typecode != "I"
+            or deltas[0] < 0
+            or deltas[-1] >= n
+            or not isinstance(blob, bytes)
+            or len(blob) != sum(lens)
+        ):
+            raise ValueError(f"append(): core {core}'s section is not a valid one of {n} events")
+        total += k
+        prev = core
+    if total != n:
+        raise ValueError(f"append(): the sections hold {total} events, not {n}")
+
+
+def _merge(group: list[_Waiter]) -> list[EncodedSection]:
+    """The group's sections, per core: each append's deltas moved to its place
+    in the group, lengths and payloads concatenated (C-level, per core)."""
+    by_core: dict[int, list[tuple[int, EncodedSection]]] = {}
+    base = 0
+    for w in group:
+        for sec in w.sections:
+            by_core.setdefault(sec.core, []).append((base, sec))
+        base += w.n
+    out: list[EncodedSection] = []
+    for core in sorted(by_core):
+        runs = by_core[core]
+        if len(runs) == 1:
+            base, sec = runs[0]
+            if base:
+                sec = sec._replace(deltas=array("I", map(base.__add__, sec.deltas)))
+            out.append(sec)
+            continue
+        deltas = array("I")
+        lens = array("I")
+        for base, sec in runs:
+            deltas.extend(map(base.__add__, sec.deltas) if base else sec.deltas)
+            lens.extend(sec.lens)
+        out.append(EncodedSection(core, deltas, lens, b"".join(sec.blob for _, sec in runs)))
+    return out
+
+
+def _section_batches(first: int, frame: EncodedFrame) -> list[RecordBatch]:
+    """The group's events as one RecordBatch per core, from the encoded sections.
+
+    The per-event work is two C-level passes (LSNs, offsets); the payload bytes
+    are the section's blob, already joined for the write.
+    """
+    out: list[RecordBatch] = []
+    base_seqs = frame.base_seqs
+    for core, deltas, lens, blob in frame.sections:
+        k = len(deltas)
+        if deltas[-1] == k - 1:  # deltas ascend from >= 0: the section is 0 .. k-1
+            lsns = array("Q", range(first, first + k))
+        else:
+            lsns = array("Q", map(first.__add__, deltas))
+        offsets = array("Q", accumulate(lens, initial=0))
+        out.append(RecordBatch(core, lsns, base_seqs[core], offsets, blob))
+    return out
 
 
 def _pwrite_all(fd: int, parts: list[Any], offset: int, size: int) -> None:

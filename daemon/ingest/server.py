@@ -39,6 +39,7 @@ import functools
 import re
 import struct
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol, cast
@@ -54,21 +55,20 @@ from daemon.config import Config
 from daemon.errors import DaemonError
 from daemon.ingest.validate import (
     _LBRACE,
-    _NULL,
     InEvent,
     Rejection,
     _decode_many,
     _decode_one,
     _disagreement,
     _json,
-    _msgpack_into,
+    _msgpack_encode,
     event_time_us,
     explain_body,
 )
 from daemon.service.metrics import Metrics
 from daemon.shard import collection_seed
 from wal.errors import WalClosedError, WalFatalError, WalFullError
-from wal.format import RequestEntry, RequestTag, crc32c
+from wal.format import CoreSections, EncodedSection, RequestEntry, RequestTag, crc32c
 
 log = structlog.get_logger("eventplane.ingest")
 
@@ -272,7 +272,9 @@ class IngestServer:
         # Bodies being read or parsed hold at most max_buffered_bytes; parsed
         # events and payloads add about 2x on top, so ingest stays within ~3x.
         self._budget = ByteBudget(c.max_buffered_bytes)
-        self._scratch = bytearray()  # _encode's msgpack buffer (event loop only)
+        # _encode's per-core lists (event loop only; empty between requests).
+        self._positions: list[list[int]] = [[] for _ in range(self._cores)]
+        self._payloads: list[list[bytes]] = [[] for _ in range(self._cores)]
         self._draining = False
         self._hurry = False
         self._wal_errors_logged: set[type[Exception]] = set()
@@ -684,9 +686,7 @@ class IngestServer:
             key=key,
         )
 
-    async def _append(
-        self, items: list[tuple[int, bytes]], tag: RequestTag | None
-    ) -> tuple[int, int]:
+    async def _append(self, items: CoreSections, tag: RequestTag | None) -> tuple[int, int]:
         """Step 5: one WAL append, its failures turned into answers."""
         try:
             if tag is None:
@@ -775,7 +775,7 @@ class IngestServer:
 
     # -- parsing (steps 3 and 4) ---------------------------------------------
 
-    def _parse(self, body: bytes, ndjson: bool) -> list[tuple[int, bytes]]:
+    def _parse(self, body: bytes, ndjson: bool) -> CoreSections:
         if not body or body.isspace():
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
         if ndjson:
@@ -820,64 +820,99 @@ class IngestServer:
                 limit=self._max_events,
             )
 
-    def _encode(self, events: list[InEvent]) -> list[tuple[int, bytes]] | None:
-        """Step 4. ``(core, payload)`` per event; None when an op/new/old, ``id``
-        length or ``time`` range rule is broken.
+    def _encode(self, events: list[InEvent]) -> CoreSections | None:
+        """Step 4. ``(core, payload)`` per event, split by core (``CoreSections``);
+        None when an op/new/old, ``id`` length or ``time`` range rule is broken.
 
         The hot loop of ingest: keep it free of calls that are not needed. The
-        payload is ``validate._stored_payload`` inlined.
+        payload is ``validate._stored_payload`` inlined (``encode`` instead of
+        ``encode_into``: see ``validate._msgpack_encode``).
         """
         ts = time.time_ns()  # one wall-clock stamp per request
         cores = self._cores
         seeds = self._seeds
         max_event = self._max_event
         max_id = self._max_event_id
-        null = _NULL
-        into = _msgpack_into
-        scratch = self._scratch
-        items: list[tuple[int, bytes]] = []
-        append = items.append
-        for ev in events:
-            n = ev.new
-            o = ev.old
-            new = None if n == null else bytes(n)
-            old = None if o == null else bytes(o)
-            op = ev.op
-            if op == "update":
-                if new is None:
+        null = b"null"
+        encode = _msgpack_encode
+        # Per core: the events' positions in the request and their payloads. The
+        # WAL takes them as sections (CoreSections): no (core, payload) tuple per
+        # event, and no sort by core in the writer. The per-core lists are the
+        # server's, reused (this runs on the event loop, never re-entered), and
+        # only the cores this request touched are visited and emptied again, so
+        # a small request pays nothing per configured core.
+        positions = self._positions
+        payloads = self._payloads
+        used: list[int] = []
+        try:
+            for i, ev in enumerate(events):
+                # new/old: the raw text of a JSON object, or null (absent is null too).
+                # One look at the first byte tells them apart from anything else.
+                text = bytes(ev.new)
+                if text[0] == _LBRACE:
+                    new: bytes | None = text
+                elif text == null:
+                    new = None
+                else:
                     return None
-            elif op == "insert":
-                if new is None or old is not None:
+                text = bytes(ev.old)
+                if text[0] == _LBRACE:
+                    old: bytes | None = text
+                elif text == null:
+                    old = None
+                else:
                     return None
-            elif new is not None:
-                return None
-            if (new is not None and new[0] != _LBRACE) or (old is not None and old[0] != _LBRACE):
-                return None
-            collection = ev.collection
-            key = ev.key
-            eid = ev.event_id
-            etime = ev.event_time
-            if eid is None and etime is None:  # the short form (validate._stored_payload)
-                into((collection, op, key, new, old, ts, 0, ""), scratch)
-            else:
-                if eid is not None and len(eid) > max_id:
+                op = ev.op
+                if op == "update":
+                    if new is None:
+                        return None
+                elif op == "insert":
+                    if new is None or old is not None:
+                        return None
+                elif new is not None:
                     return None
-                if etime is not None and (etime := event_time_us(etime)) is None:
-                    return None
-                into((collection, op, key, new, old, ts, 0, "", eid, etime), scratch)
-            payload = bytes(scratch)  # exact size (see _msgpack_into)
-            if len(payload) > max_event:
-                self._event_too_large(len(items), len(payload))
-            seed = seeds.get(collection)
-            if seed is None:
-                seed = seeds[collection] = collection_seed(collection)
-                if len(seeds) > 4096:  # a producer inventing collections: bound the cache
-                    seeds.clear()
-            # daemon.shard.core_of, inlined; JSON strings never hold lone surrogates,
-            # so plain encode() gives the same bytes as core_of's surrogatepass.
-            core = (crc32(key.encode(), seed) * cores) >> 32
-            append((core, payload))
-        return items
+                collection = ev.collection
+                key = ev.key
+                eid = ev.event_id
+                etime = ev.event_time
+                if eid is None and etime is None:  # the short form (validate._stored_payload)
+                    payload = encode((collection, op, key, new, old, ts, 0, ""))
+                else:
+                    if eid is not None and len(eid) > max_id:
+                        return None
+                    if etime is not None and (etime := event_time_us(etime)) is None:
+                        return None
+                    payload = encode((collection, op, key, new, old, ts, 0, "", eid, etime))
+                if len(payload) > max_event:
+                    self._event_too_large(i, len(payload))
+                seed = seeds.get(collection)
+                if seed is None:
+                    seed = seeds[collection] = collection_seed(collection)
+                    if len(seeds) > 4096:  # a producer inventing collections: bound the cache
+                        seeds.clear()
+                # daemon.shard.core_of, inlined; JSON strings never hold lone surrogates,
+                # so plain encode() gives the same bytes as core_of's surrogatepass.
+                core = (crc32(key.encode(), seed) * cores) >> 32
+                at = positions[core]
+                if not at:
+                    used.append(core)
+                at.append(i)
+                payloads[core].append(payload)
+            used.sort()
+            sections = [
+                EncodedSection(
+                    c,
+                    array("I", positions[c]),
+                    array("I", map(len, payloads[c])),
+                    b"".join(payloads[c]),
+                )
+                for c in used
+            ]
+        finally:
+            for c in used:
+                positions[c].clear()
+                payloads[c].clear()
+        return CoreSections(sections, len(events))
 
     def _event_too_large(self, index: int, size: int) -> None:
         raise Rejection(

@@ -37,11 +37,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from daemon.errors import ConsumerFailedError, LsnRegressionError
-from daemon.plane.parts import Part, join_small_parts, pack, part_bytes
+from daemon.plane.parts import Part, join_small_parts, part_bytes
 from daemon.plane.ring import Backpressure, Ring
 from wal.errors import BelowRetainedFloorError
 from wal.reader import RecordBatch
-from wal.record import Record
 
 if TYPE_CHECKING:
     from daemon.config import ConsumerConfig
@@ -337,13 +336,12 @@ class Consumer:
                 return Reason.BACKPRESSURE
             if not sink.has_room(core):
                 return Reason.MEMORY
-            taken = ring.take(drain)
+            taken = ring.take_runs(drain)
             if taken:
                 empty_polls = 0
-                good = self._in_order_prefix(taken)
+                good = self._in_order_runs(taken)
                 if good:
-                    self._deliver(good)
-                    self.last_seq = good[-1].seq
+                    self._deliver_runs(good)
                 if len(good) != len(taken):
                     return Reason.GAP
                 # Let the listener, the planner and the other cores run.
@@ -354,27 +352,34 @@ class Consumer:
             empty_polls += 1
             await self._sleep(poll_min if empty_polls <= patience else poll_max)
 
-    def _in_order_prefix(self, taken: list[Record]) -> list[Record]:
-        """The longest prefix that continues our sequence with growing LSNs."""
-        expected = self.last_seq + 1
-        first, last = taken[0], taken[-1]
-        n = len(taken)
-        # Fast path: sequences in a ring grow by one per record (the WAL assigns
-        # them in LSN order), so matching ends mean a gapless run.
-        if first.seq == expected and last.seq - first.seq == n - 1 and first.lsn > self.last_lsn:
-            return taken
-        prev_lsn = self.last_lsn
-        for i, r in enumerate(taken):
-            if r.seq != expected + i or r.lsn <= prev_lsn:
-                return taken[:i]
-            prev_lsn = r.lsn
-        return taken
+    def _in_order_runs(self, runs: list[RecordBatch]) -> list[RecordBatch]:
+        """The longest prefix of runs that continues our sequence with growing LSNs.
 
-    def _deliver(self, records: list[Record]) -> None:
-        # An in-order prefix has consecutive sequences: one columnar part.
-        self.sink.add(self.core, pack(records))
-        self.last_lsn = records[-1].lsn
-        self._delivered.inc(len(records))
+        Inside a run sequences grow by one and LSNs ascend (the ring only holds
+        such runs), so only where each run starts is checked: a run that does
+        not start at the next sequence, or not above the last delivered LSN, is
+        a gap, and it and everything after it go back to the WAL.
+        """
+        expected = self.last_seq + 1
+        prev_lsn = self.last_lsn
+        for i, run in enumerate(runs):
+            if run.first_seq != expected or run.lsns[0] <= prev_lsn:
+                return runs[:i]
+            expected += len(run)
+            prev_lsn = run.lsns[-1]
+        return runs
+
+    def _deliver_runs(self, runs: list[RecordBatch]) -> None:
+        # In-order runs continue each other: small ones are joined into one part.
+        sink, core = self.sink, self.core
+        n = 0
+        for part in join_small_parts(runs) if len(runs) > 1 else runs:
+            sink.add(core, part)
+            n += len(part)
+        last = runs[-1]
+        self.last_lsn = last.lsns[-1]
+        self.last_seq = last.first_seq + len(last) - 1
+        self._delivered.inc(n)
 
     # ------------------------------------------------------------------
     # CatchUp: replay the WAL, then hand off to the ring

@@ -4,7 +4,7 @@ Wiring, in the daemon::
 
     wal = Wal.open(cfg.wal_dir, ...)
     plane = EventPlane(cfg, wal, executor, metrics)
-    wal.set_listener(plane.on_durable)     # before ingest accepts anything
+    wal.set_batch_listener(plane.on_durable_batches)  # before ingest accepts anything
     await executor.start()
     await plane.start()                    # raises IdentityMismatchError etc.
     ...                                    # ingest uses plane.max_lag() for 429
@@ -92,7 +92,7 @@ class EventPlane:
         self.cores = cfg.daemon.cores
         c = cfg.consumer
         # Every record at or below the head at construction is read by the
-        # boot catch-up; every later one reaches on_durable.
+        # boot catch-up; every later one reaches on_durable_batches.
         self.rings = RingSet(
             self.cores, c.ring_capacity, c.ring_max_bytes, metrics, pushed_lsn=wal.head_lsn()
         )
@@ -121,6 +121,16 @@ class EventPlane:
             self.rings.push_group(records)
         except (DaemonError, ValueError) as exc:
             # Do not raise into the WAL writer's completion path; stop the daemon.
+            err = exc if isinstance(exc, DaemonError) else ConsumerFailedError(str(exc))
+            log.error("ring_push_failed", error=str(exc))
+            self._fail(err)
+
+    def on_durable_batches(self, batches: Sequence[RecordBatch]) -> None:
+        """WAL batch listener (``Wal.set_batch_listener``, what the daemon wires):
+        one durable group as one run per core, on the loop thread."""
+        try:
+            self.rings.push_batches(batches)
+        except (DaemonError, ValueError) as exc:
             err = exc if isinstance(exc, DaemonError) else ConsumerFailedError(str(exc))
             log.error("ring_push_failed", error=str(exc))
             self._fail(err)

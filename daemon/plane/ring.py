@@ -24,15 +24,16 @@ touched only on the event loop thread, so no locks are needed.
 from __future__ import annotations
 
 import enum
+from array import array
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
-from operator import itemgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from daemon.errors import LsnRegressionError
+from daemon.plane.parts import pack
+from wal.reader import RecordBatch
 from wal.record import Record
-
-_payload = itemgetter(3)
 
 if TYPE_CHECKING:
     from daemon.service.metrics import Metrics
@@ -66,11 +67,22 @@ def next_state(state: Backpressure, fill: float) -> Backpressure:
 
 
 class Ring:
-    """One core's bounded FIFO of durable records, oldest first."""
+    """One core's bounded FIFO of durable records, oldest first.
+
+    The entries are *runs*: :class:`~wal.reader.RecordBatch` objects, each a
+    stretch of records with consecutive sequences and ascending LSNs (the
+    WAL's columnar listener hands one per core and group, see
+    :meth:`RingSet.push_batches`). The bounds, the drops and ``emitted`` are
+    per record, exactly as if the records were offered one by one; only the
+    storage is per run, so a group costs the ring a few objects, not one per
+    event.
+    """
 
     __slots__ = (
-        "_entries",
+        "_count",
+        "_gauges",
         "_metrics",
+        "_runs",
         "capacity",
         "core",
         "dropped",
@@ -88,7 +100,8 @@ class Ring:
         self.core = core
         self.capacity = capacity
         self.max_bytes = max_bytes
-        self._entries: deque[Record] = deque()
+        self._runs: deque[RecordBatch] = deque()
+        self._count = 0  # records in _runs
         self._metrics = metrics
         self.nbytes = 0
         # Sequence number of the last record offered, kept or dropped.
@@ -98,82 +111,159 @@ class Ring:
         self.last_drop_lsn = 0
         self.dropped = 0
         self.state = Backpressure.NORMAL
+        # The per-core gauges settle() sets after every push and take, looked up
+        # once: a labels() call per settle is measurable.
+        self._gauges: tuple[Any, Any] | None = None
         if metrics is not None:
             metrics.backpressure_state.labels(core=str(core)).set(0)
-            metrics.ring_utilization.labels(core=str(core)).set(0)
-            metrics.ring_bytes.labels(core=str(core)).set(0)
+            self._gauges = (
+                metrics.ring_utilization.labels(core=str(core)),
+                metrics.ring_bytes.labels(core=str(core)),
+            )
+            for gauge in self._gauges:
+                gauge.set(0)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._count
 
     def fill(self) -> float:
         """Fill ratio 0..1: the larger of count and bytes."""
-        return max(len(self._entries) / self.capacity, self.nbytes / self.max_bytes)
+        return max(self._count / self.capacity, self.nbytes / self.max_bytes)
 
     def offer(self, record: Record) -> bool:
         """Keep ``record`` if it fits, else drop it. Never blocks. True if kept.
 
         Callers refresh the state with :meth:`settle` after a group.
         """
-        self.emitted = record.seq
-        self.offered_lsn = record.lsn
-        size = len(record.payload)
-        if len(self._entries) >= self.capacity or self.nbytes + size > self.max_bytes:
-            self.dropped += 1
-            self.last_drop_lsn = record.lsn
-            return False
-        self._entries.append(record)
-        self.nbytes += size
-        return True
+        run = RecordBatch(
+            record.core,
+            array("Q", (record.lsn,)),
+            record.seq,
+            array("Q", (0, len(record.payload))),
+            record.payload,
+        )
+        return self.offer_run(run) == 0
 
-    def offer_all(self, records: list[Record]) -> int:
+    def offer_all(self, records: Sequence[Record]) -> int:
         """:meth:`offer` each of ``records`` (LSN order); returns how many were dropped.
 
-        One call per core and group: when all of them fit, they go in at once.
+        Records whose sequences continue each other, with growing LSNs, go in
+        as one run.
         """
-        entries = self._entries
-        if len(entries) + len(records) <= self.capacity:
-            size = sum(map(len, map(_payload, records)))
-            if self.nbytes + size <= self.max_bytes:
-                entries.extend(records)
-                self.nbytes += size
-                last = records[-1]
-                self.emitted = last.seq
-                self.offered_lsn = last.lsn
-                return 0
-        offer = self.offer
-        return sum(not offer(r) for r in records)
+        dropped = 0
+        start = 0
+        n = len(records)
+        for i in range(1, n + 1):
+            if (
+                i == n
+                or records[i].seq != records[i - 1].seq + 1
+                or records[i].lsn <= records[i - 1].lsn
+            ):
+                dropped += self.offer_run(pack(records[start:i]))
+                start = i
+        return dropped
 
-    def take(self, limit: int) -> list[Record]:
-        """Remove and return up to ``limit`` records, oldest first."""
-        entries = self._entries
-        n = min(limit, len(entries))
-        if n == 0:
+    def offer_run(self, run: RecordBatch) -> int:
+        """Offer a run's records in order; returns how many were dropped.
+
+        When the whole run fits (the usual case) it goes in as it is. Otherwise
+        each record is kept if it fits, else dropped (a later, smaller record
+        may still fit: the consumer then sees a sequence gap), and the kept
+        records go in as runs of their own.
+        """
+        n = len(run)
+        if not n:
+            return 0
+        lsns = run.lsns
+        self.emitted = run.first_seq + n - 1
+        self.offered_lsn = lsns[-1]
+        size = len(run.data)
+        if self._count + n <= self.capacity and self.nbytes + size <= self.max_bytes:
+            self._runs.append(run)
+            self._count += n
+            self.nbytes += size
+            return 0
+        # Step by step, as offers of single records would go.
+        offs = run.offsets
+        count, nbytes = self._count, self.nbytes
+        kept: list[tuple[int, int]] = []  # [start, end) index ranges kept
+        dropped = 0
+        for i in range(n):
+            k = offs[i + 1] - offs[i]
+            if count >= self.capacity or nbytes + k > self.max_bytes:
+                dropped += 1
+                self.last_drop_lsn = lsns[i]
+                continue
+            count += 1
+            nbytes += k
+            if kept and kept[-1][1] == i:
+                kept[-1] = (kept[-1][0], i + 1)
+            else:
+                kept.append((i, i + 1))
+        for a, b in kept:
+            self._runs.append(_slice(run, a, b))
+        self._count, self.nbytes = count, nbytes
+        self.dropped += dropped
+        return dropped
+
+    def take_runs(self, limit: int) -> list[RecordBatch]:
+        """Remove and return runs holding up to ``limit`` records, oldest first
+        (the last run is split when it would go past ``limit``)."""
+        runs = self._runs
+        if not runs or limit <= 0:
             return []
-        if n == len(entries):  # the usual case: take everything, at C speed
-            out = list(entries)
-            entries.clear()
+        out: list[RecordBatch] = []
+        if self._count <= limit:  # the usual case: take everything
+            out = list(runs)
+            runs.clear()
+            self._count = 0
             self.nbytes = 0
         else:
-            popleft = entries.popleft
-            out = [popleft() for _ in range(n)]
-            self.nbytes -= sum(map(len, map(_payload, out)))
+            left = limit
+            freed = 0
+            while left:
+                run = runs[0]
+                if len(run) <= left:
+                    runs.popleft()
+                else:
+                    run, runs[0] = _slice(run, 0, left), _slice(run, left, len(run))
+                out.append(run)
+                left -= len(run)
+                freed += len(run.data)
+            self._count -= limit
+            self.nbytes -= freed
         self.settle()
         return out
 
+    def take(self, limit: int) -> list[Record]:
+        """Remove and return up to ``limit`` records, oldest first."""
+        return [r for run in self.take_runs(limit) for r in run.records()]
+
     def peek(self) -> Record | None:
-        return self._entries[0] if self._entries else None
+        if not self._runs:
+            return None
+        run = self._runs[0]
+        return Record(run.lsns[0], run.core, run.first_seq, run.payload(0))
 
     def discard_through(self, lsn: int) -> int:
         """Drop entries with LSN <= ``lsn`` (already delivered from the WAL)."""
-        entries = self._entries
+        runs = self._runs
         n = 0
         freed = 0
-        while entries and entries[0].lsn <= lsn:
-            freed += len(entries.popleft().payload)
-            n += 1
+        while runs and runs[0].lsns[0] <= lsn:
+            run = runs[0]
+            k = bisect_right(run.lsns, lsn)
+            if k >= len(run):
+                runs.popleft()
+                freed += len(run.data)
+            else:
+                head, runs[0] = _slice(run, 0, k), _slice(run, k, len(run))
+                freed += len(head.data)
+                k = len(head)
+            n += k
         if n:
-            self.nbytes = self.nbytes - freed if entries else 0
+            self._count -= n
+            self.nbytes = self.nbytes - freed if runs else 0
             self.settle()
         return n
 
@@ -181,17 +271,28 @@ class Ring:
         """Recompute the backpressure state and publish gauges."""
         fill = self.fill()
         new = next_state(self.state, fill)
-        m = self._metrics
-        if m is not None:
-            core = str(self.core)
-            m.ring_utilization.labels(core=core).set(len(self._entries) / self.capacity)
-            m.ring_bytes.labels(core=core).set(self.nbytes)
+        gauges = self._gauges
+        if gauges is not None:
+            gauges[0].set(self._count / self.capacity)
+            gauges[1].set(self.nbytes)
         if new is not self.state:
             self.state = new
+            m = self._metrics
             if m is not None:
                 core = str(self.core)
                 m.backpressure_state.labels(core=core).set(int(new))
                 m.backpressure_transitions.labels(core=core, to=new.name.lower()).inc()
+
+
+def _slice(run: RecordBatch, a: int, b: int) -> RecordBatch:
+    """Records ``a`` .. ``b - 1`` of ``run`` as a run of their own."""
+    offs = run.offsets
+    base = offs[a]
+    # Offsets start at 0 in a RecordBatch (the Arrow layout): rebase unless they do.
+    new_offs = offs[: b + 1] if a == 0 else array("Q", map(base.__rsub__, offs[a : b + 1]))
+    return RecordBatch(
+        run.core, run.lsns[a:b], run.first_seq + a, new_offs, run.data[base : offs[b]]
+    )
 
 
 class RingSet:
@@ -253,6 +354,43 @@ class RingSet:
             ring.settle()
             if dropped and self._metrics is not None:
                 self._metrics.ring_drops.labels(core=str(core)).inc(dropped)
+
+    def push_batches(self, batches: Sequence[RecordBatch]) -> None:
+        """:meth:`push_group` for the WAL's columnar listener: one durable group as
+        one run per core (:meth:`wal.Wal.set_batch_listener`). Never blocks.
+
+        The checks are per run: its LSNs ascend inside (the WAL builds them
+        so), and the group must start above every LSN pushed before; the
+        group's highest LSN becomes ``pushed_lsn``. Same errors as
+        :meth:`push_group`.
+        """
+        rings = self.rings
+        ncores = len(rings)
+        last = self.pushed_lsn
+        top = last
+        for batch in batches:
+            lsns = batch.lsns
+            if not lsns:
+                continue
+            if lsns[0] <= last:
+                raise LsnRegressionError(
+                    f"WAL listener delivered LSN {lsns[0]} after LSN {last}; "
+                    "durable groups must arrive in strictly increasing LSN order"
+                )
+            if not 0 <= batch.core < ncores:
+                raise ValueError(
+                    f"record LSN {lsns[0]} is for core {batch.core}, but daemon.cores = {ncores}"
+                )
+            top = max(top, lsns[-1])
+        self.pushed_lsn = top
+        for batch in batches:
+            if not batch.lsns:
+                continue
+            ring = rings[batch.core]
+            dropped = ring.offer_run(batch)
+            ring.settle()
+            if dropped and self._metrics is not None:
+                self._metrics.ring_drops.labels(core=str(batch.core)).inc(dropped)
 
     def _check_lsns(self, records: Sequence[Record]) -> None:
         last = self.pushed_lsn

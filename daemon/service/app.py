@@ -188,7 +188,7 @@ class Daemon:
         # Step 3. Rings, consumers, planner, watermarks. Rings are fed after fsync.
         self.startup_step = "the event plane (watermarks, batch plans)"
         self.plane = EventPlane(cfg, self.wal, self.executor, self.metrics)
-        self.wal.set_listener(self.plane.on_durable)
+        self.wal.set_batch_listener(self.plane.on_durable_batches)
         await self.plane.start()
 
         # Step 4. Listeners: admin first so /healthz answers while ingest binds.

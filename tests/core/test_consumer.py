@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from daemon.config import ConsumerConfig
-from daemon.plane.consumer import Consumer, _take
+from daemon.plane.consumer import Consumer, Mode, _take
 from daemon.plane.parts import (
     COLUMNAR_OVERHEAD_BYTES,
     PART_OVERHEAD_BYTES,
@@ -177,3 +177,60 @@ class RecordingSink:
 
     def set_catching_up(self, core: int, flag: bool) -> None:
         return None
+
+
+class ListWal:
+    """A WAL stand-in over one core's batches (for one consumer's unit tests)."""
+
+    def __init__(self, batches: list[RecordBatch]) -> None:
+        self.batches = batches
+
+    def read_batches(
+        self, from_lsn: int, *, core: int | None = None, to_lsn: int | None = None
+    ) -> Iterator[RecordBatch]:
+        for b in self.batches:
+            keep = [i for i, lsn in enumerate(b.lsns) if lsn >= from_lsn]
+            if keep:
+                yield split_part(b, keep[0])[1] if keep[0] else b  # type: ignore[misc]
+
+    def head_lsn(self) -> int:
+        return self.batches[-1].lsns[-1]
+
+
+async def test_a_run_that_does_not_continue_the_sequence_is_a_gap_and_the_wal_fills_it() -> None:
+    """1. Boot on an empty log: Normal.
+    2. The ring gets the run of sequences 1-3, then one of 6-7 (4-5 never reached it).
+    3. The consumer delivers 1-3 only, enters CatchUp for a gap, replays 4-7 from
+       the WAL, and drops the ring's 6-7: every event once, in LSN order."""
+    sink = RecordingSink()
+    ring = Ring(0, capacity=100, max_bytes=1 << 20)
+    sent = [rec(lsn, seq=lsn, payload=b"e%d" % lsn) for lsn in range(1, 8)]
+    wal = ListWal([])
+    metrics = Metrics()
+    consumer = Consumer(
+        0, ConsumerConfig(poll_min_ms=0.1), ring, EmptyWal(), sink, metrics, start_lsn=0
+    )
+    task = asyncio.create_task(consumer.run())
+    try:
+        async with asyncio.timeout(5):
+            while consumer.mode is not Mode.NORMAL:  # noqa: ASYNC110 - the consumer's state
+                await asyncio.sleep(0.001)
+        wal.batches = [pack(sent)]  # the log holds all seven
+        consumer.wal = wal
+        ring.offer_run(pack(sent[:3]))
+        ring.offer_run(pack(sent[5:]))
+        async with asyncio.timeout(5):
+            while sum(map(len, sink.parts)) < len(sent) or consumer.mode is not Mode.NORMAL:  # noqa: ASYNC110
+                await asyncio.sleep(0.001)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    assert [len(p) for p in sink.parts] == [3, 4]
+    assert list(Rows(sink.parts)) == sent
+    gaps = metrics.registry.get_sample_value(
+        "eventplane_consumer_catchup_entries_total", {"core": "0", "reason": "gap"}
+    )
+    assert gaps == 1
+    assert len(ring) == 0 and consumer.last_seq == 7

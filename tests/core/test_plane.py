@@ -34,7 +34,7 @@ class Harness:
         self.executor = executor
         self.metrics = Metrics()
         self.plane = EventPlane(cfg, wal, executor, self.metrics)
-        wal.set_listener(self.plane.on_durable)
+        wal.set_batch_listener(self.plane.on_durable_batches)
 
     async def feed(self, items: list[tuple[int, bytes]]) -> tuple[int, int]:
         return await self.wal.append(items)
@@ -576,7 +576,7 @@ async def test_adaptive_poll_backs_off_after_the_configured_empty_polls(
     wal = Wal.open(tmp_path / "wal", segment_bytes=1 << 20)
     try:
         plane = EventPlane(cfg, wal, RecordingExecutor(), Metrics(), sleep=fake_sleep)
-        wal.set_listener(plane.on_durable)
+        wal.set_batch_listener(plane.on_durable_batches)
         await plane.start()
         async with asyncio.timeout(5):
             while len(sleeps) < 40:  # noqa: ASYNC110

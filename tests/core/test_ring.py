@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from array import array
+from itertools import accumulate
+
 import pytest
 
 from daemon.errors import LsnRegressionError
 from daemon.plane.ring import Backpressure, Ring, RingSet, next_state
 from daemon.service.metrics import Metrics
 from tests.core.conftest import rec
+from wal.reader import RecordBatch
+from wal.record import Record
 
 N, T, S = Backpressure.NORMAL, Backpressure.THROTTLED, Backpressure.SUSPENDED
 
@@ -129,3 +134,83 @@ def test_offer_all_keeps_per_record_semantics_when_the_group_does_not_fit() -> N
     assert dropped == kept.count(False) == 1
     assert [r.lsn for r in bulk.take(8)] == [r.lsn for r in one_by_one.take(8)] == [1, 3]
     assert bulk.emitted == one_by_one.emitted and bulk.last_drop_lsn == 2
+
+
+def run(lsns: list[int], seq: int, core: int = 0, sizes: list[int] | None = None) -> RecordBatch:
+    """A run as the WAL's batch listener makes it: consecutive sequences from ``seq``."""
+    sizes = sizes or [1] * len(lsns)
+    data = b"".join(bytes([65 + i % 26]) * k for i, k in enumerate(sizes))
+    return RecordBatch(core, array("Q", lsns), seq, array("Q", accumulate(sizes, initial=0)), data)
+
+
+def test_offer_run_drops_exactly_what_single_offers_would_drop() -> None:
+    """Bytes bound 10: of sizes 4, 5, 3, 1 the 3 does not fit, the 1 after it does;
+    the kept records come back as two runs with their own sequences and payloads."""
+    whole = Ring(0, capacity=8, max_bytes=10)
+    single = Ring(0, capacity=8, max_bytes=10)
+    r = run([11, 12, 13, 14], seq=5, sizes=[4, 5, 3, 1])
+
+    assert whole.offer_run(r) == 1
+    kept = [single.offer(x) for x in r.records()]
+
+    assert kept == [True, True, False, True]
+    assert (whole.dropped, whole.last_drop_lsn, whole.emitted, whole.offered_lsn) == (1, 13, 8, 14)
+    assert (len(whole), whole.nbytes) == (len(single), single.nbytes) == (3, 10)
+    taken = whole.take_runs(8)
+    assert [(t.lsns.tolist(), t.first_seq, t.payloads()) for t in taken] == [
+        ([11, 12], 5, [b"AAAA", b"BBBBB"]),
+        ([14], 8, [b"D"]),
+    ]
+    assert [x.lsn for x in single.take(8)] == [11, 12, 14]
+
+
+def test_take_runs_splits_the_last_run_at_the_limit_and_keeps_the_rest_in_order() -> None:
+    ring = Ring(0, capacity=100, max_bytes=1 << 20)
+    ring.offer_run(run([1, 2, 3], seq=1, sizes=[1, 2, 3]))
+    ring.offer_run(run([4, 5, 6, 7], seq=4, sizes=[1, 1, 1, 4]))
+
+    first = ring.take_runs(5)
+    assert [(t.lsns.tolist(), t.first_seq) for t in first] == [([1, 2, 3], 1), ([4, 5], 4)]
+    assert first[1].offsets.tolist() == [0, 1, 2]
+    assert (len(ring), ring.nbytes) == (2, 5)
+    rest = ring.take_runs(5)
+    assert [(t.lsns.tolist(), t.first_seq, t.payloads()) for t in rest] == [
+        ([6, 7], 6, [b"C", b"DDDD"])
+    ]
+    assert rest[0].offsets.tolist() == [0, 1, 5]  # rebased: Arrow's layout starts at 0
+    assert (len(ring), ring.nbytes, ring.take_runs(5)) == (0, 0, [])
+
+
+def test_discard_through_cuts_a_run_in_the_middle() -> None:
+    ring = Ring(0, capacity=100, max_bytes=1 << 20)
+    ring.offer_run(run([3, 4], seq=1))
+    ring.offer_run(run([6, 8, 9], seq=3, sizes=[1, 2, 3]))
+
+    assert ring.discard_through(8) == 4
+    assert ring.peek() == Record(9, 0, 5, b"CCC")
+    assert (len(ring), ring.nbytes) == (1, 3)
+
+
+def test_push_batches_offers_each_core_its_run_and_tracks_drops_and_pushed_lsn() -> None:
+    m = Metrics()
+    rings = RingSet(2, capacity=2, max_bytes=1 << 20, metrics=m)
+    rings.push_batches([run([1, 3, 4, 5], seq=1, core=0), run([2], seq=1, core=1)])
+
+    assert rings.pushed_lsn == 5
+    assert [x.lsn for x in rings[0].take(10)] == [1, 3]
+    assert rings[0].emitted == 4 and rings[0].last_drop_lsn == 5
+    assert [x.lsn for x in rings[1].take(10)] == [2]
+    assert m.registry.get_sample_value("eventplane_ring_dropped_events_total", {"core": "0"}) == 2
+
+
+def test_push_batches_refuses_lsns_that_do_not_grow_and_offers_nothing() -> None:
+    rings = RingSet(2, capacity=8, max_bytes=1 << 20, pushed_lsn=10)
+    with pytest.raises(LsnRegressionError, match="LSN 10 after LSN 10"):
+        rings.push_batches([run([11], seq=1, core=1), run([10, 12], seq=1, core=0)])
+    assert len(rings[0]) == len(rings[1]) == 0 and rings.pushed_lsn == 10
+
+
+def test_push_batches_refuses_unknown_core() -> None:
+    rings = RingSet(2, capacity=8, max_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"core 2, but daemon\.cores = 2"):
+        rings.push_batches([run([1], seq=1, core=2)])

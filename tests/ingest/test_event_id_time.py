@@ -179,3 +179,30 @@ def test_hot_path_and_explanation_agree_on_every_time_form(tmp_path: Path, value
 
     assert accepted == (problems == []), problems
     assert all(field == "time" for field, _ in problems)
+
+
+def test_a_refused_request_leaves_nothing_for_the_next_one_in_the_per_core_lists(
+    tmp_path: Path,
+) -> None:
+    """``_encode`` reuses its per-core lists: a request refused half way (a rule
+    broken at event 5, an event over the size limit at event 7) must not leave
+    its first events to be stored with the next request."""
+    server = IngestServer(
+        make_cfg(tmp_path, cores=8, max_event_bytes=200), None, Metrics(), lambda: 0
+    )  # type: ignore[arg-type]
+
+    def decoded(events: list[dict[str, Any]]) -> list[validate.InEvent]:
+        return [validate._decode_one(msgspec.json.encode(e)) for e in events]
+
+    broken = [event(i) for i in range(8)]
+    broken[5] = event(5, op="delete", new={"x": 1})  # a delete with a new row
+    assert server._encode(decoded(broken)) is None
+    too_large = [event(i) for i in range(8)]
+    too_large[7] = event(7, new={"pad": "x" * 300})
+    with pytest.raises(validate.Rejection):
+        server._encode(decoded(too_large))
+
+    good = server._encode(decoded([event(i) for i in (100, 101, 102)]))
+    assert good is not None and len(good) == 3
+    assert [decode(payload).key for _core, payload in good] == ["k100", "k101", "k102"]
+    assert sum(len(s.deltas) for s in good.sections) == 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 import tracemalloc
 from typing import Any
@@ -17,6 +18,7 @@ from daemon.ingest.server import IngestServer
 from daemon.service.metrics import Metrics
 from daemon.shard import core_of
 from tests.ingest.conftest import JSON, StartIngest, event, ndjson, post, stored
+from wal.reader import RecordBatch
 
 
 async def test_events_get_consecutive_lsns_in_request_order(
@@ -230,30 +232,33 @@ async def test_port_zero_binds_a_free_port_and_exposes_it(ingest: IngestServer) 
     assert ingest.url == f"http://127.0.0.1:{ingest.port}"
 
 
-async def test_stored_payloads_hold_no_spare_capacity(
+async def test_stored_payloads_do_not_outlive_their_group_commit(
     ingest: IngestServer, http: aiohttp.ClientSession, wal: Any
 ) -> None:
-    """A payload lives as long as its ring entry, so it is allocated at exactly its
-    length: msgspec's encode() would hand back its growing buffer (1.3-1.5x)."""
-    kept: list[tuple[int, bytes]] = []
-    real_append = wal.append
-
-    async def keeping_append(items: Any) -> tuple[int, int]:
-        kept.extend(items)
-        result: tuple[int, int] = await real_append(items)
-        return result
-
+    """Ingest's payloads come from msgspec's encode(), which may allocate up to 1.5x
+    their length; none of them outlives the request. What stays (here: what the
+    batch listener got, as the rings keep it) is one exact-size buffer per core
+    (ingest joins each core's payloads: ``CoreSections``), holding exactly the
+    stored payloads."""
+    groups: list[list[RecordBatch]] = []
+    wal.set_batch_listener(groups.append)
     body = ndjson([event(i, new={"id": i, "pad": "x" * 1000}) for i in range(200)])
-    with mock.patch.object(wal, "append", side_effect=keeping_append):
-        tracemalloc.start()
-        try:
-            status, _, _ = await post(http, ingest, body)
-            where = tracemalloc.Filter(True, ingest_module.__file__)
-            held = tracemalloc.take_snapshot().filter_traces([where]).statistics("filename")
-        finally:
-            tracemalloc.stop()
+    tracemalloc.start()
+    try:
+        status, _, _ = await post(http, ingest, body)
+        where = tracemalloc.Filter(True, ingest_module.__file__)
+        held = tracemalloc.take_snapshot().filter_traces([where]).statistics("filename")
+    finally:
+        tracemalloc.stop()
 
-    assert status == 200 and len(kept) == 200
-    payloads = sum(len(p) for _, p in kept)
-    # Each payload's bytes header (33 B) and its (core, payload) tuple: ~100 B.
-    assert sum(s.size for s in held) <= payloads + 150 * len(kept)
+    assert status == 200
+    batches = [b for group in groups for b in group]
+    assert sum(map(len, batches)) == 200
+    assert sorted(p for b in batches for p in b.payloads()) == sorted(
+        r.payload for r in wal.read(1)
+    )
+    exact = sys.getsizeof(b"")
+    assert all(sys.getsizeof(b.data) - len(b.data) == exact for b in batches)
+    stored = sum(len(b.data) for b in batches)
+    assert stored > 200_000
+    assert sum(s.size for s in held) < stored + 10 * 1024  # 1.5x if the payloads lived on

@@ -92,7 +92,7 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
     executor = StagedExecutor()
     metrics = Metrics()
     plane = EventPlane(cfg, wal, executor, metrics)
-    wal.set_listener(plane.on_durable)
+    wal.set_batch_listener(plane.on_durable_batches)
     await plane.start()
     admin = AdminServer(cfg, metrics, status=plane.status, ready=lambda: True, stages=plane)
     await admin.start()

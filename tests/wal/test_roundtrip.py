@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from array import array
 from pathlib import Path
 from unittest import mock
 
@@ -16,6 +17,8 @@ from structlog.testing import capture_logs
 
 from tests.wal.helpers import OpenWal, events
 from wal import Record, Wal, WalClosedError, WalLockedError
+from wal.format import CoreSections, EncodedSection, sections_of
+from wal.reader import RecordBatch
 
 
 async def test_concurrent_appends_get_consecutive_lsns_and_read_back_in_order(
@@ -314,3 +317,69 @@ def test_frames_bigger_than_a_read_chunk_read_back_from_the_active_and_sealed_se
     wal.append_blocking(events(1))  # rotates: the big frame's segment is sealed (mmap)
     assert wal.segment_count() >= 2
     assert [(r.core, r.payload) for r in wal.read(1, to_lsn=len(expected))] == expected
+
+
+async def test_batch_listener_gets_each_group_as_one_batch_per_core_with_the_logged_events(
+    open_wal: OpenWal,
+) -> None:
+    """The columnar listener sees exactly what a reader of the log sees: every
+    event once, its LSN, core, sequence and payload, one batch per core and
+    group, cores ascending; one-core groups and mixed groups alike."""
+    wal = open_wal()
+    groups: list[list[RecordBatch]] = []
+    wal.set_batch_listener(groups.append)
+
+    await wal.append(events(7, cores=1, tag="one"))  # one section: LSNs 1..7 as they come
+    await wal.append([(2, b"a"), (0, b"b"), (2, b"c"), (1, b"d"), (0, b"e")])
+    await asyncio.gather(*(wal.append(events(9, tag=f"g{k}")) for k in range(5)))
+
+    for group in groups:
+        assert [b.core for b in group] == sorted({b.core for b in group})
+    heard = sorted((r for group in groups for b in group for r in b.records()), key=lambda r: r.lsn)
+    assert heard == list(wal.read(1))
+    assert [b.lsns.tolist() for b in groups[1]] == [[9, 12], [11], [8, 10]]
+    assert [b.first_seq for b in groups[1]] == [8, 1, 1]
+
+
+async def test_an_append_given_as_core_sections_stores_what_the_same_items_store(
+    open_wal: OpenWal, tmp_path: Path
+) -> None:
+    """Ingest hands its events split by core (CoreSections); the log, the LSNs, the
+    sequences and a record listener see them exactly as the (core, payload) items
+    in request order, also when several appends share a group commit."""
+    items = [((7 * i) % 5, b"p%d" % i * (1 + i % 3)) for i in range(40)]
+    plain = open_wal(tmp_path / "plain")
+    split = open_wal(tmp_path / "split")
+    heard: list[Record] = []
+    split.set_listener(heard.extend)
+
+    def as_sections(chunk: list[tuple[int, bytes]]) -> CoreSections:
+        payloads = [p for _, p in chunk]
+        lens = array("I", map(len, payloads))
+        return CoreSections(sections_of([c for c, _ in chunk], payloads, lens), len(chunk))
+
+    chunks = [items[:1], items[1:17], items[17:30], items[30:]]
+    for chunk in chunks:
+        await plain.append(chunk)
+    acks = await asyncio.gather(*(split.append(as_sections(chunk)) for chunk in chunks))
+
+    assert list(split.read(1)) == list(plain.read(1)) == heard
+    assert [a[1] - a[0] + 1 for a in acks] == [1, 16, 13, 10]
+    assert list(as_sections(items[1:17])) == items[1:17]
+
+
+def test_core_sections_that_break_their_promise_are_refused_before_anything_is_written(
+    open_wal: OpenWal,
+) -> None:
+    wal = open_wal()
+    good = EncodedSection(0, array("I", [0, 1]), array("I", [1, 2]), b"abb")
+    bad = [
+        CoreSections([good], 3),  # holds 2 events, says 3
+        CoreSections([good._replace(blob=b"ab")], 2),  # payload bytes do not add up
+        CoreSections([good._replace(deltas=array("I", [0, 2]))], 2),  # position 2 of 2
+        CoreSections([good._replace(core=1), good._replace(core=0)], 4),  # cores descend
+    ]
+    for sections in bad:
+        with pytest.raises(ValueError, match="append"):
+            wal.append_blocking(sections)
+    assert wal.head_lsn() == 0
