@@ -151,7 +151,7 @@ PARQUET_OPTIONS = {
 # Hadoop options of step 1's write only (the batch's staging folder), for its
 # fixed cost: without Hadoop's native library, the local file system forks a
 # ``chmod`` process for every folder and file it creates (docs/performance.md,
-# "The fixed cost of a batch"). 19 forks per 4-collection batch became 9:
+# "The fixed cost of a batch"). 19 forks per 4-collection batch became none:
 # - the plain local file system writes no ``.crc`` file beside each staged
 #   file (the daemon fsyncs and renames the staged files itself, and never
 #   publishes a ``.crc``). Uncached, so that the session's shared ``file:``
@@ -159,11 +159,21 @@ PARQUET_OPTIONS = {
 #   stays as it is for everything else;
 # - no ``_SUCCESS`` marker: a staged batch is complete when Spark's write
 #   returns, and ``_staged_files`` skipped the marker anyway.
+# - ``NIO_LOCAL_FS`` instead of Hadoop's plain file system where the JVM can
+#   load it (``staging_write_options``): it sets permissions without a fork,
+#   and the 9 left became none.
 STAGING_WRITE_OPTIONS = {
     "fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
     "fs.file.impl.disable.cache": "true",
     "mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
 }
+# Hadoop's plain local file system, setting permissions through java.nio
+# instead of a forked ``chmod`` (jvm/src). In the jar make builds when javac
+# exists (``session.HADOOP_JAR``), which a local master's driver JVM gets on
+# its class path.
+NIO_LOCAL_FS = "eventplane.hadoop.NioLocalFileSystem"
+_staging_options: tuple[Any, dict[str, str]] | None = None
+_staging_fallback_logged = False
 # The folders Hadoop's file committer (algorithm 1, application attempt 0)
 # creates under a job's output before its tasks write: made by the daemon
 # beforehand (``os.makedirs``, no fork), Hadoop finds them and creates none.
@@ -702,7 +712,8 @@ class CdcSink:
         (staging / STAGING_JOB_DIRS).mkdir(parents=True)
         partition_by = self.stream.partition_by
         writer = df.write.mode("append").partitionBy(*partition_by)
-        writer.options(**PARQUET_OPTIONS, **STAGING_WRITE_OPTIONS).parquet(str(staging))
+        options = staging_write_options(df.sparkSession)
+        writer.options(**PARQUET_OPTIONS, **options).parquet(str(staging))
 
     def _staging_dir(self, batch_id: int) -> Path:
         return self.meta / "staging" / f"b{batch_id:012d}"
@@ -929,6 +940,50 @@ class CdcSink:
             if batch_id > last:
                 f.unlink()
                 report.orphans_removed.append(str(f.relative_to(self.path)))
+
+
+def staging_write_options(spark: Any) -> dict[str, str]:
+    """The Hadoop options of a staging write (step 1, and a compaction's Spark
+    write) in ``spark``'s session: ``STAGING_WRITE_OPTIONS``, with
+    ``NIO_LOCAL_FS`` as the file system when the session's JVM runs the tasks
+    and can load it. Decided once per session (a few py4j calls); without it
+    the writes fork ``chmod`` as before, and the first session says why, once
+    per process."""
+    global _staging_options, _staging_fallback_logged
+    cached = _staging_options
+    if cached is not None and cached[0] is spark:
+        return cached[1]
+    options = dict(STAGING_WRITE_OPTIONS)
+    reason = _nio_fs_missing(spark)
+    if reason is None:
+        options["fs.file.impl"] = NIO_LOCAL_FS
+    elif not _staging_fallback_logged:
+        _staging_fallback_logged = True
+        log.info("cdc_staging_forks_chmod", reason=reason)
+    _staging_options = (spark, options)
+    return options
+
+
+def _nio_fs_missing(spark: Any) -> str | None:
+    """Why ``NIO_LOCAL_FS`` cannot serve ``spark``'s writes (None: it can)."""
+    from daemon.spark.session import HADOOP_JAR
+
+    sc = getattr(spark, "_sc", None)
+    jsc = getattr(sc, "_jsc", None)
+    if sc is None or jsc is None:
+        return "Spark Connect: the server's class path is its own"
+    master = str(sc.master)
+    if not master.startswith("local"):
+        # The class is on the driver's class path only; executors elsewhere
+        # would fail the write's tasks on it.
+        return f"master {master}: its executors do not have the daemon's jar"
+    if jsc.hadoopConfiguration().getClassByNameOrNull(NIO_LOCAL_FS) is None:
+        built = "exists" if HADOOP_JAR.is_file() else "was not built (make builds it with javac)"
+        return (
+            f"{NIO_LOCAL_FS} is not on the driver JVM's class path: {HADOOP_JAR} {built}, "
+            "and counts only for a JVM the daemon starts"
+        )
+    return None
 
 
 def time_columns(partition_by: tuple[str, ...]) -> list[tuple[str, Any]]:
