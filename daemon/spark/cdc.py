@@ -492,7 +492,7 @@ class CdcSink:
         self._summarized: set[Path] = set()
         # (session, table columns, select list, collection filter) of the write
         # (_write_columns).
-        self._columns: tuple[Any, tuple[str, ...], list[Any], Any | None] | None = None
+        self._columns: tuple[Any, tuple[str, ...], SelectList, Any | None] | None = None
         self.commit_lock = threading.RLock()
         # Leaf partitions a compaction claimed (daemon/spark/compact.py), by
         # relative path; retention leaves them alone. Under commit_lock.
@@ -678,10 +678,10 @@ class CdcSink:
 
     def _select(self, df: Any) -> Any:
         columns, keep = self._write_columns(df.sparkSession)
-        out = df.select(*columns)
+        out = columns.select(df)
         return out if keep is None else out.where(keep)
 
-    def _write_columns(self, spark: Any) -> tuple[list[Any], Any | None]:
+    def _write_columns(self, spark: Any) -> tuple[SelectList, Any | None]:
         """The write's select list (the table's columns, then the time partition
         columns) and the filter on the stream's collections (None: all), built
         once per session. A Column is an expression object in the JVM, and each
@@ -698,7 +698,7 @@ class CdcSink:
             keep = None
             if self.stream.collections != ("*",):
                 keep = F.col("collection").isin(list(self.stream.collections))
-            cached = self._columns = (spark, table, columns, keep)
+            cached = self._columns = (spark, table, SelectList.build(spark, columns), keep)
         return cached[2], cached[3]
 
     def _write_staged(self, df: Any, staging: Path) -> None:
@@ -940,6 +940,36 @@ class CdcSink:
             if batch_id > last:
                 f.unlink()
                 report.orphans_removed.append(str(f.relative_to(self.path)))
+
+
+@dataclass(frozen=True, slots=True)
+class SelectList:
+    """A select list built once per session, for a select per batch that
+    costs one py4j command.
+
+    ``DataFrame.select(*columns)`` hands the JVM a new Java list per call,
+    built with one command per element (py4j's list conversion): 14 for the
+    write's list, 12 for the batch's contract columns. Here the JVM's
+    ``Seq`` of the Columns is made once and passed as it is. A Spark Connect
+    session has no JVM here: its selects go the usual way.
+    """
+
+    columns: tuple[Any, ...]
+    jseq: Any  # the JVM Seq of the Columns; None under Spark Connect
+
+    @classmethod
+    def build(cls, spark: Any, columns: list[Any]) -> SelectList:
+        jvm = getattr(getattr(spark, "_sc", None), "_jvm", None)
+        jseq = None if jvm is None else jvm.PythonUtils.toSeq([c._jc for c in columns])
+        return cls(tuple(columns), jseq)
+
+    def select(self, df: Any) -> Any:
+        """``df.select(*columns)``."""
+        if self.jseq is None:
+            return df.select(*self.columns)
+        from pyspark.sql.classic.dataframe import DataFrame
+
+        return DataFrame(df._jdf.select(self.jseq), df.sparkSession)
 
 
 def staging_write_options(spark: Any) -> dict[str, str]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -158,3 +159,43 @@ def test_the_jar_goes_on_a_local_drivers_class_path_after_the_users_entries(
         assert key not in session.effective_conf("spark://h:7077", "warn", {}, ui=False)
         remote = session.effective_conf("", "warn", {}, ui=False, remote="sc://h:15002")
         assert key not in remote
+
+
+@contextmanager
+def py4j_commands() -> Iterator[list[str]]:
+    """Every command this process sends to the JVM while the block runs."""
+    import py4j.clientserver as cs
+    import py4j.java_gateway as jg
+
+    sent: list[str] = []
+    patches = []
+    for client in (cs.JavaClient, jg.GatewayClient):
+        real = client.send_command
+
+        def send(self: Any, command: str, *a: Any, _real: Any = real, **k: Any) -> Any:
+            sent.append(command)
+            return _real(self, command, *a, **k)
+
+        patches.append(mock.patch.object(client, "send_command", send))
+    with patches[0], patches[1]:
+        yield sent
+
+
+async def test_each_select_of_a_batch_is_one_py4j_command(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """The contract's and the write's select lists go to the JVM as one Seq
+    built once per session: a select is one command, not one per column."""
+    from daemon.spark import frame
+
+    ex = await executor_factory()
+    (sink,) = ex.sinks
+    await ex.execute(make_batches(1, 50)[0])  # both lists built
+    raw = spark.read.schema(frame.INBOX_SCHEMA).parquet(str(tmp_path))
+    with py4j_commands() as contract:
+        df = frame._contract_frame(raw)
+    with py4j_commands() as write:
+        out = sink._select(df)
+    assert (len(contract), len(write)) == (1, 1), (contract, write)
+    assert out.columns == [*cdc.TABLE_COLUMNS]
+    assert [f.name for f in df.schema.fields] == list(frame.FRAME_COLUMNS)
