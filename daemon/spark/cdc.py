@@ -987,11 +987,31 @@ def staging_write_options(spark: Any) -> dict[str, str]:
     reason = _nio_fs_missing(spark)
     if reason is None:
         options["fs.file.impl"] = NIO_LOCAL_FS
+        _drop_yarn_defaults(spark)
     elif not _staging_fallback_logged:
         _staging_fallback_logged = True
         log.info("cdc_staging_forks_chmod", reason=reason)
     _staging_options = (spark, options)
     return options
+
+
+def _drop_yarn_defaults(spark: Any) -> None:
+    """Unset the session's Hadoop keys that only ``yarn-default.xml`` set (527
+    of 1,100; the daemon's jar does it in one call). A local master never reads
+    them, and every job serialises the whole configuration to its tasks, where
+    every Parquet writer scans it (docs/performance.md, "The fixed cost of a
+    batch"). Called with a local master only; a key a site file or
+    ``spark.hadoop.*`` set stays."""
+    from py4j.protocol import Py4JError
+
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    try:
+        drop = spark.sparkContext._jvm.eventplane.hadoop.HadoopDefaults.drop
+        dropped = drop(conf, "yarn-default.xml")
+    except Py4JError as exc:  # a jar built before the class existed: a cost only
+        log.info("cdc_hadoop_defaults_kept", error=str(exc)[:200])
+        return
+    log.debug("cdc_hadoop_defaults_dropped", resource="yarn-default.xml", keys=dropped)
 
 
 def _nio_fs_missing(spark: Any) -> str | None:

@@ -199,3 +199,27 @@ async def test_each_select_of_a_batch_is_one_py4j_command(
     assert (len(contract), len(write)) == (1, 1), (contract, write)
     assert out.columns == [*cdc.TABLE_COLUMNS]
     assert [f.name for f in df.schema.fields] == list(frame.FRAME_COLUMNS)
+
+
+@needs_jar
+async def test_the_session_drops_hadoops_yarn_defaults_but_keeps_what_was_set(
+    spark: Any, executor_factory: Any, fresh_options: Any
+) -> None:
+    """With the daemon's jar, the session's Hadoop configuration loses the keys
+    only ``yarn-default.xml`` set (a local master reads none) and batches still
+    commit; a YARN key set by a program, and every other default, stay (shown
+    on a new configuration, which has every default)."""
+    jvm = spark.sparkContext._jvm
+    fresh = jvm.org.apache.hadoop.conf.Configuration()
+    fresh.set("yarn.eventplane.test", "kept")
+    before, core = fresh.size(), fresh.get("fs.defaultFS")
+    dropped = jvm.eventplane.hadoop.HadoopDefaults.drop(fresh, "yarn-default.xml")
+    assert dropped > 100 and fresh.size() == before - dropped  # 527 of 1,100 here
+    assert (fresh.get("yarn.eventplane.test"), fresh.get("fs.defaultFS")) == ("kept", core)
+    assert fresh.get("mapreduce.fileoutputcommitter.algorithm.version") is not None
+
+    ex = await executor_factory()
+    await ex.execute(make_batches(1, 50)[0])
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    sources = [conf.getPropertySources(e.getKey()) for e in conf.iterator()]
+    assert not [s for s in sources if s is not None and list(s) == ["yarn-default.xml"]]
