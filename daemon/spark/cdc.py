@@ -1023,9 +1023,9 @@ def _nio_fs_missing(spark: Any) -> str | None:
     if sc is None or jsc is None:
         return "Spark Connect: the server's class path is its own"
     master = str(sc.master)
-    if not master.startswith("local"):
-        # The class is on the driver's class path only; executors elsewhere
-        # would fail the write's tasks on it.
+    if not re.fullmatch(r"local(\[[^\]]*\])?", master):
+        # The class is on the driver's class path only; executors in other
+        # JVMs (a cluster, ``local-cluster``) would fail the write's tasks.
         return f"master {master}: its executors do not have the daemon's jar"
     if jsc.hadoopConfiguration().getClassByNameOrNull(NIO_LOCAL_FS) is None:
         built = "exists" if HADOOP_JAR.is_file() else "was not built (make builds it with javac)"

@@ -223,3 +223,22 @@ async def test_the_session_drops_hadoops_yarn_defaults_but_keeps_what_was_set(
     conf = spark.sparkContext._jsc.hadoopConfiguration()
     sources = [conf.getPropertySources(e.getKey()) for e in conf.iterator()]
     assert not [s for s in sources if s is not None and list(s) == ["yarn-default.xml"]]
+
+
+@pytest.mark.parametrize(
+    ("master", "why"),
+    [("spark://h:7077", "master spark://h:7077"), ("local-cluster[2,1,1024]", "local-cluster")],
+)
+def test_masters_whose_tasks_run_in_other_jvms_keep_hadoops_file_system(
+    master: str, why: str
+) -> None:
+    """The jar is on the driver's class path only: where executors are other
+    JVMs, or under Spark Connect (no JVM here), the write keeps Hadoop's own
+    file system, before any call to the JVM."""
+    jsc = mock.Mock(spec=["hadoopConfiguration"])
+    classic = mock.Mock(_sc=mock.Mock(master=master, _jsc=jsc))
+    reason = cdc._nio_fs_missing(classic)
+    assert reason is not None and why in reason
+    jsc.hadoopConfiguration.assert_not_called()
+    connect = mock.Mock(spec=["sql"])  # a Connect session has no _sc
+    assert "Spark Connect" in str(cdc._nio_fs_missing(connect))
