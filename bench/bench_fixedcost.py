@@ -178,6 +178,7 @@ def main() -> None:
         compiled = cg.METRIC_COMPILATION_TIME().getCount()
         recording = start_process_recording(spark) if a.forks else None
         out = asyncio.run(run(spark, batches, root / f"r{r}", jvm))
+        sent, sent_s = calls.copy(), call_s.copy()  # not the recording's read below
         started = process_starts(spark, recording, root / "forks.jfr") if recording else None
         n = len(batches)
         walls = out["walls"]
@@ -197,10 +198,10 @@ def main() -> None:
             what = ", ".join(f"{k} {v / n:.2f}" for k, v in started.most_common(5))
             print(f"  processes started per batch: {sum(started.values()) / n:.2f} ({what})")
         if a.count:
-            total = sum(calls.values())
+            total = sum(sent.values())
             print(f"  py4j commands per batch: {total / n:.1f}")
-            for k, v in calls.most_common(20):
-                print(f"    {v / n:6.1f} {1000 * call_s[k] / n:7.2f} ms  {k}")
+            for k, v in sent.most_common(20):
+                print(f"    {v / n:6.1f} {1000 * sent_s[k] / n:7.2f} ms  {k}")
         shutil.rmtree(root / f"r{r}", ignore_errors=True)
     spark.stop()
     shutil.rmtree(root, ignore_errors=True)
