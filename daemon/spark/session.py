@@ -200,13 +200,15 @@ HADOOP_JAR = Path(__file__).with_name("jars") / "eventplane-hadoop.jar"
 def _add_daemon_jar(out: dict[str, str]) -> None:
     """Append ``HADOOP_JAR`` to ``spark.driver.extraClassPath`` if it exists.
 
-    The driver's class path rather than ``spark.jars``: a class on the JVM's
-    own class path is seen by every class loader, and Hadoop resolves
-    ``fs.file.impl`` through the one its Configuration captured where it was
-    made (``spark.jars`` are only in Spark's child loaders). With a local
-    master the tasks run in the driver JVM, so this is their class path too.
-    pyspark hands the setting to ``spark-submit``, which puts it on the
-    ``java`` command line: it counts only for a JVM this process starts.
+    Hadoop resolves ``fs.file.impl`` through the class loader its
+    Configuration captured where it was made. A ``spark.jars`` jar also
+    served a local write here, but it lives in Spark's own class loaders
+    (the driver's context loader, the executor's); the driver's class path
+    is the JVM's own, which every class loader sees, on whatever thread.
+    With a local master the tasks run in the driver JVM, so it is their
+    class path too. pyspark hands the setting to ``spark-submit``, which
+    puts it on the ``java`` command line: it counts only for a JVM this
+    process starts.
     """
     if not HADOOP_JAR.is_file():
         return
