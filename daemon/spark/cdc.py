@@ -493,6 +493,8 @@ class CdcSink:
         # (session, table columns, select list, collection filter) of the write
         # (_write_columns).
         self._columns: tuple[Any, tuple[str, ...], SelectList, Any | None] | None = None
+        # (session, its staging options, the write's options) (_write_staged).
+        self._options: tuple[Any, dict[str, str], WriteOptions] | None = None
         self.commit_lock = threading.RLock()
         # Leaf partitions a compaction claimed (daemon/spark/compact.py), by
         # relative path; retention leaves them alone. Under commit_lock.
@@ -712,8 +714,17 @@ class CdcSink:
         (staging / STAGING_JOB_DIRS).mkdir(parents=True)
         partition_by = self.stream.partition_by
         writer = df.write.mode("append").partitionBy(*partition_by)
-        options = staging_write_options(df.sparkSession)
-        writer.options(**PARQUET_OPTIONS, **options).parquet(str(staging))
+        self._write_options(df.sparkSession).set_on(writer).parquet(str(staging))
+
+    def _write_options(self, spark: Any) -> WriteOptions:
+        """Step 1's writer options (Parquet's and the staging write's), built
+        once per session and staging choice."""
+        staging = staging_write_options(spark)
+        cached = self._options
+        if cached is None or cached[0] is not spark or cached[1] is not staging:
+            built = WriteOptions.build(spark, {**PARQUET_OPTIONS, **staging})
+            cached = self._options = (spark, staging, built)
+        return cached[2]
 
     def _staging_dir(self, batch_id: int) -> Path:
         return self.meta / "staging" / f"b{batch_id:012d}"
@@ -970,6 +981,37 @@ class SelectList:
         from pyspark.sql.classic.dataframe import DataFrame
 
         return DataFrame(df._jdf.select(self.jseq), df.sparkSession)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOptions:
+    """A writer's options built once per session, set with one py4j command.
+
+    ``DataFrameWriter.options(**options)`` sends one command per option (9
+    for step 1's write); here a Java map of them is made once and handed to
+    the JVM writer's ``options(Map)``. Under Spark Connect (no JVM here)
+    they are set the usual way.
+    """
+
+    options: dict[str, str]
+    jmap: Any  # a java.util.HashMap of ``options``; None under Spark Connect
+
+    @classmethod
+    def build(cls, spark: Any, options: dict[str, str]) -> WriteOptions:
+        jvm = getattr(getattr(spark, "_sc", None), "_jvm", None)
+        jmap = None
+        if jvm is not None:
+            jmap = jvm.java.util.HashMap()
+            for key, value in options.items():
+                jmap.put(key, value)
+        return cls(dict(options), jmap)
+
+    def set_on(self, writer: Any) -> Any:
+        """``writer.options(**options)``; returns ``writer``."""
+        if self.jmap is None or not hasattr(writer, "_jwrite"):
+            return writer.options(**self.options)
+        writer._jwrite = writer._jwrite.options(self.jmap)
+        return writer
 
 
 def staging_write_options(spark: Any) -> dict[str, str]:

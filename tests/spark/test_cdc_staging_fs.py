@@ -181,11 +181,12 @@ def py4j_commands() -> Iterator[list[str]]:
         yield sent
 
 
-async def test_each_select_of_a_batch_is_one_py4j_command(
+async def test_each_select_and_the_writes_options_are_one_py4j_command(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
-    """The contract's and the write's select lists go to the JVM as one Seq
-    built once per session: a select is one command, not one per column."""
+    """The contract's and the write's select lists go to the JVM as one Seq,
+    and step 1's writer options as one map, built once per session: a select
+    is one command, not one per column, and the options one, not one each."""
     from daemon.spark import frame
 
     ex = await executor_factory()
@@ -196,7 +197,10 @@ async def test_each_select_of_a_batch_is_one_py4j_command(
         df = frame._contract_frame(raw)
     with py4j_commands() as write:
         out = sink._select(df)
-    assert (len(contract), len(write)) == (1, 1), (contract, write)
+    writer = out.write
+    with py4j_commands() as options:
+        sink._write_options(spark).set_on(writer)
+    assert (len(contract), len(write), len(options)) == (1, 1, 1), (contract, write, options)
     assert out.columns == [*cdc.TABLE_COLUMNS]
     assert [f.name for f in df.schema.fields] == list(frame.FRAME_COLUMNS)
 
