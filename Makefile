@@ -7,19 +7,28 @@ STAMP := $(VENV)/.installed
 CONFIG ?= config.toml
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck unit bench soak java clean
+.PHONY: run test lint typecheck unit bench soak java jar clean
+# Optional: the Hadoop file system class of the CDC staging writes (jvm/src;
+# scripts/build-jar.sh skips it when javac is missing).
+JAR := daemon/spark/jars/eventplane-hadoop.jar
 
 $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "eventplane needs Python 3.11+, found " + sys.version.split()[0])'
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@bash scripts/build-jar.sh $(BIN)/python
 	@touch $(STAMP)
+
+# Rebuilt when a Java source is newer than the jar (or the jar is missing).
+jar: $(STAMP)
+	@if [ ! -f $(JAR) ] || [ -n "$$(find jvm/src -name '*.java' -newer $(JAR))" ]; then \
+		bash scripts/build-jar.sh $(BIN)/python; fi
 
 java:
 	@bash scripts/check-java.sh
 
-run: $(STAMP) java
+run: $(STAMP) java jar
 	$(BIN)/eventplane run --config $(CONFIG)
 
 lint: $(STAMP)
@@ -29,14 +38,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: $(STAMP) java lint typecheck
+test: $(STAMP) java jar lint typecheck
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-bench: $(STAMP) java
+bench: $(STAMP) java jar
 	$(BIN)/python -m bench
 
-soak: $(STAMP) java
+soak: $(STAMP) java jar
 	$(BIN)/pytest --soak -m soak $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(JAR) var .pytest_cache .mypy_cache .ruff_cache

@@ -12,7 +12,8 @@ then ``--rounds`` rounds. Per round and batch: wall time; CPU of this process
 (the Python half), of its JVM (utime + stime) and of the processes the JVM
 forked and reaped (its cutime + cstime: Hadoop's ``chmod`` forks); the JVM's
 CPU per thread (``/proc/<pid>/task``); Spark's codegen compilations. With
-``--count``, every py4j command sent from Python, by kind. ``--jfr FILE``
+``--count``, every py4j command sent from Python, by kind; with ``--forks``, the
+processes the JVM started (JFR's ``jdk.ProcessStart`` events), by command. ``--jfr FILE``
 records the driver JVM with JFR's ``profile`` settings; ``--eventlog DIR``
 writes Spark's event log, uncompressed. docs/performance.md, "The fixed cost
 of a batch", has what it found.
@@ -66,6 +67,28 @@ def count_py4j() -> None:
                 call_s[key] += time.perf_counter() - t
 
         cls.send_command = send
+
+
+def start_process_recording(spark: Any) -> Any:
+    """A JFR recording of the processes the driver JVM starts (nothing else)."""
+    recording = spark.sparkContext._jvm.jdk.jfr.Recording()
+    recording.enable("jdk.ProcessStart")
+    recording.start()
+    return recording
+
+
+def process_starts(spark: Any, recording: Any, dump: Path) -> collections.Counter[str]:
+    """Stop ``recording``; the processes it saw start, by program name."""
+    jvm = spark.sparkContext._jvm
+    recording.stop()
+    path = jvm.java.io.File(str(dump)).toPath()
+    recording.dump(path)
+    recording.close()
+    out: collections.Counter[str] = collections.Counter()
+    for e in jvm.jdk.jfr.consumer.RecordingFile.readAllEvents(path):
+        out[os.path.basename(str(e.getString("command")).split()[0])] += 1
+    dump.unlink(missing_ok=True)
+    return out
 
 
 def child_cpu(pids: list[int]) -> float:
@@ -125,6 +148,7 @@ def main() -> None:
     p.add_argument("--eventlog", default="", help="Spark's event log into this folder")
     p.add_argument("--conf", action="append", default=[], help="extra Spark conf key=value")
     p.add_argument("--count", action="store_true", help="count py4j commands")
+    p.add_argument("--forks", action="store_true", help="count the processes the JVM starts")
     a = p.parse_args()
     conf = {"spark.sql.shuffle.partitions": "4", "spark.driver.memory": "4g"}
     for kv in a.conf:
@@ -152,7 +176,10 @@ def main() -> None:
         calls.clear()
         call_s.clear()
         compiled = cg.METRIC_COMPILATION_TIME().getCount()
+        recording = start_process_recording(spark) if a.forks else None
         out = asyncio.run(run(spark, batches, root / f"r{r}", jvm))
+        sent, sent_s = calls.copy(), call_s.copy()  # not the recording's read below
+        started = process_starts(spark, recording, root / "forks.jfr") if recording else None
         n = len(batches)
         walls = out["walls"]
         ms = {k: 1000 * out[k] / n for k in ("total", "py", "jvm", "forked")}
@@ -167,11 +194,14 @@ def main() -> None:
         print(f"  codegen compilations per batch: {compiled / n:.2f}")
         top = out["threads"].most_common(12)
         print("  JVM threads, ms/batch: " + ", ".join(f"{k} {1000 * v / n:.0f}" for k, v in top))
+        if started is not None:
+            what = ", ".join(f"{k} {v / n:.2f}" for k, v in started.most_common(5))
+            print(f"  processes started per batch: {sum(started.values()) / n:.2f} ({what})")
         if a.count:
-            total = sum(calls.values())
+            total = sum(sent.values())
             print(f"  py4j commands per batch: {total / n:.1f}")
-            for k, v in calls.most_common(20):
-                print(f"    {v / n:6.1f} {1000 * call_s[k] / n:7.2f} ms  {k}")
+            for k, v in sent.most_common(20):
+                print(f"    {v / n:6.1f} {1000 * sent_s[k] / n:7.2f} ms  {k}")
         shutil.rmtree(root / f"r{r}", ignore_errors=True)
     spark.stop()
     shutil.rmtree(root, ignore_errors=True)

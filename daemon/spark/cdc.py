@@ -151,7 +151,7 @@ PARQUET_OPTIONS = {
 # Hadoop options of step 1's write only (the batch's staging folder), for its
 # fixed cost: without Hadoop's native library, the local file system forks a
 # ``chmod`` process for every folder and file it creates (docs/performance.md,
-# "The fixed cost of a batch"). 19 forks per 4-collection batch became 9:
+# "The fixed cost of a batch"). 19 forks per 4-collection batch became none:
 # - the plain local file system writes no ``.crc`` file beside each staged
 #   file (the daemon fsyncs and renames the staged files itself, and never
 #   publishes a ``.crc``). Uncached, so that the session's shared ``file:``
@@ -159,11 +159,21 @@ PARQUET_OPTIONS = {
 #   stays as it is for everything else;
 # - no ``_SUCCESS`` marker: a staged batch is complete when Spark's write
 #   returns, and ``_staged_files`` skipped the marker anyway.
+# - ``NIO_LOCAL_FS`` instead of Hadoop's plain file system where the JVM can
+#   load it (``staging_write_options``): it sets permissions without a fork,
+#   and the 9 left became none.
 STAGING_WRITE_OPTIONS = {
     "fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
     "fs.file.impl.disable.cache": "true",
     "mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
 }
+# Hadoop's plain local file system, setting permissions through java.nio
+# instead of a forked ``chmod`` (jvm/src). In the jar make builds when javac
+# exists (``session.HADOOP_JAR``), which a local master's driver JVM gets on
+# its class path.
+NIO_LOCAL_FS = "eventplane.hadoop.NioLocalFileSystem"
+_staging_options: tuple[Any, dict[str, str]] | None = None
+_staging_fallback_logged = False
 # The folders Hadoop's file committer (algorithm 1, application attempt 0)
 # creates under a job's output before its tasks write: made by the daemon
 # beforehand (``os.makedirs``, no fork), Hadoop finds them and creates none.
@@ -482,7 +492,9 @@ class CdcSink:
         self._summarized: set[Path] = set()
         # (session, table columns, select list, collection filter) of the write
         # (_write_columns).
-        self._columns: tuple[Any, tuple[str, ...], list[Any], Any | None] | None = None
+        self._columns: tuple[Any, tuple[str, ...], SelectList, Any | None] | None = None
+        # (session, its staging options, the write's options) (_write_staged).
+        self._options: tuple[Any, dict[str, str], WriteOptions] | None = None
         self.commit_lock = threading.RLock()
         # Leaf partitions a compaction claimed (daemon/spark/compact.py), by
         # relative path; retention leaves them alone. Under commit_lock.
@@ -668,10 +680,10 @@ class CdcSink:
 
     def _select(self, df: Any) -> Any:
         columns, keep = self._write_columns(df.sparkSession)
-        out = df.select(*columns)
+        out = columns.select(df)
         return out if keep is None else out.where(keep)
 
-    def _write_columns(self, spark: Any) -> tuple[list[Any], Any | None]:
+    def _write_columns(self, spark: Any) -> tuple[SelectList, Any | None]:
         """The write's select list (the table's columns, then the time partition
         columns) and the filter on the stream's collections (None: all), built
         once per session. A Column is an expression object in the JVM, and each
@@ -688,7 +700,7 @@ class CdcSink:
             keep = None
             if self.stream.collections != ("*",):
                 keep = F.col("collection").isin(list(self.stream.collections))
-            cached = self._columns = (spark, table, columns, keep)
+            cached = self._columns = (spark, table, SelectList.build(spark, columns), keep)
         return cached[2], cached[3]
 
     def _write_staged(self, df: Any, staging: Path) -> None:
@@ -702,7 +714,17 @@ class CdcSink:
         (staging / STAGING_JOB_DIRS).mkdir(parents=True)
         partition_by = self.stream.partition_by
         writer = df.write.mode("append").partitionBy(*partition_by)
-        writer.options(**PARQUET_OPTIONS, **STAGING_WRITE_OPTIONS).parquet(str(staging))
+        self._write_options(df.sparkSession).set_on(writer).parquet(str(staging))
+
+    def _write_options(self, spark: Any) -> WriteOptions:
+        """Step 1's writer options (Parquet's and the staging write's), built
+        once per session and staging choice."""
+        staging = staging_write_options(spark)
+        cached = self._options
+        if cached is None or cached[0] is not spark or cached[1] is not staging:
+            built = WriteOptions.build(spark, {**PARQUET_OPTIONS, **staging})
+            cached = self._options = (spark, staging, built)
+        return cached[2]
 
     def _staging_dir(self, batch_id: int) -> Path:
         return self.meta / "staging" / f"b{batch_id:012d}"
@@ -929,6 +951,131 @@ class CdcSink:
             if batch_id > last:
                 f.unlink()
                 report.orphans_removed.append(str(f.relative_to(self.path)))
+
+
+@dataclass(frozen=True, slots=True)
+class SelectList:
+    """A select list built once per session, for a select per batch that
+    costs one py4j command.
+
+    ``DataFrame.select(*columns)`` hands the JVM a new Java list per call,
+    built with one command per element (py4j's list conversion): 14 for the
+    write's list, 12 for the batch's contract columns. Here the JVM's
+    ``Seq`` of the Columns is made once and passed as it is. A Spark Connect
+    session has no JVM here: its selects go the usual way.
+    """
+
+    columns: tuple[Any, ...]
+    jseq: Any  # the JVM Seq of the Columns; None under Spark Connect
+
+    @classmethod
+    def build(cls, spark: Any, columns: list[Any]) -> SelectList:
+        jvm = getattr(getattr(spark, "_sc", None), "_jvm", None)
+        jseq = None if jvm is None else jvm.PythonUtils.toSeq([c._jc for c in columns])
+        return cls(tuple(columns), jseq)
+
+    def select(self, df: Any) -> Any:
+        """``df.select(*columns)``."""
+        if self.jseq is None:
+            return df.select(*self.columns)
+        from pyspark.sql.classic.dataframe import DataFrame
+
+        return DataFrame(df._jdf.select(self.jseq), df.sparkSession)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOptions:
+    """A writer's options built once per session, set with one py4j command.
+
+    ``DataFrameWriter.options(**options)`` sends one command per option (9
+    for step 1's write); here a Java map of them is made once and handed to
+    the JVM writer's ``options(Map)``. Under Spark Connect (no JVM here)
+    they are set the usual way.
+    """
+
+    options: dict[str, str]
+    jmap: Any  # a java.util.HashMap of ``options``; None under Spark Connect
+
+    @classmethod
+    def build(cls, spark: Any, options: dict[str, str]) -> WriteOptions:
+        jvm = getattr(getattr(spark, "_sc", None), "_jvm", None)
+        jmap = None
+        if jvm is not None:
+            jmap = jvm.java.util.HashMap()
+            for key, value in options.items():
+                jmap.put(key, value)
+        return cls(dict(options), jmap)
+
+    def set_on(self, writer: Any) -> Any:
+        """``writer.options(**options)``; returns ``writer``."""
+        if self.jmap is None or not hasattr(writer, "_jwrite"):
+            return writer.options(**self.options)
+        writer._jwrite = writer._jwrite.options(self.jmap)
+        return writer
+
+
+def staging_write_options(spark: Any) -> dict[str, str]:
+    """The Hadoop options of a staging write (step 1, and a compaction's Spark
+    write) in ``spark``'s session: ``STAGING_WRITE_OPTIONS``, with
+    ``NIO_LOCAL_FS`` as the file system when the session's JVM runs the tasks
+    and can load it. Decided once per session (a few py4j calls); without it
+    the writes fork ``chmod`` as before, and the first session says why, once
+    per process."""
+    global _staging_options, _staging_fallback_logged
+    cached = _staging_options
+    if cached is not None and cached[0] is spark:
+        return cached[1]
+    options = dict(STAGING_WRITE_OPTIONS)
+    reason = _nio_fs_missing(spark)
+    if reason is None:
+        options["fs.file.impl"] = NIO_LOCAL_FS
+        _drop_yarn_defaults(spark)
+    elif not _staging_fallback_logged:
+        _staging_fallback_logged = True
+        log.info("cdc_staging_forks_chmod", reason=reason)
+    _staging_options = (spark, options)
+    return options
+
+
+def _drop_yarn_defaults(spark: Any) -> None:
+    """Unset the session's Hadoop keys that only ``yarn-default.xml`` set (527
+    of 1,100; the daemon's jar does it in one call). A local master never reads
+    them, and every job serialises the whole configuration to its tasks, where
+    every Parquet writer scans it (docs/performance.md, "The fixed cost of a
+    batch"). Called with a local master only; a key a site file or
+    ``spark.hadoop.*`` set stays."""
+    from py4j.protocol import Py4JError
+
+    conf = spark.sparkContext._jsc.hadoopConfiguration()
+    try:
+        drop = spark.sparkContext._jvm.eventplane.hadoop.HadoopDefaults.drop
+        dropped = drop(conf, "yarn-default.xml")
+    except Py4JError as exc:  # a jar built before the class existed: a cost only
+        log.info("cdc_hadoop_defaults_kept", error=str(exc)[:200])
+        return
+    log.debug("cdc_hadoop_defaults_dropped", resource="yarn-default.xml", keys=dropped)
+
+
+def _nio_fs_missing(spark: Any) -> str | None:
+    """Why ``NIO_LOCAL_FS`` cannot serve ``spark``'s writes (None: it can)."""
+    from daemon.spark.session import HADOOP_JAR
+
+    sc = getattr(spark, "_sc", None)
+    jsc = getattr(sc, "_jsc", None)
+    if sc is None or jsc is None:
+        return "Spark Connect: the server's class path is its own"
+    master = str(sc.master)
+    if not re.fullmatch(r"local(\[[^\]]*\])?", master):
+        # The class is on the driver's class path only; executors in other
+        # JVMs (a cluster, ``local-cluster``) would fail the write's tasks.
+        return f"master {master}: its executors do not have the daemon's jar"
+    if jsc.hadoopConfiguration().getClassByNameOrNull(NIO_LOCAL_FS) is None:
+        built = "exists" if HADOOP_JAR.is_file() else "was not built (make builds it with javac)"
+        return (
+            f"{NIO_LOCAL_FS} is not on the driver JVM's class path: {HADOOP_JAR} {built}, "
+            "and counts only for a JVM the daemon starts"
+        )
+    return None
 
 
 def time_columns(partition_by: tuple[str, ...]) -> list[tuple[str, Any]]:

@@ -137,6 +137,7 @@ from daemon.spark.cdc import (
     crash_point,
     fsync_dir,
     fsync_file,
+    staging_write_options,
 )
 
 log = structlog.get_logger("eventplane.cdc")
@@ -788,7 +789,10 @@ def write_merged_spark(spark: Any, folder: Path, plan: Plan, out: Path) -> None:
     for df in frames[1:]:
         merged = merged.union(df)  # keeps the partitions: one task (file) per bin
     writer = merged.sortWithinPartitions("lsn").write.mode("overwrite")
-    writer.options(**PARQUET_OPTIONS).parquet(str(out))
+    # The staging write's file system: no ``.crc`` or ``_SUCCESS`` beside the
+    # merged files (``_outputs`` skipped them) and, where the daemon's jar is
+    # loaded, no forked ``chmod`` per file and folder.
+    writer.options(**PARQUET_OPTIONS, **staging_write_options(spark)).parquet(str(out))
 
 
 def _outputs(out: Path, plan: Plan, cid: int) -> list[tuple[str, str]]:

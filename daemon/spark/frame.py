@@ -22,7 +22,7 @@ from daemon.config import MicrobatchConfig
 from daemon.events import StoredEvent
 from daemon.plane.batch import MicroBatch
 from daemon.plane.parts import Rows
-from daemon.spark.cdc import CDC_COLUMNS, JSON_COLUMNS
+from daemon.spark.cdc import CDC_COLUMNS, JSON_COLUMNS, SelectList
 from wal.reader import RecordBatch
 from wal.record import Record
 
@@ -388,20 +388,21 @@ def _inbox_file(inbox: Path, batch_id: int) -> Path:
 
 def _contract_frame(raw: Any) -> Any:
     """The batch DataFrame (``FRAME_COLUMNS``) over ``batch_table``-shaped rows."""
-    return raw.select(*_contract_columns(raw.sparkSession))
+    return _contract_columns(raw.sparkSession).select(raw)
 
 
-_contract_cache: tuple[Any, list[Any]] | None = None
+_contract_cache: tuple[Any, SelectList] | None = None
 
 
-def _contract_columns(spark: Any) -> list[Any]:
+def _contract_columns(spark: Any) -> SelectList:
     """The contract's select list, built once per session: Columns are
-    unresolved expressions, and building them is a py4j call each."""
+    unresolved expressions, and building them, or a Java list of them, is a
+    py4j call each."""
     global _contract_cache
     if _contract_cache is None or _contract_cache[0] is not spark:
         from pyspark.sql import functions as F
 
         parsed = {"new": F.parse_json("new_json"), "old": F.parse_json("old_json")}
         cols = [parsed[c].alias(c) if c in parsed else F.col(c) for c in FRAME_COLUMNS]
-        _contract_cache = (spark, cols)
+        _contract_cache = (spark, SelectList.build(spark, cols))
     return _contract_cache[1]

@@ -24,6 +24,9 @@ always win):
 - With a ``local`` master, ``spark.driver.bindAddress`` and
   ``spark.driver.host`` = ``127.0.0.1``: the embedded Spark's driver and
   block-manager ports listen on loopback only.
+- With a ``local`` master, the daemon's jar (``HADOOP_JAR``, when make built
+  it) on the driver's class path: the file system of the CDC staging writes
+  (docs/cdc.md, "Step 1's file system").
 - Spark's JVM log at ``log_level`` (WARN by default) from the first line on,
   through a generated log4j2 file: JSON lines named like the daemon's own
   with ``log_format = "json"``, text otherwise. The Python side goes through
@@ -43,6 +46,7 @@ returning the dead one.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -183,7 +187,35 @@ def effective_conf(
         # may only set runtime SQL confs.
         out.pop("spark.ui.showConsoleProgress", None)
     out.update(conf)
+    if not remote and master.startswith("local"):
+        _add_daemon_jar(out)
     return out
+
+
+# Built from jvm/src by scripts/build-jar.sh (make's install step, when javac
+# exists); absent otherwise, and the daemon does without it.
+HADOOP_JAR = Path(__file__).with_name("jars") / "eventplane-hadoop.jar"
+
+
+def _add_daemon_jar(out: dict[str, str]) -> None:
+    """Append ``HADOOP_JAR`` to ``spark.driver.extraClassPath`` if it exists.
+
+    Hadoop resolves ``fs.file.impl`` through the class loader its
+    Configuration captured where it was made. A ``spark.jars`` jar also
+    served a local write here, but it lives in Spark's own class loaders
+    (the driver's context loader, the executor's); the driver's class path
+    is the JVM's own, which every class loader sees, on whatever thread.
+    With a local master the tasks run in the driver JVM, so it is their
+    class path too. pyspark hands the setting to ``spark-submit``, which
+    puts it on the ``java`` command line: it counts only for a JVM this
+    process starts.
+    """
+    if not HADOOP_JAR.is_file():
+        return
+    current = out.get("spark.driver.extraClassPath", "")
+    jar = str(HADOOP_JAR)
+    if jar not in current.split(os.pathsep):
+        out["spark.driver.extraClassPath"] = f"{current}{os.pathsep}{jar}" if current else jar
 
 
 def build_session(
