@@ -125,6 +125,16 @@ def test_build_max_bytes_is_a_checked_microbatch_key() -> None:
     ]
 
 
+def test_spark_warmup_rows_is_a_checked_key_with_a_default() -> None:
+    assert config.load(ROOT / "config.toml").spark.warmup_rows == 20_000
+    assert config.parse({"spark": {"warmup_rows": 0}}).spark.warmup_rows == 0
+    with pytest.raises(ConfigError) as info:
+        config.parse({"spark": {"warmup_rows": -1}})
+    assert info.value.errors == [
+        "spark.warmup_rows: expected an integer >= 0 and <= 1000000, got -1"
+    ]
+
+
 def _stream(**extra: object) -> dict[str, object]:
     return {"cdc": {"streams": [{"name": "s", "collections": "*", "path": "x", **extra}]}}
 
