@@ -1166,7 +1166,9 @@ def count_rows(table: Path) -> int:
 def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> SideResult:
     res = SideResult(side.name)
     say(f"{side.name}: starting ...")
+    starting = time.time()
     side.start()
+    ready_s = time.time() - starting
     watch = plan.jvm_threads and isinstance(side, EventplaneSide)
     jvm: list[dict[str, float]] = []
     first: dict[str, float] = {}
@@ -1189,6 +1191,7 @@ def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> 
                     if ledger is not None and ledger.last_batch_id:
                         jvm.append(ep.jvm_threads())
                         first["visible_s"] = time.time() - began
+                        first["ready_s"] = ready_s
                         first["rows"] = float(ledger.rows_total)
                         return
                 stop_watch.wait(POLL_S)
@@ -1361,8 +1364,9 @@ def render_jvm(rounds: Sequence[tuple[int, SideResult]], events: int) -> str:
         fb = r.first_batch
         if fb:
             out.append(
-                f"\nround {n}, {r.name}: first batch after start: {fb['rows']:,.0f} rows, "
-                f"committed {fb['visible_s']:.2f} s after the warm-up's first request"
+                f"\nround {n}, {r.name}: Spark ready {fb['ready_s']:.2f} s after the daemon "
+                f"started; first batch: {fb['rows']:,.0f} rows, committed "
+                f"{fb['visible_s']:.2f} s after the warm-up's first request"
             )
         for phase, delta in r.jvm.items():
             per = events if phase == "throughput run" else 0

@@ -121,6 +121,9 @@ class SparkConfig:
     # Synthetic events a new session writes into a scratch table before the
     # first real batch (daemon/spark/warmup.py); 0 turns the warm-up off.
     warmup_rows: int = 20_000
+    # The driver JVM maps Spark's classes from an archive under data_dir
+    # (class data sharing; daemon.spark.session.class_sharing).
+    class_sharing: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,6 +473,7 @@ _SPARK: dict[str, Checker] = {
     "log_level": _choice("TRACE", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"),
     "conf": lambda v, p, e: _string_table(v, p, e),
     "warmup_rows": _int(0, 1_000_000),
+    "class_sharing": _bool,
 }
 _MICROBATCH: dict[str, Checker] = {
     "interval_ms": _int(10),

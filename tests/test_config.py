@@ -125,8 +125,12 @@ def test_build_max_bytes_is_a_checked_microbatch_key() -> None:
     ]
 
 
-def test_spark_warmup_rows_is_a_checked_key_with_a_default() -> None:
+def test_spark_warmup_rows_and_class_sharing_are_checked_keys_with_defaults() -> None:
     assert config.load(ROOT / "config.toml").spark.warmup_rows == 20_000
+    assert config.load(ROOT / "config.toml").spark.class_sharing is True
+    with pytest.raises(ConfigError) as info:
+        config.parse({"spark": {"class_sharing": "yes"}})
+    assert info.value.errors == ['spark.class_sharing: expected true or false, got "yes"']
     assert config.parse({"spark": {"warmup_rows": 0}}).spark.warmup_rows == 0
     with pytest.raises(ConfigError) as info:
         config.parse({"spark": {"warmup_rows": -1}})
