@@ -31,6 +31,15 @@ always win):
   process, so what the JVM prints before log4j exists ("WARNING: Using
   incubator modules") becomes a ``spark.jvm_output`` event too.
 
+The driver JVM's options (``spark.driver.extraJavaOptions``) compose
+(``driver_java_options``): the log4j file, the daemon's JVM defaults
+(``_JVM_DEFAULTS``, none at present: docs/performance.md, "The daemon's JVM",
+says what was measured), then the user's options, which replace any of ours
+that set the same thing. With ``[spark] class_sharing`` the driver JVM maps
+Spark's classes from a class data sharing archive under
+``<data_dir>/spark-cds`` that the first JVM recorded at its exit
+(``class_sharing``).
+
 A session can be lost while the daemon runs: the driver JVM dies (OOM killer,
 SIGKILL), its SparkContext stops (a cluster master lost for good), or a Spark
 Connect server restarts and forgets the client's session. ``session_exited``
