@@ -259,7 +259,10 @@ def build_session(
 
         conf = dict(conf or {})
         user = conf.get("spark.driver.extraJavaOptions", "")
-        cds = driver_class_sharing(cds_dir, remote, user)
+        # The heap's size decides the archive's layout (compressed pointers):
+        # an archive is kept per driver memory and per user JVM options.
+        salt = f"{conf.get('spark.driver.memory', '')} {user}"
+        cds = driver_class_sharing(cds_dir, remote, user, salt)
         if cds is not None and cds.options:
             conf["spark.driver.extraJavaOptions"] = " ".join([*cds.options, user]).strip()
         settings = effective_conf(master, log_level, conf, ui, remote, log_format)
@@ -380,9 +383,10 @@ class ClassSharing:
         tmp.replace(self.jvm_file)
 
 
-def _cds_key() -> str:
-    """What an archive is valid for: the PySpark install (its version and jars)
-    and the java binary; another one gets an archive of its own."""
+def _cds_key(salt: str = "") -> str:
+    """What an archive is valid for: the PySpark install (its version and jars),
+    the java binary and ``salt`` (the JVM's options); another one gets an
+    archive of its own."""
     import pyspark
 
     jars = Path(pyspark.__file__).parent / "jars"
@@ -394,17 +398,19 @@ def _cds_key() -> str:
         stamp = (java_real.parent.parent / "lib" / "modules").stat().st_mtime_ns
     except OSError:
         stamp = 0
-    text = json.dumps([pyspark.__version__, str(jars), names, str(java_real), stamp])
+    text = json.dumps([pyspark.__version__, str(jars), names, str(java_real), stamp, salt])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def driver_class_sharing(folder: Path | None, remote: str, user: str) -> ClassSharing | None:
+def driver_class_sharing(
+    folder: Path | None, remote: str, user: str, salt: str = ""
+) -> ClassSharing | None:
     """``class_sharing`` for a driver JVM this process starts, unless there is
     none (Spark Connect), no folder, or the user's ``extraJavaOptions`` set
     ``-Xshare`` or an archive of their own (theirs wins)."""
     if folder is None or remote or "cds" in map(_flag, shlex.split(user)):
         return None
-    return class_sharing(folder)
+    return class_sharing(folder, salt)
 
 
 def _archive_maps(archive: Path, jvm_file: Path) -> bool:
@@ -424,7 +430,7 @@ def _archive_maps(archive: Path, jvm_file: Path) -> bool:
     return done.returncode == 0
 
 
-def class_sharing(folder: Path) -> ClassSharing:
+def class_sharing(folder: Path, salt: str = "") -> ClassSharing:
     """The driver JVM's class data sharing archive under ``folder``.
 
     1. An archive for this PySpark and java (``_cds_key``) exists: the JVM
@@ -438,8 +444,14 @@ def class_sharing(folder: Path) -> ClassSharing:
 
     The JVM's own ``cds`` log lines (one per class it cannot archive, such as
     a signed jar's) are off. A problem with the folder gives no options.
+    Files of other keys (an upgraded PySpark or java, other JVM options) are
+    removed: one archive is 170 MB.
     """
-    key = _cds_key()
+    key = _cds_key(salt)
+    with contextlib.suppress(OSError):
+        for old in folder.glob("spark-*"):
+            if not old.name.startswith(f"spark-{key}."):
+                old.unlink(missing_ok=True)
     archive = folder / f"spark-{key}.jsa"
     pending = folder / f"spark-{key}.pending.jsa"
     jvm_file = folder / f"spark-{key}.jvm.json"

@@ -148,3 +148,15 @@ def test_the_driver_jvm_records_its_class_path_for_the_archive_check(
     doc = json.loads(sharing.jvm_file.read_text())
     assert Path(doc["java"]).is_file()
     assert "spark-core" in doc["classpath"]
+
+
+def test_an_archive_is_kept_per_jvm_options_and_other_ones_are_removed(tmp_path: Path) -> None:
+    folder = tmp_path / "spark-cds"
+    small = session.class_sharing(folder, "1g")
+    big = session.class_sharing(folder, "8g")
+    assert small.archive != big.archive
+    big.archive.write_bytes(b"an archive")
+    (folder / "spark-0123456789abcdef.jsa").write_bytes(b"of an older PySpark")
+    again = session.class_sharing(folder, "8g")
+    assert again.options[0] == f"-XX:SharedArchiveFile={big.archive}"
+    assert sorted(p.name for p in folder.iterdir()) == [big.archive.name]
