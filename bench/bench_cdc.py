@@ -295,6 +295,14 @@ def start_daemon(
     import urllib.request
 
     root.mkdir(parents=True)
+    # Every daemon a benchmark starts has a data_dir of its own, but they all
+    # share the driver JVM's class data sharing archive, as a daemon restarted
+    # on its data_dir does (docs/performance.md, "The daemon's JVM"); the
+    # first one records it when its JVM exits.
+    cds = Path(tempfile.gettempdir()) / "eventplane-bench-spark-cds"
+    cds.mkdir(exist_ok=True)
+    (root / "data").mkdir()
+    (root / "data" / "spark-cds").symlink_to(cds, target_is_directory=True)
     ingest, admin = _free_port(), _free_port()
     config = root / "config.toml"
     config.write_text(f"""
@@ -355,6 +363,9 @@ def stop_daemon(d: Daemon) -> None:
     import signal
     import subprocess
 
+    from bench.jvm_threads import find_jvm
+
+    jvm = find_jvm(d.proc.pid) if d.proc.poll() is None else None
     if d.proc.poll() is None:
         d.proc.send_signal(signal.SIGTERM)
         try:
@@ -362,6 +373,18 @@ def stop_daemon(d: Daemon) -> None:
         except subprocess.TimeoutExpired:
             d.proc.kill()
             d.proc.wait(10)
+    # The driver JVM outlives the daemon by a moment (and by the time it takes
+    # to record its class data sharing archive, the first time): the next
+    # side must not share the cores with it.
+    deadline = time.monotonic() + 120
+    while jvm is not None and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{jvm}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    break  # exited, not yet reaped
+        except OSError:
+            break  # gone
+        time.sleep(0.1)
 
 
 def _ledger_state(table: Path) -> tuple[int, dict[int, int]]:

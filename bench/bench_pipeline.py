@@ -956,6 +956,13 @@ class EventplaneSide(Side):
         own = own_cpu(self.d.proc.pid)
         return {"server": own, "spark": tree_cpu(self.d.proc.pid) - own}
 
+    def jvm_threads(self) -> dict[str, float]:
+        """The daemon's JVM's CPU seconds so far, per thread kind (bench.jvm_threads)."""
+        from bench import jvm_threads
+
+        jvm = jvm_threads.find_jvm(self.d.proc.pid)
+        return jvm_threads.sample(jvm) if jvm is not None else {}
+
     def drain(self, expected: int) -> None:
         from bench.bench_cdc import _ledger_state
 
@@ -1110,6 +1117,12 @@ class SideResult:
     # CPU seconds per wall second over the latency run (its warm-up included,
     # producers not): what the side's freshness at that rate costs.
     latency_cores: float | None = None
+    # ``--jvm-threads`` (eventplane sides): the JVM's CPU per thread kind from
+    # session ready to the first batch committed, over the rest of the warm-up,
+    # and over the throughput run; the first batch's rows and when it was
+    # committed (s after the warm-up's first request).
+    jvm: dict[str, dict[str, float]] = field(default_factory=dict)
+    first_batch: dict[str, float] = field(default_factory=dict)
     error: str = ""
     skipped: str = ""
 
@@ -1139,6 +1152,7 @@ class Plan:
     clients: int
     rate: int
     interval_ms: int
+    jvm_threads: bool = False
 
 
 def count_rows(table: Path) -> int:
@@ -1157,12 +1171,54 @@ def count_rows(table: Path) -> int:
 def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> SideResult:
     res = SideResult(side.name)
     say(f"{side.name}: starting ...")
+    starting = time.time()
     side.start()
+    ready_s = time.time() - starting
+    watch = plan.jvm_threads and isinstance(side, EventplaneSide)
+    jvm: list[dict[str, float]] = []
+    first: dict[str, float] = {}
+    stop_watch = threading.Event()
+    watcher: threading.Thread | None = None
+    if watch:
+        from daemon.spark.cdc import read_ledger
+
+        assert isinstance(side, EventplaneSide)
+        ep = side
+        jvm.append(ep.jvm_threads())
+        began = time.time()
+
+        def first_batch() -> None:
+            # The first batch after start: its run time, when it became visible,
+            # and the JVM's CPU up to then.
+            # One last look after the warm-up's drain: a first batch that took
+            # every warm-up row commits just before the drain returns.
+            last = False
+            while not last:
+                last = stop_watch.is_set()
+                try:
+                    ledger = read_ledger(ep.table)
+                except Exception:  # mid-replace: read again next poll
+                    ledger = None
+                if ledger is not None and ledger.last_batch_id:
+                    jvm.append(ep.jvm_threads())
+                    first["visible_s"] = time.time() - began
+                    first["ready_s"] = ready_s
+                    first["rows"] = float(ledger.rows_total)
+                    return
+                stop_watch.wait(POLL_S)
+
+        watcher = threading.Thread(target=first_batch, name="bench-first-batch", daemon=True)
+        watcher.start()
     say(f"{side.name}: warm-up, {plan.warm:,} events ...")
     run_producers(side.url, plan.warm_file, REQUEST_EVENTS, plan.clients, 0, work / "warm.json")
     side.drain(plan.warm)
+    if watcher is not None:
+        stop_watch.set()
+        watcher.join()
 
     say(f"{side.name}: throughput, {plan.events:,} events ...")
+    if watch:
+        jvm.append(side.jvm_threads())  # type: ignore[attr-defined]
     before = side.cpu()
     batches_before = side.batches()
     got = run_producers(side.url, plan.run_file, REQUEST_EVENTS, plan.clients, 0, work / "run.json")
@@ -1170,6 +1226,15 @@ def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> 
     done = time.time()
     after = side.cpu()
     batches_run = side.batches()
+    if watch:
+        from bench import jvm_threads
+
+        jvm.append(side.jvm_threads())  # type: ignore[attr-defined]
+        if len(jvm) == 4:
+            res.jvm["start to first batch"] = jvm_threads.diff(jvm[0], jvm[1])
+            res.jvm["rest of the warm-up"] = jvm_threads.diff(jvm[1], jvm[2])
+        res.jvm["throughput run"] = jvm_threads.diff(jvm[-2], jvm[-1])
+        res.first_batch = first
     res.events = plan.events
     res.acked_s = got["acked"] - got["started"]
     res.visible_s = done - got["started"]
@@ -1303,9 +1368,33 @@ def _as_json(r: SideResult) -> dict[str, Any]:
         "rows_checked": r.rows_checked,
         "batches": r.batches,
         "latency_cores": r.latency_cores,
+        "jvm_threads": r.jvm,
+        "first_batch": r.first_batch,
         "error": r.error,
         "skipped": r.skipped,
     }
+
+
+def render_jvm(rounds: Sequence[tuple[int, SideResult]], events: int) -> str:
+    """``--jvm-threads``: per eventplane round, the JVM's CPU by thread kind."""
+    from bench import jvm_threads
+
+    out = ["the daemon's JVM by thread (--jvm-threads):"]
+    for n, r in rounds:
+        if not r.jvm:
+            continue
+        fb = r.first_batch
+        if fb:
+            out.append(
+                f"\nround {n}, {r.name}: Spark ready {fb['ready_s']:.2f} s after the daemon "
+                f"started; first batch committed {fb['visible_s']:.2f} s after the "
+                f"warm-up's first request ({fb['rows']:,.0f} rows committed then)"
+            )
+        for phase, delta in r.jvm.items():
+            per = events if phase == "throughput run" else 0
+            out.append("")
+            out.append(jvm_threads.render(delta, per, f"round {n}, {r.name}, {phase}:"))
+    return "\n".join(out)
 
 
 def render_rounds(rounds: Sequence[tuple[int, SideResult]]) -> str:
@@ -1449,6 +1538,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run every side this many times, in reverse order every other round; the "
         "table shows each side's fastest round and its lowest p99 (1)",
     )
+    p.add_argument(
+        "--jvm-threads",
+        action="store_true",
+        help="eventplane sides: print the daemon JVM's CPU by thread kind (JIT, GC, "
+        "Spark tasks, ...) from start to the first batch, over the warm-up and over "
+        "the throughput run, and when the first batch committed",
+    )
     p.add_argument("--master", default="local[*]")
     p.add_argument("--dir", type=Path, help="work folder, kept (default: a temp folder)")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -1500,7 +1596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             root / "warm.ndjson", warm, root / "run.ndjson", warm + 1, n,
             root / "lat.ndjson", warm + n + 1, lat_requests * LATENCY_REQUEST_EVENTS,
             round(args.rate * args.latency_warmup_seconds / LATENCY_REQUEST_EVENTS),
-            args.clients, args.rate, args.interval_ms,
+            args.clients, args.rate, args.interval_ms, args.jvm_threads,
         )  # fmt: skip
         write_events(plan.warm_file, 1, warm)
         write_events(plan.run_file, plan.run_first, n)
@@ -1555,6 +1651,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(results, args))
     if args.rounds > 1:
         print("\n" + render_rounds(rounds))
+    if args.jvm_threads:
+        print("\n" + render_jvm(rounds, args.events))
     print(f"\nload average before: {load_before}; after: {load_after}")
     if args.json:
         doc = {

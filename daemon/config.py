@@ -118,6 +118,14 @@ class SparkConfig:
     ui: bool = False
     log_level: str = "WARN"
     conf: Mapping[str, str] = field(default_factory=dict)
+    # Synthetic events a new session writes into a scratch table before the
+    # first real batch (daemon/spark/warmup.py); 0 turns the warm-up off.
+    warmup_rows: int = 20_000
+    # The driver JVM maps Spark's classes from an archive under data_dir
+    # (class data sharing; daemon.spark.session.class_sharing). Off by
+    # default: a 171 MB file, written by the first JVM as it exits (13-19 s
+    # here), for a faster start only.
+    class_sharing: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,6 +474,8 @@ _SPARK: dict[str, Checker] = {
     "ui": _bool,
     "log_level": _choice("TRACE", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"),
     "conf": lambda v, p, e: _string_table(v, p, e),
+    "warmup_rows": _int(0, 1_000_000),
+    "class_sharing": _bool,
 }
 _MICROBATCH: dict[str, Checker] = {
     "interval_ms": _int(10),

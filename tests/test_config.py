@@ -125,6 +125,20 @@ def test_build_max_bytes_is_a_checked_microbatch_key() -> None:
     ]
 
 
+def test_spark_warmup_rows_and_class_sharing_are_checked_keys_with_defaults() -> None:
+    assert config.load(ROOT / "config.toml").spark.warmup_rows == 20_000
+    assert config.load(ROOT / "config.toml").spark.class_sharing is False
+    with pytest.raises(ConfigError) as info:
+        config.parse({"spark": {"class_sharing": "yes"}})
+    assert info.value.errors == ['spark.class_sharing: expected true or false, got "yes"']
+    assert config.parse({"spark": {"warmup_rows": 0}}).spark.warmup_rows == 0
+    with pytest.raises(ConfigError) as info:
+        config.parse({"spark": {"warmup_rows": -1}})
+    assert info.value.errors == [
+        "spark.warmup_rows: expected an integer >= 0 and <= 1000000, got -1"
+    ]
+
+
 def _stream(**extra: object) -> dict[str, object]:
     return {"cdc": {"streams": [{"name": "s", "collections": "*", "path": "x", **extra}]}}
 

@@ -327,6 +327,8 @@ class Daemon:
             s.conf,
             s.remote,
             log_format=logs.current_format(),
+            # The driver JVM's class data sharing archive (session.class_sharing).
+            cds_dir=cfg.data_dir / "spark-cds" if s.class_sharing and not s.remote else None,
         )
         return SparkExecutor(cfg, self.metrics, stages, wal_id=wal_id, session_factory=factory)
 

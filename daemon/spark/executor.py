@@ -590,11 +590,35 @@ class SparkExecutor:
             return
 
     def _build(self) -> Any:
-        """Worker thread: build, and remember the session even if boot is cancelled."""
+        """Worker thread: build, and remember the session even if boot is cancelled;
+        then warm it up (``_warm_up``) before any batch runs on it."""
         session = self._factory()
         self._built = session
         self._adopt(session)
+        self._warm_up(session)
         return session
+
+    def _warm_up(self, session: Any) -> None:
+        """Worker thread: run the batch path once on synthetic rows into a scratch
+        table (daemon/spark/warmup.py), so that the first real batch finds the
+        JVM's classes loaded and its hot code compiled. Local masters only: the
+        driver JVM is the one that writes. A failure is logged, never raised:
+        without the warm-up the first batch is only slower."""
+        rows = self.cfg.spark.warmup_rows
+        if rows <= 0 or self.cfg.spark.remote or not self.cfg.spark.master.startswith("local"):
+            return
+        if self._status.state is not State.STARTING:  # stop() came meanwhile
+            return
+        from daemon.spark import warmup
+
+        try:
+            done = warmup.warm_session(
+                session, self.cfg, rows, self._parallelism(session), self._inbox is not None
+            )
+        except Exception as exc:
+            log.warning("spark_warmup_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        log.info("spark_session_warmed", **done)
 
     def _adopt(self, session: Any) -> None:
         """Worker thread, between batches: stages that keep the session take this one."""

@@ -34,6 +34,15 @@ always win):
   process, so what the JVM prints before log4j exists ("WARNING: Using
   incubator modules") becomes a ``spark.jvm_output`` event too.
 
+The driver JVM's options (``spark.driver.extraJavaOptions``) compose
+(``driver_java_options``): the log4j file, the daemon's JVM defaults
+(``_JVM_DEFAULTS``, none at present: docs/performance.md, "The daemon's JVM",
+says what was measured), then the user's options, which replace any of ours
+that set the same thing. With ``[spark] class_sharing`` the driver JVM maps
+Spark's classes from a class data sharing archive under
+``<data_dir>/spark-cds`` that the first JVM recorded at its exit
+(``class_sharing``).
+
 A session can be lost while the daemon runs: the driver JVM dies (OOM killer,
 SIGKILL), its SparkContext stops (a cluster master lost for good), or a Spark
 Connect server restarts and forgets the client's session. ``session_exited``
@@ -46,7 +55,13 @@ returning the dead one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import json
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -82,6 +97,12 @@ _DAEMON_DEFAULTS: dict[str, str] = {
     "spark.sql.variant.writeShredding.enabled": "false",
     "spark.sql.parquet.variant.annotateLogicalType.enabled": "false",
 }
+
+# JVM options the daemon's driver starts with (embedded or cluster driver; not
+# Spark Connect), ahead of the user's spark.driver.extraJavaOptions
+# (``driver_java_options``). Measured on the whole pipeline (docs/performance.md,
+# "The daemon's JVM").
+_JVM_DEFAULTS: tuple[str, ...] = ()
 
 # log4j2 configuration for the driver JVM: one console appender on stderr
 # (journald keeps it next to the daemon's own lines), the level from config,
@@ -169,10 +190,9 @@ def effective_conf(
     if not remote:
         out["spark.ui.enabled"] = "true" if ui else "false"
         out["spark.log.level"] = log_level.upper()
-        if "spark.driver.extraJavaOptions" not in conf:
-            out["spark.driver.extraJavaOptions"] = (
-                f"-Dlog4j2.configurationFile=file:{_log4j2_file(log_level, log_format)}"
-            )
+        out["spark.driver.extraJavaOptions"] = driver_java_options(
+            _log4j2_file(log_level, log_format), conf.get("spark.driver.extraJavaOptions", "")
+        )
         if master.startswith("local"):
             # Embedded Spark talks to itself only: its driver and block-manager
             # ports listen on loopback, not on every interface.
@@ -186,10 +206,38 @@ def effective_conf(
         # Spark Connect: static and JVM settings belong to the server; the client
         # may only set runtime SQL confs.
         out.pop("spark.ui.showConsoleProgress", None)
-    out.update(conf)
+    out.update({k: v for k, v in conf.items() if k != "spark.driver.extraJavaOptions" or remote})
     if not remote and master.startswith("local"):
         _add_daemon_jar(out)
     return out
+
+
+def _flag(option: str) -> str:
+    """What a JVM option sets: ``-XX:+UseParallelGC`` -> ``gc`` (one collector
+    at most), ``-XX:CICompilerCount=2`` -> ``-XX:CICompilerCount``,
+    ``-Dkey=value`` -> ``-Dkey``, ``-Xss4m`` -> ``-Xss``."""
+    if re.fullmatch(r"-XX:[+-]Use\w*GC", option):
+        return "gc"
+    if option.startswith(("-Xshare", "-XX:SharedArchiveFile", "-XX:ArchiveClassesAtExit")):
+        return "cds"
+    if option.startswith("-XX:"):
+        return "-XX:" + re.sub(r"^[+-]", "", option[4:]).split("=", 1)[0]
+    if option.startswith("-D"):
+        return option.split("=", 1)[0]
+    m = re.match(r"-X(ss|ms|mx|mn)", option)
+    return m.group(0) if m else option
+
+
+def driver_java_options(log4j_file: Path, user: str = "") -> str:
+    """``spark.driver.extraJavaOptions`` for a JVM the daemon starts: the log4j
+    file, the daemon's JVM defaults (``_JVM_DEFAULTS``), then the user's
+    options from ``[spark.conf]``. An option of ours that sets what one of the
+    user's sets (the same flag, or another garbage collector) is left out: the
+    user's wins, and two collectors would stop the JVM from starting."""
+    theirs = {_flag(o) for o in shlex.split(user)}
+    ours = [f"-Dlog4j2.configurationFile=file:{log4j_file}", *_JVM_DEFAULTS]
+    kept = [o for o in ours if _flag(o) not in theirs]
+    return " ".join([*kept, user] if user.strip() else kept)
 
 
 # Built from jvm/src by scripts/build-jar.sh (make's install step, when javac
@@ -226,18 +274,29 @@ def build_session(
     conf: Mapping[str, str] | None = None,
     remote: str = "",
     log_format: str = "console",
+    cds_dir: Path | None = None,
 ) -> Any:
     """Create (or join) the process's SparkSession. Blocking; call off the event loop.
 
     ``remote`` (``sc://host:port``) selects Spark Connect and replaces ``master``;
     the client then needs ``pyspark[connect]``'s gRPC packages. ``log_format``:
     the JVM log's layout (``json`` lines or ``console`` text, on stderr).
+    ``cds_dir``: the folder of the driver JVM's class data sharing archive
+    (``class_sharing``); None: none.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_PANDAS3_WARNING, category=FutureWarning)
         from pyspark.sql import SparkSession
 
-        settings = effective_conf(master, log_level, conf or {}, ui, remote, log_format)
+        conf = dict(conf or {})
+        user = conf.get("spark.driver.extraJavaOptions", "")
+        # The heap's size decides the archive's layout (compressed pointers):
+        # an archive is kept per driver memory and per user JVM options.
+        salt = f"{conf.get('spark.driver.memory', '')} {user}"
+        cds = driver_class_sharing(cds_dir, remote, user, salt)
+        if cds is not None and cds.options:
+            conf["spark.driver.extraJavaOptions"] = " ".join([*cds.options, user]).strip()
+        settings = effective_conf(master, log_level, conf, ui, remote, log_format)
         if log_format == "json" and not remote:
             _launch_jvm_with_json_stderr(master, app_name, settings)
         builder = SparkSession.builder.appName(app_name)
@@ -247,6 +306,8 @@ def build_session(
         session = builder.getOrCreate()
         if not remote:
             session.sparkContext.setLogLevel(log_level.upper())
+        if cds is not None and cds.recording:
+            cds.remember_jvm(session)
         prime_pyspark_imports()
         return session
 
@@ -319,6 +380,131 @@ def prime_pyspark_imports() -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_PANDAS3_WARNING, category=FutureWarning)
         import pyspark.testing.utils  # noqa: F401
+
+
+# -- class data sharing ----------------------------------------------------------
+
+# A JVM that loads and verifies Spark's classes from its jars spends seconds of
+# CPU on it at every start; mapped from a class data sharing archive, it does
+# not (measured: about half of a new driver's CPU up to its first write;
+# docs/performance.md, "The daemon's JVM").
+CDS_CHECK_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassSharing:
+    """The driver JVM's class data sharing, for one start (``class_sharing``)."""
+
+    options: tuple[str, ...]
+    archive: Path
+    pending: Path
+    jvm_file: Path
+    recording: bool  # this JVM writes the archive when it exits
+
+    def remember_jvm(self, session: Any) -> None:
+        """Record the java binary and class path of the JVM that will write the
+        pending archive: the next start checks the archive with them."""
+        system = session.sparkContext._jvm.java.lang.System
+        doc = {
+            "java": str(Path(system.getProperty("java.home")) / "bin" / "java"),
+            "classpath": system.getProperty("java.class.path"),
+        }
+        tmp = self.jvm_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc), encoding="utf-8")
+        tmp.replace(self.jvm_file)
+
+
+def _cds_key(salt: str = "") -> str:
+    """What an archive is valid for: the PySpark install (its version and jars),
+    the java binary and ``salt`` (the JVM's options); another one gets an
+    archive of its own."""
+    import pyspark
+
+    jars = Path(pyspark.__file__).parent / "jars"
+    names = sorted(p.name for p in jars.glob("*.jar")) if jars.is_dir() else []
+    java_home = os.environ.get("JAVA_HOME")
+    java = Path(java_home) / "bin" / "java" if java_home else shutil.which("java")
+    java_real = Path(java).resolve() if java else Path("java")
+    try:
+        stamp = (java_real.parent.parent / "lib" / "modules").stat().st_mtime_ns
+    except OSError:
+        stamp = 0
+    text = json.dumps([pyspark.__version__, str(jars), names, str(java_real), stamp, salt])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def driver_class_sharing(
+    folder: Path | None, remote: str, user: str, salt: str = ""
+) -> ClassSharing | None:
+    """``class_sharing`` for a driver JVM this process starts, unless there is
+    none (Spark Connect), no folder, or the user's ``extraJavaOptions`` set
+    ``-Xshare`` or an archive of their own (theirs wins)."""
+    if folder is None or remote or "cds" in map(_flag, shlex.split(user)):
+        return None
+    return class_sharing(folder, salt)
+
+
+def _archive_maps(archive: Path, jvm_file: Path) -> bool:
+    """Whether the JVM recorded in ``jvm_file`` maps ``archive`` (a JVM killed
+    while it wrote the archive leaves one that does not)."""
+    try:
+        doc = json.loads(jvm_file.read_text(encoding="utf-8"))
+        done = subprocess.run(
+            # A cut archive crashes the JVM (SIGBUS): no crash report, no core.
+            [doc["java"], "-Xshare:on", f"-XX:SharedArchiveFile={archive}",
+             "-XX:ErrorFile=/dev/null", "-XX:-CreateCoredumpOnCrash",
+             "-cp", doc["classpath"], "-version"],
+            capture_output=True, timeout=CDS_CHECK_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def class_sharing(folder: Path, salt: str = "") -> ClassSharing:
+    """The driver JVM's class data sharing archive under ``folder``.
+
+    1. An archive for this PySpark and java (``_cds_key``) exists: the JVM
+       maps it (``-XX:SharedArchiveFile``).
+    2. Else, a pending archive that the last JVM wrote when it exited is
+       checked (``_archive_maps``, with that JVM's java and class path) and,
+       if it maps, becomes the archive (a rename) and is used.
+    3. Else (none, or one that does not map, which is removed) this JVM
+       records one when it exits (``-XX:ArchiveClassesAtExit``; a normal exit
+       or SIGTERM writes it, a SIGKILL does not). JDK 13 or later.
+
+    The JVM's own ``cds`` log lines (one per class it cannot archive, such as
+    a signed jar's) are off. A problem with the folder gives no options.
+    Files of other keys (an upgraded PySpark or java, other JVM options) are
+    removed: one archive is 170 MB.
+    """
+    key = _cds_key(salt)
+    with contextlib.suppress(OSError):
+        for old in folder.glob("spark-*"):
+            if not old.name.startswith(f"spark-{key}."):
+                old.unlink(missing_ok=True)
+    archive = folder / f"spark-{key}.jsa"
+    pending = folder / f"spark-{key}.pending.jsa"
+    jvm_file = folder / f"spark-{key}.jvm.json"
+    quiet = "-Xlog:cds*=off"
+    # Step 1. An archive made before.
+    if archive.is_file():
+        return ClassSharing((f"-XX:SharedArchiveFile={archive}", quiet), archive, pending,
+                            jvm_file, False)  # fmt: skip
+    # Step 2. The one the last JVM wrote at its exit, once it is known to map.
+    if pending.is_file():
+        if _archive_maps(pending, jvm_file):
+            pending.replace(archive)
+            return ClassSharing((f"-XX:SharedArchiveFile={archive}", quiet), archive, pending,
+                                jvm_file, False)  # fmt: skip
+        pending.unlink(missing_ok=True)
+    # Step 3. This JVM writes one when it exits.
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return ClassSharing((), archive, pending, jvm_file, False)
+    return ClassSharing((f"-XX:ArchiveClassesAtExit={pending}", quiet), archive, pending,
+                        jvm_file, True)  # fmt: skip
 
 
 # -- a lost session ------------------------------------------------------------

@@ -18,6 +18,8 @@ from typing import Any
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+# [spark] keys of every test daemon (write_config).
+TEST_SPARK_LINES = "warmup_rows = 0\nclass_sharing = false\n"
 
 
 def write_config(directory: Path, extra: str = "", **daemon: Any) -> Path:
@@ -52,6 +54,14 @@ format = "json"
 level = "{daemon.get("log_level", "info")}"
 {extra}
 """
+    # The test daemons start as they did before the warm-up write and class data
+    # sharing existed: each has a data_dir of its own, where every JVM would
+    # record a 170 MB archive at its exit (tests/spark/test_warmup.py and
+    # tests/spark/test_session_conf.py cover both).
+    if "\n[spark]\n" in text:
+        text = text.replace("\n[spark]\n", "\n[spark]\n" + TEST_SPARK_LINES, 1)
+    else:
+        text += "\n[spark]\n" + TEST_SPARK_LINES
     path = directory / "config.toml"
     path.write_text(text)
     return path

@@ -248,7 +248,7 @@ def test_reset_restores_the_hooks_it_replaced() -> None:
 @pytest.mark.parametrize("fmt", ["json", "console"])
 def test_the_spark_jvm_logs_in_the_daemon_format(fmt: str) -> None:
     conf = session.effective_conf("local[1]", "warn", {}, ui=False, log_format=fmt)
-    path = conf["spark.driver.extraJavaOptions"].split("file:", 1)[1]
+    path = conf["spark.driver.extraJavaOptions"].split()[0].split("file:", 1)[1]
     text = Path(path).read_text()
     assert text == session.log4j2_text("warn", fmt)
     assert "rootLogger.level = WARN" in text

@@ -92,6 +92,8 @@ def make_config(
             app_name="eventplane-tests",
             log_level="ERROR",
             conf={"spark.sql.shuffle.partitions": "2"},
+            # The tests share one warm session; tests/spark/test_warmup.py turns it on.
+            warmup_rows=0,
         ),
         cdc=CdcConfig(
             streams=tuple(
