@@ -120,10 +120,7 @@ class EventPlane:
         try:
             self.rings.push_group(records)
         except (DaemonError, ValueError) as exc:
-            # Do not raise into the WAL writer's completion path; stop the daemon.
-            err = exc if isinstance(exc, DaemonError) else ConsumerFailedError(str(exc))
-            log.error("ring_push_failed", error=str(exc))
-            self._fail(err)
+            self._push_failed(exc)
 
     def on_durable_batches(self, batches: Sequence[RecordBatch]) -> None:
         """WAL batch listener (``Wal.set_batch_listener``, what the daemon wires):
@@ -131,9 +128,13 @@ class EventPlane:
         try:
             self.rings.push_batches(batches)
         except (DaemonError, ValueError) as exc:
-            err = exc if isinstance(exc, DaemonError) else ConsumerFailedError(str(exc))
-            log.error("ring_push_failed", error=str(exc))
-            self._fail(err)
+            self._push_failed(exc)
+
+    def _push_failed(self, exc: DaemonError | ValueError) -> None:
+        # Not raised into the WAL writer's completion path: the daemon stops.
+        err = exc if isinstance(exc, DaemonError) else ConsumerFailedError(str(exc))
+        log.error("ring_push_failed", error=str(exc))
+        self._fail(err)
 
     # ------------------------------------------------------------------
     # Lifecycle
