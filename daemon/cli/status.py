@@ -267,10 +267,15 @@ def stage_state(st: Mapping[str, Any], now: float) -> str:
 
 
 def _compaction(c: Mapping[str, Any], now: float) -> str:
-    """``files 40 (max 22 per partition)  last #12 3 min ago  running #13 writing``."""
+    """``files 40 (max 22 per partition, counted 20 s ago)  last #12 3 min ago
+    running #13 writing``. The file counts come from the compaction service's
+    last scan (every ``compact_interval_s``): its age says how fresh they are,
+    and "not counted yet" stands for a count before the first scan."""
+    scanned = _timestamp(c.get("scanned_at"))
+    counted = "not counted yet" if scanned is None else f"counted {_duration(now - scanned)} ago"
     parts = [
         f"files {_count(c.get('files'))} (max {_count(c.get('max_files_per_partition'))} "
-        f"per partition)"
+        f"per partition, {counted})"
     ]
     if not c.get("enabled"):
         parts.append("compaction off")

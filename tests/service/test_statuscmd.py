@@ -332,10 +332,14 @@ def test_each_cdc_stream_shows_its_files_and_compactions() -> None:
         "last": {"id": 12, "step": "done", "finished_at": NOW - 180},
         "running": {"id": 13, "partition": "collection=orders", "step": "writing"},
         "last_error": None,
+        "scanned_at": NOW - 20,
     }
     spark = {"ready": True, "streams": {"all": {"path": "/t", "compaction": compaction}}}
     text = statuscmd.render(sample_status(spark=spark), now=NOW)
     assert (
-        "cdc all     files 40 (max 22 per partition)  last compaction #12 done 3 min 0 s ago"
-        "  running #13 collection=orders writing"
+        "cdc all     files 40 (max 22 per partition, counted 20 s ago)"
+        "  last compaction #12 done 3 min 0 s ago  running #13 collection=orders writing"
     ) in text
+    compaction["scanned_at"] = None  # a daemon that started since the last scan
+    text = statuscmd.render(sample_status(spark=spark), now=NOW)
+    assert "cdc all     files 40 (max 22 per partition, not counted yet)" in text
