@@ -998,11 +998,11 @@ class Planner:
     def idle_close_due(self) -> float | None:
         """``close_due`` for a batch that closes while none runs: not before its
         oldest row has waited ``IDLE_MIN_WAIT`` of the interval."""
-        due = self.close_due()
         oldest = self._oldest_delivery()
-        if due is None or oldest is None:
+        if oldest is None:
             return None
-        return max(due, oldest + IDLE_MIN_WAIT * self.cfg.interval_ms / 1000)
+        interval = self.cfg.interval_ms / 1000
+        return oldest + max(interval - self.expected_run_s(), IDLE_MIN_WAIT * interval)
 
     def _oldest_delivery(self) -> float | None:
         """Planner clock when the oldest pending row was delivered; None when none is."""

@@ -953,6 +953,11 @@ class CdcSink:
                 report.orphans_removed.append(str(f.relative_to(self.path)))
 
 
+def _py4j_jvm(spark: Any) -> Any:
+    """The py4j view of ``spark``'s JVM; None under Spark Connect (no JVM here)."""
+    return getattr(getattr(spark, "_sc", None), "_jvm", None)
+
+
 @dataclass(frozen=True, slots=True)
 class SelectList:
     """A select list built once per session, for a select per batch that
@@ -970,7 +975,7 @@ class SelectList:
 
     @classmethod
     def build(cls, spark: Any, columns: list[Any]) -> SelectList:
-        jvm = getattr(getattr(spark, "_sc", None), "_jvm", None)
+        jvm = _py4j_jvm(spark)
         jseq = None if jvm is None else jvm.PythonUtils.toSeq([c._jc for c in columns])
         return cls(tuple(columns), jseq)
 
@@ -998,7 +1003,7 @@ class WriteOptions:
 
     @classmethod
     def build(cls, spark: Any, options: dict[str, str]) -> WriteOptions:
-        jvm = getattr(getattr(spark, "_sc", None), "_jvm", None)
+        jvm = _py4j_jvm(spark)
         jmap = None
         if jvm is not None:
             jmap = jvm.java.util.HashMap()
