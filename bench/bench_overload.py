@@ -26,11 +26,21 @@ import threading
 import time
 from pathlib import Path
 
-from daemon.plane.parts import RECORD_OVERHEAD_BYTES
+from daemon.plane.parts import COLUMNAR_OVERHEAD_BYTES, PART_OVERHEAD_BYTES
 from daemon.spark.frame import BUILD_MAX_BYTES
 from tests.integration.harness import DaemonProcess, Loader, write_config
 
 MiB = 1024 * 1024
+# What a ring entry may hold beyond its payload. Rings hold runs (one per core
+# and WAL group): ~17 B per event (the LSN and offset arrays, over-allocated by
+# ~1/16) plus ~0.35-0.5 KiB per run (the RecordBatch, its arrays' headers, the
+# joined payload's bytes header, the deque slot). Measured with real runs
+# through RingSet.push_batches until 4 rings held 65,536 events each: 369 B per
+# entry (tracemalloc), 391 B (RssAnon) with one-event runs; 18-20 B with runs
+# of 256-1024 events. The budget takes the one-event case, which a trickle of
+# small requests gives (tests/core/test_ring.py checks the bound), not this
+# load's runs of hundreds of events.
+RING_ENTRY_MAX_BYTES = COLUMNAR_OVERHEAD_BYTES + PART_OVERHEAD_BYTES
 
 
 def memory(pid: int) -> tuple[int, int]:
@@ -121,9 +131,11 @@ path = "{d / "cdc"}"
             jvm = sum(sum(memory(c)) for c in children(pid))
             max_lag = max(c["lag"] for c in st["cores"])
             anon, file = memory(pid)
+            # The per-run part of a ring entry is left out (status does not count
+            # runs): this load's runs hold hundreds of events, under 2 B each.
             held = sum(
                 c["ring"]["bytes"]
-                + c["ring"]["events"] * RECORD_OVERHEAD_BYTES
+                + c["ring"]["events"] * COLUMNAR_OVERHEAD_BYTES
                 + c["pending_bytes"]
                 + c["inflight_bytes"]
                 for c in st["cores"]
@@ -139,12 +151,13 @@ path = "{d / "cdc"}"
         f" fsync on, 4 cores, {'no executor' if args.no_spark else 'Spark local[2]'})"
     )
     cores = 4
-    cores_budget = cores * (ring_bytes + ring_capacity * RECORD_OVERHEAD_BYTES + pending)
+    cores_budget = cores * (ring_bytes + ring_capacity * RING_ENTRY_MAX_BYTES + pending)
     budget = cores_budget + build + buffered + group
     print(
         f"budgets per core: ring {ring_capacity} events / {ring_bytes // MiB} MiB,"
         f" pending + running slices {pending // MiB} MiB; all cores, with"
-        f" {RECORD_OVERHEAD_BYTES} B per ring entry: {cores_budget / MiB:.0f} MiB;"
+        f" up to {RING_ENTRY_MAX_BYTES} B per ring entry (one-event runs):"
+        f" {cores_budget / MiB:.0f} MiB;"
         f" batch build {build / MiB:.0f} MiB, ingest bodies {buffered // MiB} MiB,"
         f" WAL group {group // MiB} MiB; in all {budget / MiB:.0f} MiB."
         f" Anonymous RSS before load {base / MiB:.0f} MiB\n"

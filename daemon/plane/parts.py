@@ -19,10 +19,11 @@ from typing import overload
 from wal.reader import RecordBatch
 from wal.record import Record
 
-# In-memory cost of one Record (a ring entry) beyond its payload: the tuple
-# (80 B), two ints (64 B), the bytes object's header with pymalloc's rounding
-# (~46 B) and the container's slot (8 B). Measured with pymalloc's own block
-# counts on CPython 3.11: 198 B for ~130-byte events with exact-size payloads.
+# In-memory cost of one Record (a row of a Record-list part; rings hold runs,
+# not Records) beyond its payload: the tuple (80 B), two ints (64 B), the bytes
+# object's header with pymalloc's rounding (~46 B) and the container's slot
+# (8 B). Measured with pymalloc's own block counts on CPython 3.11: 198 B for
+# ~130-byte events with exact-size payloads.
 RECORD_OVERHEAD_BYTES = 200
 # The same for one event of a columnar RecordBatch: a u64 LSN and a u64 offset,
 # in arrays built by appending (CPython over-allocates them by ~1/16).

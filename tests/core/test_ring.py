@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
 from array import array
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import pytest
 
 from daemon.errors import LsnRegressionError
+from daemon.plane.parts import COLUMNAR_OVERHEAD_BYTES, PART_OVERHEAD_BYTES
 from daemon.plane.ring import Backpressure, Ring, RingSet, next_state
 from daemon.service.metrics import Metrics
 from tests.core.conftest import rec
+from wal.format import encode_frame
+from wal.log import _section_batches
 from wal.reader import RecordBatch
 from wal.record import Record
 
@@ -214,3 +219,46 @@ def test_push_batches_refuses_unknown_core() -> None:
     rings = RingSet(2, capacity=8, max_bytes=1 << 20)
     with pytest.raises(ValueError, match=r"core 2, but daemon\.cores = 2"):
         rings.push_batches([run([1], seq=1, core=2)])
+
+
+def test_ring_entries_cost_at_most_the_documented_bytes_beyond_their_payload() -> None:
+    """A ring entry holds ~16 B per event plus ~0.4 KiB per run beyond its payload
+    (docs/consumers.md, Memory). Runs as the WAL's columnar listener makes them
+    (one per core and group commit), pushed until the rings are full: one-event
+    runs (a trickle of small requests) stay within COLUMNAR_OVERHEAD_BYTES +
+    PART_OVERHEAD_BYTES per entry, bench/bench_overload.py's budget, and runs of
+    256 within COLUMNAR_OVERHEAD_BYTES plus PART_OVERHEAD_BYTES per run."""
+
+    def held(per_group: int) -> tuple[int, int, int]:
+        """(bytes allocated beyond the payload, events, runs) of two full rings."""
+        rings = RingSet(2, capacity=2048, max_bytes=1 << 30)
+        next_seq: dict[int, int] = {}
+        first = 1
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            while len(rings[0]) < 2048:
+                cores = [0, 1] * per_group
+                payloads = [b"%012d" % (first + i) + bytes(118) for i in range(len(cores))]
+                frame = encode_frame(
+                    1, first, cores, payloads, array("I", map(len, payloads)), next_seq
+                )
+                rings.push_batches(_section_batches(first, frame))
+                first += len(cores)
+                del frame, payloads
+            gc.collect()
+            real = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        runs = [r.take_runs(1 << 20) for r in rings.rings]
+        payload = sum(len(x.data) for core in runs for x in core)
+        return real - payload, sum(map(len, chain(*runs))), sum(map(len, runs))
+
+    over, events, runs = held(1)
+    assert events == runs == 4096
+    assert over <= events * (COLUMNAR_OVERHEAD_BYTES + PART_OVERHEAD_BYTES), over / events
+
+    over, events, runs = held(256)
+    assert (events, runs) == (4096, 16)
+    assert over <= events * COLUMNAR_OVERHEAD_BYTES + runs * PART_OVERHEAD_BYTES, over / events
