@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import threading
 from array import array
 from pathlib import Path
@@ -17,7 +18,7 @@ from structlog.testing import capture_logs
 
 from tests.wal.helpers import OpenWal, events
 from wal import Record, Wal, WalClosedError, WalLockedError
-from wal.format import CoreSections, EncodedSection, sections_of
+from wal.format import CoreSections, EncodedSection, check_positions, sections_of
 from wal.reader import RecordBatch
 
 
@@ -383,3 +384,59 @@ def test_core_sections_that_break_their_promise_are_refused_before_anything_is_w
         with pytest.raises(ValueError, match="append"):
             wal.append_blocking(sections)
     assert wal.head_lsn() == 0
+
+
+def _section(core: int, positions: range | list[int]) -> EncodedSection:
+    return EncodedSection(
+        core, array("I", positions), array("I", [1] * len(positions)), b"x" * len(positions)
+    )
+
+
+@pytest.mark.parametrize("n", [5, 300])  # under and over check_positions' numpy threshold
+def test_core_sections_naming_a_position_twice_are_refused_before_anything_is_written(
+    open_wal: OpenWal, n: int
+) -> None:
+    """Two sections, cores ascending, each position in range and ascending, n in
+    all: every per-section check passes, but position k - 1 is named by both and
+    n - 1 by neither. The append is refused, naming both positions and the cores."""
+    wal = open_wal()
+    k = n // 2
+    sections = CoreSections([_section(0, range(k)), _section(1, range(k - 1, n - 1))], n)
+
+    with pytest.raises(ValueError) as refused:
+        wal.append_blocking(sections)
+
+    assert str(refused.value) == (
+        f"append(): position {k - 1} of 0 .. {n - 1} is named 2 times (cores 0 and 1)"
+        f" and position {n - 1} by no section"
+    )
+    assert wal.head_lsn() == 0
+    wal.append_blocking(CoreSections([_section(0, range(k)), _section(1, range(k, n))], n))
+    assert wal.head_lsn() == n
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 63, 64, 65, 500])
+def test_check_positions_accepts_exactly_the_permutations(n: int) -> None:
+    """Random splits of 0 .. n - 1 over cores pass; the same with one position
+    moved (to another in range, or past the end) are refused, with the reason."""
+    rng = random.Random(n)
+    for _ in range(40):
+        cores = sorted(rng.sample(range(16), rng.randint(1, min(n, 4))))
+        owner = [cores[i] if i < len(cores) else rng.choice(cores) for i in range(n)]
+        rng.shuffle(owner)
+        split = {c: [i for i in range(n) if owner[i] == c] for c in cores}
+        assert check_positions([_section(c, p) for c, p in split.items()], n) is None
+
+        c = rng.choice(cores)
+        i = rng.randrange(len(split[c]))
+        to = rng.randrange(n + 2)
+        moved = {**split, c: sorted([*split[c][:i], to, *split[c][i + 1 :]])}
+        why = check_positions([_section(c, p) for c, p in moved.items()], n)
+        if to == split[c][i]:
+            assert why is None
+        elif to >= n:
+            assert why == f"core {c}'s section names position {to}, past the last ({n - 1})"
+        else:
+            assert why is not None
+            assert f"position {to} of 0 .. {n - 1} is named 2 times" in why
+            assert f"position {split[c][i]} by no section" in why
