@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,6 +77,9 @@ def _load_frame(tree: Path) -> ModuleType:
     if spec is None or spec.loader is None:
         raise SystemExit(f"no daemon/spark/frame.py under {tree}")
     module = importlib.util.module_from_spec(spec)
+    # Registered first, as an import would: a dataclass in the module looks
+    # its module up while it is being defined.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

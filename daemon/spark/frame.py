@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from daemon.config import MicrobatchConfig
 from daemon.events import StoredEvent
 from daemon.plane.batch import MicroBatch
 from daemon.plane.parts import Rows
+from daemon.spark import rawinbox
 from daemon.spark.cdc import CDC_COLUMNS, JSON_COLUMNS, SelectList
 from wal.reader import RecordBatch
 from wal.record import Record
@@ -258,26 +260,101 @@ def batch_dataframe(
     return _contract_frame(raw)
 
 
+@dataclass(frozen=True, slots=True)
+class InboxFile:
+    """A batch's rows written for Spark: a Parquet file, or a raw one (``splits``)."""
+
+    path: Path
+    rows: int
+    # Rows per collection; None when not counted (the raw inbox counts only
+    # when a CDC stream takes some collections, not all).
+    counts: dict[str, int] | None
+    splits: str | None = None  # the raw inbox's splits; None for Parquet
+
+    def rows_of(self, collections: Sequence[str]) -> int:
+        """How many of the rows are in ``collections`` (``("*",)``: all)."""
+        if tuple(collections) == ("*",):
+            return self.rows
+        if self.counts is None:
+            raise ValueError(f"{self.path.name}: rows per collection were not counted")
+        return sum(self.counts.get(c, 0) for c in collections)
+
+
+def write_inbox(
+    batch: MicroBatch,
+    inbox: Path,
+    parallelism: int,
+    max_bytes: int = BUILD_MAX_BYTES,
+    raw: bool = False,
+    count_collections: bool = True,
+) -> InboxFile:
+    """Write ``batch``'s rows into ``inbox``: raw (``daemon.spark.rawinbox``)
+    when ``raw``, else as Parquet (``write_batch_file``)."""
+    if raw:
+        path = _inbox_file(inbox, batch.batch_id, rawinbox.SUFFIX)
+        return write_raw_file(batch, path, parallelism, count_collections)
+    path = _inbox_file(inbox, batch.batch_id)
+    rows, counts = write_batch_file(batch, path, parallelism, max_bytes)
+    return InboxFile(path, rows, counts)
+
+
+def read_inbox(spark: Any, file: InboxFile, batch_id: int) -> Any:
+    """The batch DataFrame (``FRAME_COLUMNS``) over an inbox file."""
+    if file.splits is None:
+        return _contract_frame(_read_inbox(spark, file.path))
+    return _contract_frame(rawinbox.read(spark, file.path, file.splits, batch_id))
+
+
 def batch_frame(
     spark: Any,
     batch: MicroBatch,
     inbox: Path | None,
     parallelism: int,
     max_bytes: int = BUILD_MAX_BYTES,
-) -> tuple[Any, int, dict[str, int]]:
-    """Steps 1-2 for the executor: ``(DataFrame, rows, rows per collection)``.
+    count_collections: bool = True,
+) -> tuple[Any, InboxFile | None, dict[str, int] | None]:
+    """Steps 1-2 for the executor: ``(DataFrame, inbox file, rows per collection)``.
 
-    With an inbox the rows are streamed into the Parquet file a chunk at a
-    time (``write_batch_file``), so the batch never exists as one Arrow table
-    in this process; without one, the table is built and handed over.
+    With an inbox the rows go to a file: raw when the session can read one
+    (``rawinbox.missing``), else Parquet, streamed a chunk at a time, so the
+    batch never exists as one Arrow table in this process; without an inbox,
+    the table is built and handed over (and the file is None).
     """
     if inbox is None:
         table = batch_table(batch)
         df = batch_dataframe(spark, table, batch.batch_id)
-        return df, table.num_rows, collection_counts(table)
-    file = _inbox_file(inbox, batch.batch_id)
-    rows, counts = write_batch_file(batch, file, parallelism, max_bytes)
-    return _contract_frame(_read_inbox(spark, file)), rows, counts
+        return df, None, collection_counts(table)
+    raw = rawinbox.missing(spark) is None
+    file = write_inbox(batch, inbox, parallelism, max_bytes, raw, count_collections)
+    return read_inbox(spark, file, batch.batch_id), file, file.counts
+
+
+def write_raw_file(
+    batch: MicroBatch, path: Path, parallelism: int, count_collections: bool = True
+) -> InboxFile:
+    """Write the batch's payloads as they are to a raw inbox file (module
+    ``daemon.spark.rawinbox``), in chunks of at most ``rawinbox.CHUNK_ROWS``
+    events and, by the batch's mean event size, about ``rawinbox.CHUNK_BYTES``.
+
+    The file has one split (one Spark task) per core, of equal rows, but at
+    least ``_MIN_ROW_GROUP`` rows each. A task holds one chunk at a time, so a
+    split can be as large as it likes; and each task writes a file per table
+    partition, so more tasks than cores would only mean more, smaller files:
+    at 4 splits per core instead of 1, 23 % more JVM CPU per row (parquet's
+    per-file dictionaries and footers; docs/performance.md, "The raw inbox").
+    """
+    total = sum(len(s.records) for s in batch.slices.values())
+    row_bytes = -(-payload_bytes(batch) // max(1, total)) + _ROW_FIXED_BYTES
+    chunk_rows = max(1, min(rawinbox.CHUNK_ROWS, rawinbox.CHUNK_BYTES // row_bytes))
+
+    def chunks() -> Iterator[tuple[int, Any, Any, bytes, Any]]:
+        for c in sorted(batch.slices):
+            for lsns, _cores, seqs, data, starts in _chunks(batch.slices[c].records, chunk_rows):
+                yield c, lsns, seqs, data, starts
+
+    groups = max(1, min(parallelism, total // _MIN_ROW_GROUP))
+    rows, counts, splits = rawinbox.write(path, chunks(), total, groups, count_collections)
+    return InboxFile(path, rows, counts, splits)
 
 
 def write_batch_file(
@@ -382,8 +459,8 @@ def row_group_rows(total: int, parallelism: int, max_rows: int = _MAX_ROW_GROUP)
     return max(min(_MIN_ROW_GROUP, most), -(-total // groups))
 
 
-def _inbox_file(inbox: Path, batch_id: int) -> Path:
-    return inbox / f"b{batch_id:012d}-{next(_inbox_seq)}.parquet"
+def _inbox_file(inbox: Path, batch_id: int, suffix: str = ".parquet") -> Path:
+    return inbox / f"b{batch_id:012d}-{next(_inbox_seq)}{suffix}"
 
 
 def _contract_frame(raw: Any) -> Any:

@@ -140,15 +140,15 @@ async def test_prepared_batch_commits_from_the_file_built_ahead_and_a_failed_one
     batches = make_batches(3, 200)
     await ex.execute(batches[0])
     builds: list[str] = []
-    real = frame.write_batch_file
+    real = frame.write_inbox
 
-    def counting(batch: MicroBatch, path: Path, parallelism: int, max_bytes: int) -> Any:
+    def counting(batch: MicroBatch, *args: Any) -> Any:
         builds.append(threading.current_thread().name)
         if batch.batch_id == 3 and len(builds) == 2:
             raise OSError("injected: disk full while preparing")
-        return real(batch, path, parallelism, max_bytes)
+        return real(batch, *args)
 
-    with mock.patch.object(frame, "write_batch_file", side_effect=counting):
+    with mock.patch.object(frame, "write_inbox", side_effect=counting):
         ex.prepare(batches[1])
         await ex.execute(batches[1])
         assert [name.startswith("eventplane-prep") for name in builds] == [True]
@@ -175,15 +175,15 @@ async def test_prepare_seconds_estimates_from_the_preparations_timed_in_the_prep
     batches = make_batches(3, 2000)
     await ex.execute(batches[0])
     assert ex.prepare_seconds(2000) == 0.0
-    real = frame.write_batch_file
+    real = frame.write_inbox
 
-    def slow(batch: MicroBatch, path: Path, parallelism: int, max_bytes: int) -> Any:
+    def slow(batch: MicroBatch, *args: Any) -> Any:
         time.sleep(0.2)
         if batch.batch_id == 3 and threading.current_thread().name.startswith("eventplane-prep"):
             raise OSError("injected: disk full while preparing")
-        return real(batch, path, parallelism, max_bytes)
+        return real(batch, *args)
 
-    with mock.patch.object(frame, "write_batch_file", side_effect=slow):
+    with mock.patch.object(frame, "write_inbox", side_effect=slow):
         ex.prepare(batches[1])
         await ex.execute(batches[1])
         estimate = ex.prepare_seconds(2000)
