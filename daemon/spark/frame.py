@@ -271,14 +271,6 @@ class InboxFile:
     counts: dict[str, int] | None
     splits: str | None = None  # the raw inbox's splits; None for Parquet
 
-    def rows_of(self, collections: Sequence[str]) -> int:
-        """How many of the rows are in ``collections`` (``("*",)``: all)."""
-        if tuple(collections) == ("*",):
-            return self.rows
-        if self.counts is None:
-            raise ValueError(f"{self.path.name}: rows per collection were not counted")
-        return sum(self.counts.get(c, 0) for c in collections)
-
 
 def write_inbox(
     batch: MicroBatch,
@@ -339,9 +331,10 @@ def write_raw_file(
     The file has one split (one Spark task) per core, of equal rows, but at
     least ``_MIN_ROW_GROUP`` rows each. A task holds one chunk at a time, so a
     split can be as large as it likes; and each task writes a file per table
-    partition, so more tasks than cores would only mean more, smaller files:
-    at 4 splits per core instead of 1, 23 % more JVM CPU per row (parquet's
-    per-file dictionaries and footers; docs/performance.md, "The raw inbox").
+    partition, so more tasks than cores only mean more, smaller files: with
+    two splits per core a batch cost 26 % more JVM CPU per row (Parquet's
+    dictionaries, pages and footers per file; docs/performance.md, "The raw
+    inbox").
     """
     total = sum(len(s.records) for s in batch.slices.values())
     row_bytes = -(-payload_bytes(batch) // max(1, total)) + _ROW_FIXED_BYTES
