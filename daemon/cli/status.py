@@ -137,6 +137,8 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
     lines.append(f"last batch  {_last_batch(doc.get('last_batch'), now)}")
     spark = _obj(doc.get("spark"))
     spark_text = "ready" if spark.get("ready") else "not ready"
+    if spark.get("inbox"):
+        spark_text += f"  inbox {spark['inbox']}"
     if spark.get("last_error"):
         spark_text += f"  last error: {spark['last_error']}"
     lines.append(f"spark       {spark_text}")

@@ -199,8 +199,12 @@ class SparkExecutor:
         self.compaction: CompactionService | None = None
         self._inbox: Path | None = cfg.data_dir / "spark-inbox" if uses_inbox(cfg) else None
         self._cores: int | None = None  # Spark's default parallelism, asked once
-        # Whether the session reads a raw inbox (``rawinbox``), asked with _cores.
+        # Whether the session reads a raw inbox (``rawinbox``), asked with _cores,
+        # and how the batches reach Spark, for status(): "raw", "parquet (why)"
+        # or "arrow" (no inbox: the table travels in the call); None before the
+        # first batch.
         self._raw = False
+        self._inbox_kind: str | None = None
         self._built: Any | None = None  # what the factory returned, even if unused
         self._handlers: list[tuple[str, Handler]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eventplane-spark")
@@ -429,6 +433,7 @@ class SparkExecutor:
             "ready": st.state is State.READY,
             "state": st.state.value,
             "spark": {"remote": spark.remote} if spark.remote else {"master": spark.master},
+            "inbox": self._inbox_kind,
             "session_error": st.session_error,
             "session_attempts": st.session_attempts,
             "session_failures": st.session_failures,
@@ -889,7 +894,12 @@ class SparkExecutor:
     def _parallelism(self, spark: Any) -> int:
         if self._cores is None:
             self._cores = int(spark.sparkContext.defaultParallelism) if self._inbox else 1
-            self._raw = self._inbox is not None and rawinbox.missing(spark) is None
+            why = rawinbox.missing(spark) if self._inbox is not None else None
+            self._raw = self._inbox is not None and why is None
+            if self._inbox is None:
+                self._inbox_kind = "arrow"
+            else:
+                self._inbox_kind = "raw" if why is None else f"parquet ({why})"
         return self._cores
 
     @staticmethod

@@ -343,3 +343,15 @@ def test_each_cdc_stream_shows_its_files_and_compactions() -> None:
     compaction["scanned_at"] = None  # a daemon that started since the last scan
     text = statuscmd.render(sample_status(spark=spark), now=NOW)
     assert "cdc all     files 40 (max 22 per partition, not counted yet)" in text
+
+
+def test_spark_line_says_how_batches_reach_spark_once_known() -> None:
+    """A session without the daemon's jar still works, only slower: status says
+    so (and why) on the spark line; before the first batch nothing is said."""
+    raw = statuscmd.render(sample_status(spark={"ready": True, "inbox": "raw"}), now=NOW)
+    assert "spark       ready  inbox raw\n" in raw
+    why = "parquet (eventplane.inbox.InboxSource is not on the driver JVM's class path)"
+    fallback = statuscmd.render(sample_status(spark={"ready": True, "inbox": why}), now=NOW)
+    assert f"spark       ready  inbox {why}\n" in fallback
+    unknown = statuscmd.render(sample_status(spark={"ready": True, "inbox": None}), now=NOW)
+    assert "spark       ready\n" in unknown

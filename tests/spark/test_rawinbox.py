@@ -191,6 +191,7 @@ async def test_without_the_reader_the_executor_writes_parquet_and_says_why_once(
             await ex.execute(b)
 
     assert written == [".parquet", ".parquet"]
+    assert ex.status()["inbox"] == "parquet (test: the jar was not built)"
     assert [e["reason"] for e in logs if e["event"] == "spark_inbox_parquet"] == [
         "test: the jar was not built"
     ]
@@ -218,6 +219,7 @@ async def test_the_executor_reads_the_raw_inbox_and_counts_only_for_streams_that
         await ex.execute(b)
 
     assert calls == [(rawinbox.SUFFIX, True), (rawinbox.SUFFIX, True)]
+    assert ex.status()["inbox"] == "raw"
     every = read_table(reader, tmp_path / "cdc" / "all")
     orders = read_table(reader, tmp_path / "cdc" / "orders")
     assert sorted(r.lsn for r in every) == batch_lsns(batches)
