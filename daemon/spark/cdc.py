@@ -1063,24 +1063,9 @@ def _drop_yarn_defaults(spark: Any) -> None:
 
 def _nio_fs_missing(spark: Any) -> str | None:
     """Why ``NIO_LOCAL_FS`` cannot serve ``spark``'s writes (None: it can)."""
-    from daemon.spark.session import HADOOP_JAR
+    from daemon.spark.session import daemon_class_missing
 
-    sc = getattr(spark, "_sc", None)
-    jsc = getattr(sc, "_jsc", None)
-    if sc is None or jsc is None:
-        return "Spark Connect: the server's class path is its own"
-    master = str(sc.master)
-    if not re.fullmatch(r"local(\[[^\]]*\])?", master):
-        # The class is on the driver's class path only; executors in other
-        # JVMs (a cluster, ``local-cluster``) would fail the write's tasks.
-        return f"master {master}: its executors do not have the daemon's jar"
-    if jsc.hadoopConfiguration().getClassByNameOrNull(NIO_LOCAL_FS) is None:
-        built = "exists" if HADOOP_JAR.is_file() else "was not built (make builds it with javac)"
-        return (
-            f"{NIO_LOCAL_FS} is not on the driver JVM's class path: {HADOOP_JAR} {built}, "
-            "and counts only for a JVM the daemon starts"
-        )
-    return None
+    return daemon_class_missing(spark, NIO_LOCAL_FS)
 
 
 def time_columns(partition_by: tuple[str, ...]) -> list[tuple[str, Any]]:

@@ -22,7 +22,6 @@ why, once per process.
 
 from __future__ import annotations
 
-import re
 import struct
 import sys
 from collections import Counter
@@ -76,19 +75,9 @@ def missing(spark: Any) -> str | None:
 
 
 def _why_not(spark: Any) -> str | None:
-    from daemon.spark.session import HADOOP_JAR
+    from daemon.spark.session import daemon_class_missing
 
-    sc = getattr(spark, "_sc", None)
-    jsc = getattr(sc, "_jsc", None)
-    if sc is None or jsc is None:
-        return "Spark Connect: the server's class path is its own"
-    master = str(sc.master)
-    if not re.fullmatch(r"local(\[[^\]]*\])?", master):
-        return f"master {master}: its executors do not have the daemon's jar"
-    if jsc.hadoopConfiguration().getClassByNameOrNull(SOURCE) is None:
-        built = "exists" if HADOOP_JAR.is_file() else "was not built (make builds it with javac)"
-        return f"{SOURCE} is not on the driver JVM's class path: {HADOOP_JAR} {built}"
-    return None
+    return daemon_class_missing(spark, SOURCE)
 
 
 def write(

@@ -245,6 +245,28 @@ def driver_java_options(log4j_file: Path, user: str = "") -> str:
 HADOOP_JAR = Path(__file__).with_name("jars") / "eventplane-hadoop.jar"
 
 
+def daemon_class_missing(spark: Any, name: str) -> str | None:
+    """Why the tasks of ``spark``'s session cannot use class ``name`` of the
+    daemon's jar (None: they can). One py4j call, made only for a local master:
+    the jar is on the driver's class path only (``_add_daemon_jar``), so
+    executors in other JVMs (a cluster, ``local-cluster``) would fail the
+    tasks, and a Spark Connect session has no JVM here at all."""
+    sc = getattr(spark, "_sc", None)
+    jsc = getattr(sc, "_jsc", None)
+    if sc is None or jsc is None:
+        return "Spark Connect: the server's class path is its own"
+    master = str(sc.master)
+    if not re.fullmatch(r"local(\[[^\]]*\])?", master):
+        return f"master {master}: its executors do not have the daemon's jar"
+    if jsc.hadoopConfiguration().getClassByNameOrNull(name) is None:
+        built = "exists" if HADOOP_JAR.is_file() else "was not built (make builds it with javac)"
+        return (
+            f"{name} is not on the driver JVM's class path: {HADOOP_JAR} {built}, "
+            "and counts only for a JVM the daemon starts"
+        )
+    return None
+
+
 def _add_daemon_jar(out: dict[str, str]) -> None:
     """Append ``HADOOP_JAR`` to ``spark.driver.extraClassPath`` if it exists.
 

@@ -23,23 +23,11 @@ from tests.core.test_unpack import stored
 from tests.spark.support import batch_lsns, make_batches, read_table
 from wal.record import Record
 
-# Every column, the timestamps as µs since the epoch: the extreme event times
-# the generator draws do not fit Python's datetime.
+# Every column of the inbox, the timestamps as µs since the epoch: the extreme
+# event times the generator draws do not fit Python's datetime.
 COLUMNS = [
-    "lsn",
-    "core",
-    "seq",
-    "collection",
-    "op",
-    "key",
-    "new_json",
-    "old_json",
-    "unix_micros(ingest_ts) AS ingest_us",
-    "batch_id",
-    "event_id",
-    "unix_micros(event_time) AS event_us",
-    "depth",
-    "source",
+    f"unix_micros({name}) AS {name}" if kind == "TIMESTAMP" else name
+    for name, kind in (c.split() for c in frame.INBOX_SCHEMA.split(","))
 ]
 
 
