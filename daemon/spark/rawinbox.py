@@ -2,7 +2,7 @@
 
 On local masters the batch reaches Spark through a file in
 ``<data_dir>/spark-inbox``. The Parquet inbox (``daemon.spark.frame``) decodes
-every payload into Arrow columns in this process first: about 0.8 CPU-µs per
+every payload into Arrow columns in this process first: about 0.6 CPU-µs per
 event on the interpreter that also runs ingest, and time in which Spark waits
 for the file. The raw inbox writes the payloads' bytes as they are, with their
 LSNs and sequences, and the daemon's jar (``eventplane.inbox.InboxSource``,
@@ -11,9 +11,8 @@ into the same columns (docs/performance.md, "The raw inbox").
 
 File: chunks back to back, each one core's events in LSN order (the layout is
 in ``InboxReader.java``; integers little-endian). The file is cut into
-*splits* of whole chunks, one Spark task each, as many as the Parquet inbox
-would have row groups (``frame.row_group_rows``): every wave of tasks keeps
-every core busy.
+*splits* of whole chunks, one Spark task each: one per core, of equal rows
+(``frame.write_raw_file`` says why not more).
 
 It is used when the session's JVM can load the reader (the jar is built, the
 master is local); otherwise the Parquet inbox is, and the first session says
@@ -107,7 +106,7 @@ def write(
             while len(lsns):
                 n = len(lsns)
                 cut = min(n, end - rows) if end > rows else n
-                if cut < n:  # Step: the chunk crosses the split's last row
+                if cut < n:  # the chunk crosses the split's last row: cut it there
                     at = int(starts[cut])
                     head = (lsns[:cut], seqs[:cut], view[:at], starts[:cut])
                     lsns, seqs, view, starts = lsns[cut:], seqs[cut:], view[at:], starts[cut:] - at
