@@ -199,11 +199,9 @@ class SparkExecutor:
         self.compaction: CompactionService | None = None
         self._inbox: Path | None = cfg.data_dir / "spark-inbox" if uses_inbox(cfg) else None
         self._cores: int | None = None  # Spark's default parallelism, asked once
-        # Whether the session reads a raw inbox (``rawinbox``), asked with _cores,
-        # and how the batches reach Spark, for status(): "raw", "parquet (why)"
-        # or "arrow" (no inbox: the table travels in the call); None before the
-        # first batch.
-        self._raw = False
+        # How the batches reach Spark, asked with _cores: "raw" (``rawinbox``),
+        # "parquet (why not raw)" or "arrow" (no inbox: the table travels in
+        # the call); None before the first batch. status() shows it.
         self._inbox_kind: str | None = None
         self._built: Any | None = None  # what the factory returned, even if unused
         self._handlers: list[tuple[str, Handler]] = []
@@ -347,7 +345,7 @@ class SparkExecutor:
         if self._status.state in (State.STOPPING, State.STOPPED):
             return
         future = self._prep_pool.submit(
-            self._write_prepared, batch, self._inbox, self._cores, self._raw
+            self._write_prepared, batch, self._inbox, self._cores, self._inbox_kind == "raw"
         )
         self._prepared[batch.batch_id] = future
 
@@ -834,7 +832,7 @@ class SparkExecutor:
             prepared = self._take_prepared(batch)
             if prepared is None:
                 parallelism = self._parallelism(spark)
-                df, _file, counts = frame.batch_frame(
+                df, counts = frame.batch_frame(
                     spark,
                     batch,
                     self._inbox,
@@ -894,11 +892,10 @@ class SparkExecutor:
     def _parallelism(self, spark: Any) -> int:
         if self._cores is None:
             self._cores = int(spark.sparkContext.defaultParallelism) if self._inbox else 1
-            why = rawinbox.missing(spark) if self._inbox is not None else None
-            self._raw = self._inbox is not None and why is None
             if self._inbox is None:
                 self._inbox_kind = "arrow"
             else:
+                why = rawinbox.missing(spark)
                 self._inbox_kind = "raw" if why is None else f"parquet ({why})"
         return self._cores
 

@@ -304,21 +304,20 @@ def batch_frame(
     parallelism: int,
     max_bytes: int = BUILD_MAX_BYTES,
     count_collections: bool = True,
-) -> tuple[Any, InboxFile | None, dict[str, int] | None]:
-    """Steps 1-2 for the executor: ``(DataFrame, inbox file, rows per collection)``.
+) -> tuple[Any, dict[str, int] | None]:
+    """Steps 1-2 for the executor: ``(DataFrame, rows per collection)``.
 
     With an inbox the rows go to a file: raw when the session can read one
     (``rawinbox.missing``), else Parquet, streamed a chunk at a time, so the
     batch never exists as one Arrow table in this process; without an inbox,
-    the table is built and handed over (and the file is None).
+    the table is built and handed over.
     """
     if inbox is None:
         table = batch_table(batch)
-        df = batch_dataframe(spark, table, batch.batch_id)
-        return df, None, collection_counts(table)
+        return batch_dataframe(spark, table, batch.batch_id), collection_counts(table)
     raw = rawinbox.missing(spark) is None
     file = write_inbox(batch, inbox, parallelism, max_bytes, raw, count_collections)
-    return read_inbox(spark, file, batch.batch_id), file, file.counts
+    return read_inbox(spark, file, batch.batch_id), file.counts
 
 
 def write_raw_file(

@@ -110,7 +110,7 @@ def warm_session(
         sink = CdcSink(scratch_stream(cfg, folder), wal_id="warmup", cores=cfg.daemon.cores)
         sink.open()
         try:
-            df, _file, _counts = frame.batch_frame(
+            df, _counts = frame.batch_frame(
                 spark, batch, inbox, parallelism, cfg.microbatch.build_max_bytes
             )
             sink.commit(df, batch, rows)
