@@ -26,7 +26,7 @@ from pathlib import Path
 from daemon.service.metrics import Metrics
 from daemon.spark.compact import compact_stream
 from daemon.spark.executor import SparkExecutor
-from tests.spark.support import make_batches, make_config
+from tests.spark.support import make_batches, make_config, say
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -44,18 +44,18 @@ async def run(args: argparse.Namespace) -> int:
     await ex.start()
     try:
         await asyncio.wait_for(ex.wait_ready(), 240)
-        print("ready", flush=True)
+        say("ready")
         done_before = ex.sinks[0].last_batch_id  # a restart goes on where it stopped
         for batch in make_batches(args.batches, args.per_batch):
             if batch.batch_id <= done_before:
                 continue
             await ex.execute(batch)
-            print(f"committed {batch.batch_id}", flush=True)
+            say(f"committed {batch.batch_id}")
         if loop_mode:
             await asyncio.Event().wait()  # the service keeps compacting; the test kills us
         (sink,) = ex.sinks
         done = await asyncio.to_thread(compact_stream, sink, ex.session, full=True)
-        print(f"compacted {len(done)}", flush=True)
+        say(f"compacted {len(done)}")
     finally:
         await ex.stop()
     return 0
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partition-by", default="collection")
     started = time.monotonic()
     code = asyncio.run(run(p.parse_args(argv)))
-    print(f"exiting after {time.monotonic() - started:.1f} s", flush=True)
+    say(f"exiting after {time.monotonic() - started:.1f} s")
     return code
 
 

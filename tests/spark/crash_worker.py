@@ -18,7 +18,7 @@ from pathlib import Path
 
 from daemon.service.metrics import Metrics
 from daemon.spark.executor import SparkExecutor
-from tests.spark.support import make_batches, make_config
+from tests.spark.support import make_batches, make_config, say
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -27,23 +27,23 @@ async def run(args: argparse.Namespace) -> int:
     await ex.start()
     try:
         await asyncio.wait_for(ex.wait_ready(), args.ready_timeout)
-        print("ready", flush=True)
+        say("ready")
         for batch in make_batches(args.batches, args.per_batch):
             if args.pause_before == batch.batch_id:
                 # The test restarts the server meanwhile, then writes a line.
-                print(f"paused {batch.batch_id}", flush=True)
+                say(f"paused {batch.batch_id}")
                 await asyncio.to_thread(sys.stdin.readline)
             for attempt in range(1, args.retries + 2):
                 try:
                     await ex.execute(batch)
                     break
                 except Exception as exc:  # the planner's retry, in short
-                    print(f"failed {batch.batch_id} attempt {attempt}: {exc!r}"[:300], flush=True)
+                    say(f"failed {batch.batch_id} attempt {attempt}: {exc!r}"[:300])
                     if attempt > args.retries:
                         raise
                     await asyncio.sleep(1.0)
                     await asyncio.wait_for(ex.wait_ready(), args.ready_timeout)
-            print(f"committed {batch.batch_id}", flush=True)
+            say(f"committed {batch.batch_id}")
     finally:
         await ex.stop()
     return 0

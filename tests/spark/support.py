@@ -8,6 +8,7 @@ means for a planner that recorded its plan before running it.
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,6 +22,17 @@ from wal.record import Record
 CORES = 4
 COLLECTIONS = ("orders", "users")
 BASE_TS_NS = 1_700_000_000_000_000_000
+
+
+def say(line: str) -> None:
+    """Print one protocol line of a worker process to stdout in one ``write(2)``.
+
+    The executor's threads log to the same stdout; ``print`` writes the text and
+    its newline separately, so a log line could land between them
+    (``committed 21`` + ``2026-11-27 ... [info] ...``). A pipe write of at most
+    PIPE_BUF bytes is never split.
+    """
+    os.write(1, (line + "\n").encode())
 
 
 def core_of(collection: str, key: str, cores: int = CORES) -> int:
