@@ -248,14 +248,22 @@ async def test_batch_without_rows_for_a_stream_is_recorded_without_files(
     assert raw["format"] == 1 and raw["high_lsn"]
 
 
-async def test_cdc_files_skip_dictionaries_only_for_unique_columns(
-    executor_factory: Any, tmp_path: Path
+DICTIONARY = {"PLAIN_DICTIONARY", "RLE_DICTIONARY"}
+PAYLOAD_LEAVES = ("new.value", "new.metadata", "old.value", "old.metadata", "new_json", "old_json")
+
+
+@pytest.mark.parametrize("compaction", [True, False], ids=["compacting", "not-compacting"])
+async def test_cdc_files_skip_dictionaries_and_statistics_only_where_they_do_not_pay(
+    executor_factory: Any, tmp_path: Path, compaction: bool
 ) -> None:
     """The writer options reach Parquet: lsn, seq and key are written without a
-    dictionary; a repeating column (op) keeps one."""
+    dictionary; a repeating column (op) keeps one. A stream that compacts writes
+    its batch files (which a compaction replaces) without the dictionary of the
+    VARIANT values and without min/max statistics of the payload columns; one
+    that does not keeps both (``old`` repeats: 7 distinct documents)."""
     import pyarrow.parquet as pq
 
-    ex = await executor_factory()
+    ex = await executor_factory(stream_options={"compaction": compaction})
     (batch,) = make_batches(1, 400)
     await ex.execute(batch)
 
@@ -265,13 +273,20 @@ async def test_cdc_files_skip_dictionaries_only_for_unique_columns(
         meta = pq.ParquetFile(f).metadata
         for g in range(meta.num_row_groups):
             group = meta.row_group(g)
-            encodings = {
-                group.column(c).path_in_schema: set(group.column(c).encodings)
-                for c in range(group.num_columns)
+            columns = {
+                group.column(c).path_in_schema: group.column(c) for c in range(group.num_columns)
             }
+            encodings = {name: set(col.encodings) for name, col in columns.items()}
             for name in ("lsn", "seq", "key"):
-                assert not {"PLAIN_DICTIONARY", "RLE_DICTIONARY"} & encodings[name], (f, name)
-            assert {"PLAIN_DICTIONARY", "RLE_DICTIONARY"} & encodings["op"], f
+                assert not DICTIONARY & encodings[name], (f, name)
+            assert DICTIONARY & encodings["op"], f
+            assert DICTIONARY & encodings["new.metadata"], f
+            assert bool(DICTIONARY & encodings["old.value"]) is not compaction, f
+            for name in PAYLOAD_LEAVES:
+                stats = columns[name].statistics
+                assert (stats is not None and stats.has_min_max) is not compaction, (f, name)
+            lsn_stats = columns["lsn"].statistics  # compaction orders files by them
+            assert lsn_stats is not None and lsn_stats.has_min_max, f
 
 
 def test_ledger_keeps_a_bounded_window_but_every_total() -> None:

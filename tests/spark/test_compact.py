@@ -274,24 +274,40 @@ async def test_a_spark_read_that_a_swap_cuts_through_is_made_again_by_consistent
     assert sorted(r.lsn for r in df.select("lsn").collect()) == batch_lsns(batches)
 
 
-async def test_merged_files_keep_rows_sorted_and_the_writer_options(
+async def test_merged_files_keep_rows_sorted_and_get_the_writer_options_of_files_that_stay(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
+    """A compacting stream writes its batch files without the VARIANT values'
+    dictionary and the payloads' statistics (cdc.TRANSIENT_PARQUET_OPTIONS);
+    the files a compaction merges them into have both, and still none for lsn."""
     import pyarrow.parquet as pq
 
-    ex = await executor_factory(stream_options={"compaction": False})
+    def columns(f: Path) -> dict[str, Any]:
+        group = pq.ParquetFile(f).metadata.row_group(0)
+        return {group.column(c).path_in_schema: group.column(c) for c in range(group.num_columns)}
+
+    dictionary = {"PLAIN_DICTIONARY", "RLE_DICTIONARY"}
+    # Compacting, but not in the background during the test.
+    ex = await executor_factory(stream_options={"compact_interval_s": 3600})
     for b in make_batches(6, 200):
         await ex.execute(b)
+    table = tmp_path / "cdc" / "all"
+    for f in table.glob("collection=*/part-b*"):
+        cols = columns(f)
+        assert not dictionary & set(cols["old.value"].encodings), f
+        assert not (cols["new_json"].statistics and cols["new_json"].statistics.has_min_max), f
     await asyncio.to_thread(compact_stream, ex.sinks[0], spark, full=True)
-    for f in sorted((tmp_path / "cdc" / "all").glob("collection=*/part-c*")):
+    merged = sorted(table.glob("collection=*/part-c*"))
+    assert merged and not list(table.glob("collection=*/part-b*"))
+    for f in merged:
         lsns = pq.read_table(f, columns=["lsn"]).column("lsn").to_pylist()
         assert lsns == sorted(lsns)
-        group = pq.ParquetFile(f).metadata.row_group(0)
-        encodings = {
-            group.column(c).path_in_schema: set(group.column(c).encodings)
-            for c in range(group.num_columns)
-        }
-        assert not {"PLAIN_DICTIONARY", "RLE_DICTIONARY"} & encodings["lsn"]
+        cols = columns(f)
+        assert not dictionary & set(cols["lsn"].encodings)
+        assert dictionary & set(cols["old.value"].encodings), f  # 7 distinct documents
+        for name in ("new.value", "old.value", "new_json", "old_json"):
+            stats = cols[name].statistics
+            assert stats is not None and stats.has_min_max, (f, name)
 
 
 async def test_background_compaction_keeps_up_with_live_batches(
