@@ -39,13 +39,13 @@ Steps of compaction C of partition P (marked in :func:`run_compaction`):
    rows sorted by ``lsn``, under ``out/`` (:func:`write_merged`). When the
    inputs agree on their Parquet schema, footer key-values (Spark's schema)
    and codec (the daemon's own files do), pyarrow merges them in this
-   process: the same physical schema and footer, the sink's dictionary
-   options, no JVM job (about 2 µs of CPU per row instead of 40). Otherwise
-   one Spark job reads exactly those files (with the schema their footers
-   agree on, else ``mergeSchema``: files from before a column existed keep
-   their rows) and writes them with the sink's Parquet options. The row
-   counts of the outputs' footers must equal the inputs'; then the outputs
-   are fsynced.
+   process: the same physical schema and footer, the dictionary options of
+   files that stay (``PARQUET_OPTIONS``), no JVM job (about 2 µs of CPU per
+   row instead of 40). Otherwise one Spark job reads exactly those files
+   (with the schema their footers agree on, else ``mergeSchema``: files from
+   before a column existed keep their rows) and writes them with
+   ``PARQUET_OPTIONS``. The row counts of the outputs' footers must equal the
+   inputs'; then the outputs are fsynced.
 3. **Intent.** ``c<C>.json`` (atomic replace + fsync).
 4. **Build.** The merged files move into ``c<C>/<partition>/`` as
    ``part-c<C>-b<first>-b<last>-...`` (the batches they hold), and every file
@@ -634,10 +634,11 @@ def arrow_layout(folder: Path, plan: Plan) -> ArrowLayout | str:
         sizes[f.name] = f.size
     if len(codecs) != 1 or next(iter(codecs)) not in ARROW_CODECS:
         return f"codecs {sorted(codecs)} (pyarrow writes one of {sorted(ARROW_CODECS)})"
-    # The sink's writer options: Spark's default dictionary for every column
-    # but those PARQUET_OPTIONS turns it off for. (The inputs' own choice is
-    # no guide: Spark's writer drops a dictionary that does not pay off on its
-    # first page, which in a 125-row batch file it rarely does.)
+    # The writer options of files that stay (a compacting stream's batch files
+    # skip more, cdc.TRANSIENT_PARQUET_OPTIONS): Spark's default dictionary for
+    # every column but those PARQUET_OPTIONS turns it off for. (The inputs' own
+    # choice is no guide: Spark's writer drops a dictionary that does not pay
+    # off on its first page, which in a 125-row batch file it rarely does.)
     dictionary = [
         p for p in paths if PARQUET_OPTIONS.get(f"parquet.enable.dictionary#{p}") != "false"
     ]
@@ -677,9 +678,9 @@ def write_merged_arrow(
 ) -> None:
     """Step 2 in this process: one file per bin under ``out`` (``groups[i]``:
     bin i's inputs by :func:`sort_groups`), rows sorted by lsn, with the inputs'
-    Parquet schema, codec and footer key-values and the sink's dictionary
-    options. Raises ``_ArrowMismatchError`` when a written file's schema or
-    footer is not the inputs'."""
+    Parquet schema, codec and footer key-values and the dictionary options of
+    files that stay (``PARQUET_OPTIONS``). Raises ``_ArrowMismatchError`` when
+    a written file's schema or footer is not the inputs'."""
     import pyarrow.parquet as pq
 
     codec, level = ARROW_CODECS[layout.codec]
