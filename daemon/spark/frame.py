@@ -294,7 +294,8 @@ def read_inbox(spark: Any, file: InboxFile, batch_id: int) -> Any:
     """The batch DataFrame (``FRAME_COLUMNS``) over an inbox file."""
     if file.splits is None:
         return _contract_frame(_read_inbox(spark, file.path))
-    return _contract_frame(rawinbox.read(spark, file.path, file.splits, batch_id))
+    raw = rawinbox.read(spark, file.path, file.splits, batch_id)
+    return _contract_frame(raw, parsed=True)
 
 
 def batch_frame(
@@ -455,23 +456,26 @@ def _inbox_file(inbox: Path, batch_id: int, suffix: str = ".parquet") -> Path:
     return inbox / f"b{batch_id:012d}-{next(_inbox_seq)}{suffix}"
 
 
-def _contract_frame(raw: Any) -> Any:
-    """The batch DataFrame (``FRAME_COLUMNS``) over ``batch_table``-shaped rows."""
-    return _contract_columns(raw.sparkSession).select(raw)
+def _contract_frame(raw: Any, parsed: bool = False) -> Any:
+    """The batch DataFrame (``FRAME_COLUMNS``) over ``batch_table``-shaped rows;
+    ``parsed``: they have ``new``/``old`` as VARIANT already (the raw inbox's
+    reader parsed them), else ``parse_json`` makes them from the JSON text."""
+    return _contract_columns(raw.sparkSession, parsed).select(raw)
 
 
-_contract_cache: tuple[Any, SelectList] | None = None
+# Per kind (parsed or not): the session and its select list.
+_contract_cache: dict[bool, tuple[Any, SelectList]] = {}
 
 
-def _contract_columns(spark: Any) -> SelectList:
+def _contract_columns(spark: Any, parsed: bool) -> SelectList:
     """The contract's select list, built once per session: Columns are
     unresolved expressions, and building them, or a Java list of them, is a
     py4j call each."""
-    global _contract_cache
-    if _contract_cache is None or _contract_cache[0] is not spark:
+    cached = _contract_cache.get(parsed)
+    if cached is None or cached[0] is not spark:
         from pyspark.sql import functions as F
 
-        parsed = {"new": F.parse_json("new_json"), "old": F.parse_json("old_json")}
-        cols = [parsed[c].alias(c) if c in parsed else F.col(c) for c in FRAME_COLUMNS]
-        _contract_cache = (spark, SelectList.build(spark, cols))
-    return _contract_cache[1]
+        made = {} if parsed else {"new": F.parse_json("new_json"), "old": F.parse_json("old_json")}
+        cols = [made[c].alias(c) if c in made else F.col(c) for c in FRAME_COLUMNS]
+        cached = _contract_cache[parsed] = (spark, SelectList.build(spark, cols))
+    return cached[1]

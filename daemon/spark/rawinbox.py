@@ -148,11 +148,14 @@ def _array_of(n: int, payloads: bytes | memoryview) -> bytes:
 
 
 def read(spark: Any, path: Path, splits: str, batch_id: int) -> Any:
-    """The inbox file as a DataFrame of ``frame.INBOX_SCHEMA``'s columns."""
+    """The inbox file as a DataFrame of ``frame.INBOX_SCHEMA``'s columns and
+    ``new``/``old`` as VARIANT: the reader parses the JSON text from its bytes
+    with the session's ``parse_json`` settings (``InboxReader.java``)."""
     return (
         spark.read.format(SOURCE)
         .option("path", str(path))
         .option("splits", splits)
         .option("batch_id", str(batch_id))
+        .option("variants", "true")
         .load()
     )

@@ -134,7 +134,7 @@ def standalone(tmp_path: Path) -> Iterator[str]:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=2) as r:
                     state = json.load(r)
-            except OSError:
+            except (OSError, ValueError):  # once an HTML page, as the UI had just started
                 return False
             return any(w.get("state") == "ALIVE" for w in state.get("workers", []))
 

@@ -4,6 +4,7 @@ into exactly the rows the Parquet inbox gives."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from py4j.protocol import Py4JJavaError
 
+from daemon.events import StoredEvent, encode
 from daemon.plane.batch import MicroBatch, Slice
 from daemon.plane.parts import Rows, split_part
 from daemon.spark import frame, rawinbox
@@ -50,6 +52,23 @@ def both_ways(spark: Any, batch: MicroBatch, inbox: Path, parallelism: int = 2) 
     return sorted(got.collect()), sorted(want.collect()), raw, parquet
 
 
+def variants_both_ways(spark: Any, batch: MicroBatch, inbox: Path) -> tuple[list[Any], list[Any]]:
+    """(lsn, new, old) of the batch's contract frame from a raw inbox (the reader
+    parsed the JSON) and from a Parquet one (``parse_json``), each VARIANT as its
+    (value, metadata) bytes, sorted by lsn."""
+
+    def rows(file: frame.InboxFile) -> list[Any]:
+        def raw_variant(v: Any) -> Any:
+            return None if v is None else (bytes(v.value), bytes(v.metadata))
+
+        df = frame.read_inbox(spark, file, batch.batch_id).select("lsn", "new", "old")
+        return sorted((r.lsn, raw_variant(r.new), raw_variant(r.old)) for r in df.collect())
+
+    raw = frame.write_inbox(batch, inbox, 2, raw=True)
+    parquet = frame.write_inbox(batch, inbox, 2, raw=False)
+    return rows(raw), rows(parquet)
+
+
 @settings(
     max_examples=6,
     deadline=None,
@@ -68,6 +87,88 @@ def test_every_field_of_every_form_reads_as_the_parquet_inbox_reads_it(
 
     assert len(got) == len(payloads)
     assert got == want
+
+
+def _json_text(draw: Any, depth: int = 0) -> str:
+    """A JSON document as a producer might write it: numbers of every kind Variant
+    stores differently (int widths, decimals, exponents, beyond int64), strings
+    with escapes and non-ASCII text, nested objects and arrays, odd spacing."""
+    kinds = ["int", "num", "str", "lit"] + (["obj", "arr"] if depth < 3 else [])
+    kind = draw(st.sampled_from(kinds))
+    space = draw(st.sampled_from(["", " ", "\n  "]))
+    if kind == "int":
+        return str(draw(st.integers(min_value=-(2**70), max_value=2**70)))
+    if kind == "num":
+        return draw(
+            st.one_of(
+                st.floats(allow_nan=False, allow_infinity=False).map(repr),
+                st.decimals(allow_nan=False, allow_infinity=False, places=4).map(str),
+                st.sampled_from(["1e400", "-0.0", "0.1000", "12345678901234567890.5", "1E-7"]),
+            )
+        )
+    if kind == "str":
+        return json.dumps(draw(st.text(max_size=20)), ensure_ascii=draw(st.booleans()))
+    if kind == "lit":
+        return draw(st.sampled_from(["true", "false", "null"]))
+    if kind == "arr":
+        items = draw(st.lists(st.just(0), max_size=4))
+        return "[" + f",{space}".join(_json_text(draw, depth + 1) for _ in items) + "]"
+    keys = draw(st.lists(st.text(max_size=8), max_size=4, unique=True))
+    fields = (f"{json.dumps(k)}:{space}{_json_text(draw, depth + 1)}" for k in keys)
+    return "{" + f",{space}".join(fields) + "}"
+
+
+json_texts = st.composite(_json_text)
+
+
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    st.lists(st.tuples(json_texts(), st.one_of(st.none(), json_texts())), min_size=1, max_size=40)
+)
+def test_the_readers_variants_are_parse_jsons_byte_for_byte(
+    reader: Any, tmp_path: Path, docs: list[tuple[str, str | None]]
+) -> None:
+    """The raw inbox's reader parses new/old itself, from the payload's bytes;
+    every VARIANT it builds is the one ``parse_json`` builds from the text, value
+    and metadata bytes alike, and nil stays NULL."""
+    recs = [
+        Record(
+            i + 1,
+            0,
+            i + 1,
+            encode(StoredEvent("c", "update", f"k{i}", new.encode(), old and old.encode(), 1)),
+        )
+        for i, (new, old) in enumerate(docs)
+    ]
+    batch = MicroBatch(2, {0: Slice(0, 1, len(recs), recs)})
+
+    got, want = variants_both_ways(reader, batch, tmp_path)
+
+    assert [lsn for lsn, _, _ in got] == list(range(1, len(docs) + 1))
+    assert got == want
+
+
+def test_json_the_reader_cannot_parse_fails_the_batch_naming_the_event(
+    reader: Any, tmp_path: Path
+) -> None:
+    """Ingest refuses such JSON; were it in the WAL, the batch fails as
+    ``parse_json`` would fail it, and the error says which event and field."""
+    recs = [
+        Record(1, 0, 1, encode(StoredEvent("c", "insert", "k1", b'{"a":1}', None, 1))),
+        Record(2, 0, 2, encode(StoredEvent("c", "update", "k2", b'{"a":1}', b'{"a":', 1))),
+    ]
+    batch = MicroBatch(4, {0: Slice(0, 1, 2, recs)})
+    file = frame.write_inbox(batch, tmp_path, 1, raw=True, count_collections=False)
+
+    with pytest.raises(Py4JJavaError) as err:
+        frame.read_inbox(reader, file, 4).collect()
+
+    message = str(err.value)
+    assert "event 1 (lsn 2)" in message and "field old: not a VARIANT" in message
 
 
 def test_columnar_and_record_parts_read_whole_in_one_task_per_core(
@@ -115,12 +216,13 @@ def test_the_raw_inbox_has_the_parquet_inbox_schema_nullability_included(
     parquet = frame.write_inbox(batch, tmp_path, 1, raw=False)
     assert raw.splits is not None
 
-    got = rawinbox.read(reader, raw.path, raw.splits, 1).schema
-    want = frame._read_inbox(reader, parquet.path).schema
+    got = frame.read_inbox(reader, raw, 1).schema
+    want = frame.read_inbox(reader, parquet, 1).schema
 
     assert [(f.name, f.dataType, f.nullable) for f in got] == [
         (f.name, f.dataType, f.nullable) for f in want
     ]
+    assert str(got["new"].dataType) == "VariantType()"
 
 
 def test_rows_per_collection_are_counted_only_when_asked(tmp_path: Path) -> None:

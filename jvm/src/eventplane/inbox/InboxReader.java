@@ -2,14 +2,21 @@ package eventplane.inbox;
 
 import java.io.EOFException;
 import java.io.IOException;
+import java.io.Serializable;
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
 import java.nio.channels.FileChannel;
 import java.nio.file.Path;
 import java.nio.file.StandardOpenOption;
+import com.fasterxml.jackson.core.JsonFactory;
+import com.fasterxml.jackson.core.JsonParser;
 import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.sql.execution.vectorized.OnHeapColumnVector;
+import org.apache.spark.sql.execution.vectorized.WritableColumnVector;
+import org.apache.spark.sql.types.VariantType;
 import org.apache.spark.sql.vectorized.ColumnarBatch;
+import org.apache.spark.types.variant.Variant;
+import org.apache.spark.types.variant.VariantBuilder;
 
 /**
  * Reads one split of a raw inbox file, a chunk per columnar batch.
@@ -27,6 +34,11 @@ import org.apache.spark.sql.vectorized.ColumnarBatch;
  * new and old (the producer's JSON text, or nil), ingest time in ns, depth, source, and in the
  * long form event id and event time in µs (or nil).
  *
+ * <p>With {@link VariantOptions}, {@code new} and {@code old} are also parsed into VARIANT columns,
+ * with Spark's own {@link VariantBuilder} and the session's {@code parse_json} settings, but
+ * from the payload's bytes: {@code parse_json} over the text column first decodes each value
+ * into a Java string and parses its characters.
+ *
  * <p>A payload that is not such an array, or that does not end where the next one starts, fails
  * the task with the file, the chunk's offset, the event's index and LSN: the WAL checked every
  * payload's checksum before the daemon wrote it here, so this is a bug, never bad input.
@@ -40,11 +52,19 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
   private static final int LSN = 0, CORE = 1, SEQ = 2, COLLECTION = 3, OP = 4, KEY = 5;
   private static final int NEW = 6, OLD = 7, INGEST_TS = 8, BATCH_ID = 9, EVENT_ID = 10;
   private static final int EVENT_TIME = 11, DEPTH = 12, SOURCE = 13;
+  private static final int NEW_VARIANT = 14, OLD_VARIANT = 15;
+  // As Spark's parse_json: a factory with Jackson's defaults, shared (it is thread-safe).
+  private static final JsonFactory JSON = new JsonFactory();
+
+  /** The session's parse_json settings, read on the driver. */
+  record VariantOptions(boolean allowDuplicateKeys, boolean validateUnicode)
+      implements Serializable {}
 
   private final String path;
   private final FileChannel channel;
   private final long end;
   private final long batchId;
+  private final VariantOptions variants; // null: no VARIANT columns
   private final OnHeapColumnVector[] columns;
   private final ColumnarBatch batch;
   private final ByteBuffer header = ByteBuffer.allocate(HEADER).order(ByteOrder.LITTLE_ENDIAN);
@@ -57,14 +77,21 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
   private long chunkAt;
   private int event;
   private long eventLsn;
+  // Where the last string() value lies in buf; -1 for nil.
+  private int valueAt;
+  private int valueLength;
 
-  InboxReader(String path, long offset, long length, long batchId) throws IOException {
+  InboxReader(String path, long offset, long length, long batchId, VariantOptions variants)
+      throws IOException {
     this.path = path;
+    this.variants = variants;
     this.channel = FileChannel.open(Path.of(path), StandardOpenOption.READ);
     this.position = offset;
     this.end = offset + length;
     this.batchId = batchId;
-    this.columns = OnHeapColumnVector.allocateColumns(4096, InboxSource.SCHEMA);
+    this.columns =
+        OnHeapColumnVector.allocateColumns(
+            4096, variants == null ? InboxSource.SCHEMA : InboxSource.VARIANT_SCHEMA);
     this.batch = new ColumnarBatch(columns);
   }
 
@@ -129,6 +156,10 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
     for (OnHeapColumnVector c : columns) {
       c.reset();
       c.reserve(n);
+      if (c.dataType() instanceof VariantType) {
+        c.getChild(0).reserve(n); // value
+        c.getChild(1).reserve(n); // metadata
+      }
     }
     ByteBuffer le = ByteBuffer.wrap(buf).order(ByteOrder.LITTLE_ENDIAN);
     int lsnAt = 0;
@@ -179,7 +210,13 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
     string(OP, i, false);
     string(KEY, i, false);
     string(NEW, i, true);
+    if (variants != null) {
+      variant(NEW_VARIANT, i);
+    }
     string(OLD, i, true);
+    if (variants != null) {
+      variant(OLD_VARIANT, i);
+    }
     integer(false);
     columns[INGEST_TS].putLong(i, value / 1000);
     integer(false);
@@ -227,6 +264,7 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
       }
     } else if (b == 0xc0 && nullable) {
       columns[c].putNull(i);
+      valueAt = -1;
       return;
     } else {
       throw error("field " + InboxSource.SCHEMA.fields()[c].name() + ": unexpected type byte 0x"
@@ -238,6 +276,27 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
       throw new ArrayIndexOutOfBoundsException(at);
     }
     columns[c].putByteArray(i, buf, from, length);
+    valueAt = from;
+    valueLength = length;
+  }
+
+  /** The JSON text string() just read (or nil) as a VARIANT into column {@code c}, row {@code i}. */
+  private void variant(int c, int i) throws IOException {
+    WritableColumnVector column = columns[c];
+    if (valueAt < 0) {
+      column.putNull(i);
+      return;
+    }
+    Variant v;
+    try (JsonParser parser = JSON.createParser(buf, valueAt, valueLength)) {
+      parser.nextToken();
+      v = VariantBuilder.parseJson(parser, variants.allowDuplicateKeys(), variants.validateUnicode());
+    } catch (IOException | RuntimeException e) {
+      throw error(
+          "field " + InboxSource.VARIANT_SCHEMA.fields()[c].name() + ": not a VARIANT: " + e);
+    }
+    column.getChild(0).putByteArray(i, v.getValue());
+    column.getChild(1).putByteArray(i, v.getMetadata());
   }
 
   /** An integer into {@link #value}; false for nil (when {@code nullable}). */

@@ -14,9 +14,11 @@ import org.apache.spark.sql.vectorized.ColumnarBatch;
 final class InboxReaderFactory implements PartitionReaderFactory {
   private static final long serialVersionUID = 1L;
   private final long batchId;
+  private final InboxReader.VariantOptions variants; // null: no VARIANT columns
 
-  InboxReaderFactory(long batchId) {
+  InboxReaderFactory(long batchId, InboxReader.VariantOptions variants) {
     this.batchId = batchId;
+    this.variants = variants;
   }
 
   @Override
@@ -63,7 +65,7 @@ final class InboxReaderFactory implements PartitionReaderFactory {
   private InboxReader open(InputPartition partition) {
     InboxPartition p = (InboxPartition) partition;
     try {
-      return new InboxReader(p.path(), p.offset(), p.length(), batchId);
+      return new InboxReader(p.path(), p.offset(), p.length(), batchId, variants);
     } catch (IOException e) {
       throw new UncheckedIOException(e);
     }

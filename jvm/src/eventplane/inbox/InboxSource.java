@@ -15,7 +15,8 @@ import org.apache.spark.sql.util.CaseInsensitiveStringMap;
  * <p>The daemon writes a batch's rows as chunks (the format is in {@link InboxReader}) and reads
  * them with {@code spark.read.format("eventplane.inbox.InboxSource")}, options {@code path},
  * {@code splits} ({@code offset:length} pairs separated by commas, one Spark task each, every
- * split whole chunks) and {@code batch_id} (the value of the {@code batch_id} column). The
+ * split whole chunks), {@code batch_id} (the value of the {@code batch_id} column) and
+ * optionally {@code variants} ({@code true}: also {@code new}/{@code old} as VARIANT). The
  * schema is fixed ({@link #SCHEMA}); it is the Parquet inbox's, column for column, so the rest
  * of the batch's plan does not know which inbox it read (docs/performance.md, "The raw inbox").
  */
@@ -41,6 +42,13 @@ public final class InboxSource implements TableProvider {
           .add("event_time", DataTypes.TimestampType)
           .add("depth", DataTypes.IntegerType)
           .add("source", DataTypes.StringType);
+
+  /**
+   * {@link #SCHEMA} and {@code new}/{@code old} as VARIANT, parsed here from the JSON text as
+   * {@code parse_json} would: with option {@code variants} = {@code true}.
+   */
+  public static final StructType VARIANT_SCHEMA =
+      SCHEMA.add("new", DataTypes.VariantType).add("old", DataTypes.VariantType);
 
   public InboxSource() {}
 

@@ -10,6 +10,7 @@ import org.apache.spark.sql.connector.read.InputPartition;
 import org.apache.spark.sql.connector.read.PartitionReaderFactory;
 import org.apache.spark.sql.connector.read.Scan;
 import org.apache.spark.sql.connector.read.ScanBuilder;
+import org.apache.spark.sql.internal.SQLConf;
 import org.apache.spark.sql.types.StructType;
 import org.apache.spark.sql.util.CaseInsensitiveStringMap;
 
@@ -18,8 +19,10 @@ final class InboxTable implements SupportsRead, ScanBuilder, Scan, Batch {
   private final String path;
   private final String splits;
   private final long batchId;
+  private final boolean variants;
 
   InboxTable(CaseInsensitiveStringMap options) {
+    variants = options.getBoolean("variants", false);
     path = required(options, "path");
     splits = required(options, "splits");
     try {
@@ -45,7 +48,7 @@ final class InboxTable implements SupportsRead, ScanBuilder, Scan, Batch {
   @Override
   @SuppressWarnings("deprecation") // columns() derives from it; Spark 4 reads either
   public StructType schema() {
-    return InboxSource.SCHEMA;
+    return variants ? InboxSource.VARIANT_SCHEMA : InboxSource.SCHEMA;
   }
 
   @Override
@@ -65,7 +68,7 @@ final class InboxTable implements SupportsRead, ScanBuilder, Scan, Batch {
 
   @Override
   public StructType readSchema() {
-    return InboxSource.SCHEMA;
+    return schema();
   }
 
   @Override
@@ -105,6 +108,16 @@ final class InboxTable implements SupportsRead, ScanBuilder, Scan, Batch {
 
   @Override
   public PartitionReaderFactory createReaderFactory() {
-    return new InboxReaderFactory(batchId);
+    if (!variants) {
+      return new InboxReaderFactory(batchId, null);
+    }
+    // The session's parse_json settings, read here on the driver as parse_json reads them when
+    // it is planned: the tasks then build the same VARIANTs.
+    SQLConf conf = SQLConf.get();
+    return new InboxReaderFactory(
+        batchId,
+        new InboxReader.VariantOptions(
+            (Boolean) conf.getConf(SQLConf.VARIANT_ALLOW_DUPLICATE_KEYS()),
+            (Boolean) conf.getConf(SQLConf.VARIANT_VALIDATE_UNICODE_IN_JSON_PARSING())));
   }
 }
