@@ -828,7 +828,7 @@ class SparkExecutor:
         results: list[tuple[BatchStage, Any]] = []
         cached = False
         try:
-            nrows = sum(len(s.records) for s in batch.slices.values())
+            nrows = batch.rows
             prepared = self._take_prepared(batch)
             if prepared is None:
                 parallelism = self._parallelism(spark)

@@ -336,7 +336,7 @@ def write_raw_file(
     dictionaries, pages and footers per file; docs/performance.md, "The raw
     inbox").
     """
-    total = sum(len(s.records) for s in batch.slices.values())
+    total = batch.rows
     row_bytes = -(-payload_bytes(batch) // max(1, total)) + _ROW_FIXED_BYTES
     chunk_rows = max(1, min(rawinbox.CHUNK_ROWS, rawinbox.CHUNK_BYTES // row_bytes))
 
@@ -367,7 +367,7 @@ def write_batch_file(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    total = sum(len(s.records) for s in batch.slices.values())
+    total = batch.rows
     row_bytes = -(-payload_bytes(batch) // max(1, total)) + _ROW_FIXED_BYTES
     group_rows = row_group_rows(total, parallelism, max_bytes // row_bytes)
     counts: dict[str, int] = {}
