@@ -126,6 +126,10 @@ class SparkConfig:
     # default: a 171 MB file, written by the first JVM as it exits (13-19 s
     # here), for a faster start only.
     class_sharing: bool = False
+    # A small batch (one task's rows) of a stream partitioned by collection
+    # alone is written by Spark's Parquet writer in the driver, without a
+    # Spark job (daemon.spark.cdc, step 1); false: every batch runs a job.
+    direct_write: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,6 +480,7 @@ _SPARK: dict[str, Checker] = {
     "conf": lambda v, p, e: _string_table(v, p, e),
     "warmup_rows": _int(0, 1_000_000),
     "class_sharing": _bool,
+    "direct_write": _bool,
 }
 _MICROBATCH: dict[str, Checker] = {
     "interval_ms": _int(10),

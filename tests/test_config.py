@@ -125,9 +125,15 @@ def test_build_max_bytes_is_a_checked_microbatch_key() -> None:
     ]
 
 
-def test_spark_warmup_rows_and_class_sharing_are_checked_keys_with_defaults() -> None:
+def test_spark_warmup_rows_class_sharing_and_direct_write_are_checked_keys_with_defaults() -> None:
     assert config.load(ROOT / "config.toml").spark.warmup_rows == 20_000
     assert config.load(ROOT / "config.toml").spark.class_sharing is False
+    assert config.load(ROOT / "config.toml").spark.direct_write is True
+    assert config.parse({}).spark.direct_write is True
+    assert config.parse({"spark": {"direct_write": False}}).spark.direct_write is False
+    with pytest.raises(ConfigError) as info:
+        config.parse({"spark": {"direct_write": 1}})
+    assert info.value.errors == ["spark.direct_write: expected true or false, got 1"]
     with pytest.raises(ConfigError) as info:
         config.parse({"spark": {"class_sharing": "yes"}})
     assert info.value.errors == ['spark.class_sharing: expected true or false, got "yes"']

@@ -27,7 +27,11 @@ Commit protocol for batch B of stream S (the steps are marked in the code):
    (same id must mean same rows) and return without writing. A pending commit
    intent left by an earlier attempt is completed first (roll forward).
 1. **Stage.** Spark writes the stream's rows of B under ``staging/b<B>/``,
-   which is emptied first, so a failed attempt's leftovers are replaced.
+   which is emptied first, so a failed attempt's leftovers are replaced. A
+   small batch (a raw inbox file of one split) of a stream partitioned by
+   ``collection`` alone is written without a Spark job, by Spark's own
+   Parquet writer in the driver (:class:`RawInbox`, ``DirectWrite.java``):
+   the same files, without the job's fixed cost.
 2. **Intent.** fsync every staged file, then write ``pending/b<B>.json``
    listing each staged file and its final name (atomic replace + fsync).
    This is the point of no return: from here the commit only rolls forward.
@@ -192,6 +196,10 @@ STAGING_WRITE_OPTIONS = {
 NIO_LOCAL_FS = "eventplane.hadoop.NioLocalFileSystem"
 _staging_options: tuple[Any, dict[str, str]] | None = None
 _staging_fallback_logged = False
+# Step 1 without a Spark job, for a small batch (``RawInbox``): in the jar
+# with the raw inbox's reader, whose rows it writes.
+DIRECT_WRITE = "eventplane.inbox.DirectWrite"
+_direct_usable: tuple[Any, str | None] | None = None  # (session, why not)
 # The folders Hadoop's file committer (algorithm 1, application attempt 0)
 # creates under a job's output before its tasks write: made by the daemon
 # beforehand (``os.makedirs``, no fork), Hadoop finds them and creates none.
@@ -642,11 +650,16 @@ class CdcSink:
 
     # -- commit ------------------------------------------------------------
 
-    def commit(self, df: Any, batch: MicroBatch, rows: int) -> CommitResult:
+    def commit(
+        self, df: Any, batch: MicroBatch, rows: int, raw: RawInbox | None = None
+    ) -> CommitResult:
         """Commit this stream's rows of ``batch`` exactly once (protocol: module doc).
 
         ``df`` is the batch DataFrame with the contract columns; ``rows`` is how
         many of its rows this stream takes (counted from Arrow, no Spark job).
+        ``raw``: the batch's raw inbox file, which step 1 writes without a
+        Spark job when :meth:`writes_directly` says so; ``df`` is then not read
+        (and may be None).
         """
         started = time.monotonic()
         # Step 0. Idempotency: finish an interrupted commit, skip a committed batch.
@@ -663,7 +676,8 @@ class CdcSink:
             crash_point("cdc.before_stage")
             try:
                 # Step 1. Stage: Spark writes where no reader looks.
-                self._write_staged(self._select(df), staging)
+                direct = raw is not None and self.writes_directly(raw)
+                self._write_staged(raw if direct else self._select(df), staging)
                 crash_point("cdc.after_stage")
                 files = self._staged_files(staging, bid)
                 if not files:
@@ -721,8 +735,20 @@ class CdcSink:
             cached = self._columns = (spark, table, SelectList.build(spark, columns), keep)
         return cached[2], cached[3]
 
+    def writes_directly(self, raw: RawInbox) -> bool:
+        """Whether step 1 writes ``raw`` without a Spark job: one split (a
+        job would run one task), partitions by ``collection`` alone (the table's
+        columns as the reader makes them), and the session can load the writer."""
+        return (
+            "," not in raw.splits
+            and self.stream.partition_by == ("collection",)
+            and direct_write_missing(raw.spark) is None
+        )
+
     def _write_staged(self, df: Any, staging: Path) -> None:
-        """The Spark write of step 1 (tests wrap this to inject write failures).
+        """The write of step 1 (tests wrap this to inject write failures): a
+        Spark write of the DataFrame ``df``, or, given a :class:`RawInbox`, the
+        direct write of its rows (:meth:`_write_direct`).
 
         The staging folder starts empty (a failed attempt's leftovers go), with
         the committer's job folders made here (``STAGING_JOB_DIRS``); Spark then
@@ -730,9 +756,42 @@ class CdcSink:
         """
         shutil.rmtree(staging, ignore_errors=True)
         (staging / STAGING_JOB_DIRS).mkdir(parents=True)
+        if isinstance(df, RawInbox):
+            self._write_direct(df, staging)
+            return
         partition_by = self.stream.partition_by
         writer = df.write.mode("append").partitionBy(*partition_by)
         self._write_options(df.sparkSession).set_on(writer).parquet(str(staging))
+
+    def _write_direct(self, raw: RawInbox, staging: Path) -> None:
+        """Step 1 for a small batch, in the driver JVM (``DirectWrite.java``):
+        the stream's rows of the inbox file into one file per collection
+        folder, with Spark's Parquet writer and this write's options."""
+        spark = raw.spark
+        jvm = _py4j_jvm(spark)
+        gateway = spark.sparkContext._gateway
+        columns = gateway.new_array(jvm.java.lang.String, len(TABLE_COLUMNS))
+        for i, name in enumerate(TABLE_COLUMNS):
+            columns[i] = name
+        taken = () if self.stream.collections == ("*",) else self.stream.collections
+        collections = gateway.new_array(jvm.java.lang.String, len(taken))
+        for i, name in enumerate(taken):
+            collections[i] = name
+        written = jvm.eventplane.inbox.DirectWrite.write(
+            spark._jsparkSession,
+            str(raw.path),
+            raw.splits,
+            raw.batch_id,
+            str(staging),
+            self._write_options(spark).jmap,
+            columns,
+            collections,
+        )
+        if written != raw.rows_for(self.stream.collections):
+            raise CdcError(
+                f"stream {self.name!r}: the direct write of batch {raw.batch_id} wrote "
+                f"{written} rows, {raw.rows_for(self.stream.collections)} expected"
+            )
 
     def _write_options(self, spark: Any) -> WriteOptions:
         """Step 1's writer options (Parquet's and the staging write's), built
@@ -1078,6 +1137,43 @@ def _drop_yarn_defaults(spark: Any) -> None:
         log.info("cdc_hadoop_defaults_kept", error=str(exc)[:200])
         return
     log.debug("cdc_hadoop_defaults_dropped", resource="yarn-default.xml", keys=dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class RawInbox:
+    """A batch's raw inbox file (``daemon.spark.rawinbox``) in ``spark``'s
+    session, for step 1 without a Spark job (:meth:`CdcSink.writes_directly`).
+    ``counts``: rows per collection, None when not counted."""
+
+    spark: Any
+    path: Path
+    splits: str
+    batch_id: int
+    rows: int
+    counts: dict[str, int] | None
+
+    def rows_for(self, collections: tuple[str, ...]) -> int:
+        """The rows of ``collections`` (``("*",)``: all) in the file."""
+        if collections == ("*",):
+            return self.rows
+        if self.counts is None:
+            raise CdcError(f"batch {self.batch_id}: the rows per collection are unknown")
+        return sum(self.counts.get(c, 0) for c in collections)
+
+
+def direct_write_missing(spark: Any) -> str | None:
+    """Why ``spark``'s session cannot write a batch without a Spark job (None:
+    it can). Decided once per session; the raw inbox needs the same jar, so a
+    session that reads one and lacks this class has a jar built before it."""
+    global _direct_usable
+    cached = _direct_usable
+    if cached is not None and cached[0] is spark:
+        return cached[1]
+    from daemon.spark.session import daemon_class_missing
+
+    reason = daemon_class_missing(spark, DIRECT_WRITE)
+    _direct_usable = (spark, reason)
+    return reason
 
 
 def _nio_fs_missing(spark: Any) -> str | None:

@@ -19,8 +19,11 @@
      second thread while the previous batch ran in Spark. Other masters get
      the rows as one Arrow table;
   2. -> DataFrame with ``new``/``old`` parsed to VARIANT (``batch_frame`` in
-     :mod:`daemon.spark.frame`); persisted, after step 3, when more than one
-     CDC stream or handler reads it;
+     :mod:`daemon.spark.frame`), built only when something reads it: a
+     stage, a handler, or a CDC stream that cannot write the raw file
+     without a Spark job (``CdcSink.writes_directly``: a small batch of a
+     stream partitioned by ``collection`` alone, ``spark.direct_write``);
+     persisted, after step 3, when more than one of those reads it;
   3. each ``BatchStage.run_in_spark`` (triggers) computes its result, and
      the stage's ``finish`` (the webhook calls) starts on the loop at once;
   4. meanwhile each CDC stream commits its rows exactly once
@@ -77,7 +80,7 @@ from daemon.config import Config
 from daemon.errors import ConfigError, DaemonError, ExecutorError
 from daemon.plane.batch import BatchStage, MicroBatch, SessionAware
 from daemon.service.metrics import Metrics
-from daemon.spark import frame, rawinbox
+from daemon.spark import cdc, frame, rawinbox
 from daemon.spark import session as sparkmod
 from daemon.spark.cdc import CDC_COLUMNS, CdcSink, CommitResult, crash_point
 from daemon.spark.compact import CompactionService
@@ -827,23 +830,46 @@ class SparkExecutor:
         commits: list[CommitResult] = []
         results: list[tuple[BatchStage, Any]] = []
         cached = False
+        made: list[Any] = []  # the batch DataFrame, once something needs it
         try:
             nrows = batch.rows
-            prepared = self._take_prepared(batch)
-            if prepared is None:
-                parallelism = self._parallelism(spark)
-                df, counts = frame.batch_frame(
-                    spark,
+            parallelism = self._parallelism(spark)
+            file = self._take_prepared(batch)
+            if file is None and self._inbox is not None:
+                raw = rawinbox.missing(spark) is None
+                file = frame.write_inbox(
                     batch,
                     self._inbox,
                     parallelism,
                     self.cfg.microbatch.build_max_bytes,
+                    raw,
                     self._count_collections(),
                 )
+            if file is None:  # no inbox: the rows go over as one Arrow table
+                df, counts = frame.batch_frame(spark, batch, None, parallelism)
+                made.append(df)
             else:
-                df, counts = frame.read_inbox(spark, prepared, batch.batch_id), prepared.counts
+                counts = file.counts
+            inbox = file
+
+            def batch_df() -> Any:
+                if not made:
+                    assert inbox is not None
+                    made.append(frame.read_inbox(spark, inbox, batch.batch_id))
+                return made[0]
+
+            direct = None
+            if file is not None and file.splits is not None and self.cfg.spark.direct_write:
+                direct = cdc.RawInbox(spark, file.path, file.splits, batch.batch_id, nrows, counts)
             todo = [(sink, self._rows_for(sink, nrows, counts)) for sink in sinks]
             pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
+            # Small batches of most streams skip the DataFrame: step 4 writes
+            # the inbox file's rows without a Spark job (CdcSink.writes_directly).
+            readers = {
+                sink.name
+                for sink, _rows in pending
+                if direct is None or not sink.writes_directly(direct)
+            }
             # Steps 3-5: each stage on its own; one failing holds back only itself.
             # Step 3. Stages first: their finish (webhook calls) runs on the loop
             # while this thread writes the CDC tables. They read the batch before
@@ -852,7 +878,7 @@ class SparkExecutor:
             # one CDC stream: 24-43 % less time to the trigger's result, 7-17 %
             # less CPU per batch; docs/triggers.md, "End to end").
             # Stages see the batch columns, without the payloads' JSON text.
-            staged = df.select(*frame.BATCH_COLUMNS) if stages else df
+            staged = batch_df().select(*frame.BATCH_COLUMNS) if stages else None
             for st in stages:
                 try:
                     result = st.run_in_spark(spark, staged, batch)
@@ -861,19 +887,21 @@ class SparkExecutor:
                     continue
                 results.append((st, result))
                 hand_over(st, result)
-            if len(pending) + len(handlers) > 1:
+            if len(readers) + len(handlers) > 1:
                 # Persisted only now: a plan persisted before the stages ran
                 # would have had their job build the cache.
-                df, cached = df.persist(), True
+                made[:] = [batch_df().persist()]
+                cached = True
             # Step 4. Each CDC stream commits its rows exactly once.
             for sink, rows in todo:
                 try:
-                    commits.append(sink.commit(df, batch, rows))
+                    df = batch_df() if sink.name in readers else None
+                    commits.append(sink.commit(df, batch, rows, direct))
                 except Exception as exc:
                     failures[sink_stage(sink)] = exc
             # Step 5. Handlers.
             if handlers:
-                contract = df.select(*CDC_COLUMNS)
+                contract = batch_df().select(*CDC_COLUMNS)
                 for ref, func in handlers:
                     try:
                         func(contract, batch.batch_id)
@@ -882,7 +910,7 @@ class SparkExecutor:
         finally:
             if cached:
                 try:
-                    df.unpersist(blocking=False)
+                    made[0].unpersist(blocking=False)
                 except Exception as exc:  # a dead JVM took the cache with it
                     log.warning("batch_unpersist_failed", error=f"{type(exc).__name__}: {exc}")
             self._remove_inbox_files(batch.batch_id)  # even when the JVM died mid-batch

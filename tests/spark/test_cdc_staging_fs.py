@@ -197,11 +197,12 @@ async def test_each_select_and_the_writes_options_are_one_py4j_command(
 
     ex = await executor_factory()
     (sink,) = ex.sinks
-    await ex.execute(make_batches(1, 50)[0])  # both lists built
+    await ex.execute(make_batches(1, 50)[0])
     raw = spark.read.schema(frame.INBOX_SCHEMA).parquet(str(tmp_path))
     # The batch above may have come through the raw inbox, whose frame has its
-    # own list (no parse_json): this builds the Parquet inbox's.
-    frame._contract_frame(raw)
+    # own list (no parse_json), and been written without a job, which builds
+    # no write list: this builds the Parquet inbox's list and the write's.
+    sink._select(frame._contract_frame(raw))
     with py4j_commands() as contract:
         df = frame._contract_frame(raw)
     with py4j_commands() as write:

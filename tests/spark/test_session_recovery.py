@@ -240,7 +240,7 @@ async def test_a_lost_session_is_rebuilt_and_the_failed_batch_commits_once(
     refused = ConnectionRefusedError(111, "Connection refused")
     with (
         capture_logs() as logs,
-        mock.patch.object(frame, "batch_frame", side_effect=refused),
+        mock.patch.object(frame, "write_inbox", side_effect=refused),
         mock.patch.object(sparkmod, "probe_session", return_value=KILLED) as probe,
         mock.patch.object(sparkmod, "forget_session") as forget,
     ):

@@ -89,7 +89,12 @@ final class InboxTable implements SupportsRead, ScanBuilder, Scan, Batch {
   /** One partition per split the daemon wrote: it sized them for the session's cores. */
   @Override
   public InputPartition[] planInputPartitions() {
-    List<InputPartition> out = new ArrayList<>();
+    return partitions(path, splits).toArray(new InputPartition[0]);
+  }
+
+  /** The splits of option {@code splits} ({@code offset:length,...}) of the file {@code path}. */
+  static List<InboxPartition> partitions(String path, String splits) {
+    List<InboxPartition> out = new ArrayList<>();
     if (!splits.isEmpty()) {
       for (String split : splits.split(",")) {
         int colon = split.indexOf(':');
@@ -103,7 +108,7 @@ final class InboxTable implements SupportsRead, ScanBuilder, Scan, Batch {
         }
       }
     }
-    return out.toArray(new InputPartition[0]);
+    return out;
   }
 
   @Override

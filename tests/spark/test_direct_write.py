@@ -1,0 +1,141 @@
+"""Small batches written without a Spark job (``CdcSink.writes_directly``, the
+jar's ``DirectWrite``): the files a Spark job would have written, byte for byte
+where it counts, and everything else still through Spark."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from daemon.errors import ExecutorError
+from daemon.events import StoredEvent, encode
+from daemon.plane.batch import MicroBatch, Slice
+from daemon.service.metrics import Metrics
+from daemon.spark import cdc
+from daemon.spark.cdc import META_DIR
+from daemon.spark.executor import SparkExecutor
+from tests.spark.support import batch_lsns, make_batches, make_config, read_table
+from wal.record import Record
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture
+def direct(spark: Any) -> Any:
+    """The shared session, which must be able to load the direct writer."""
+    reason = cdc.direct_write_missing(spark)
+    if reason is not None:  # `make test` builds the jar; a machine without javac cannot
+        pytest.skip(reason)
+    return spark
+
+
+def spark_jobs(spark: Any) -> int:
+    """Jobs the session has run (outside job groups: all of the daemon's)."""
+    return len(spark.sparkContext.statusTracker().getJobIdsForGroup())
+
+
+async def run(
+    spark: Any, root: Path, batches: list[MicroBatch], direct_write: bool = True, **config: Any
+) -> int:
+    """The batches through a new executor whose tables are under ``root``, with
+    ``spark.direct_write`` as given; returns the Spark jobs they ran."""
+    cfg = make_config(root, **config)
+    cfg = replace(cfg, spark=replace(cfg.spark, direct_write=direct_write))
+    ex = SparkExecutor(cfg, Metrics(), wal_id="wal-1", session=spark)
+    await ex.start()
+    try:
+        before = spark_jobs(spark)
+        for b in batches:
+            await ex.execute(b)
+        return spark_jobs(spark) - before
+    finally:
+        await ex.stop()
+
+
+def files(table: Path) -> list[tuple[str, list[Any], Any, Any, list[Any]]]:
+    """Each data file, in order: its folder, its rows in file order, its Parquet
+    schema, its footer's key-values and, per column, its encodings and whether
+    it has statistics."""
+    out = []
+    for f in sorted(table.glob("collection=*/*.parquet")):
+        md = pq.read_metadata(f)
+        columns = [
+            (c.path_in_schema, sorted(c.encodings), c.statistics is not None)
+            for g in range(md.num_row_groups)
+            for c in (md.row_group(g).column(i) for i in range(md.num_columns))
+        ]
+        rows = pq.ParquetFile(f).read().to_pylist()
+        out.append((f.parent.name, rows, md.schema.to_arrow_schema(), md.metadata, columns))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("collections", "compaction"),
+    [(("*",), True), (("orders",), True), (("*",), False)],
+    ids=["all-compacting", "some-compacting", "all-not-compacting"],
+)
+async def test_a_small_batch_is_written_without_a_spark_job_into_the_files_a_job_writes(
+    direct: Any, tmp_path: Path, collections: tuple[str, ...], compaction: bool
+) -> None:
+    batches = make_batches(3, 400)
+    config: dict[str, Any] = {
+        "streams": [("s", collections)],
+        "stream_options": {"compaction": compaction},
+    }
+
+    jobs = await run(direct, tmp_path / "direct", batches, **config)
+    job_jobs = await run(direct, tmp_path / "job", batches, direct_write=False, **config)
+
+    assert jobs == 0 and job_jobs >= len(batches)
+    got, want = files(tmp_path / "direct" / "cdc" / "s"), files(tmp_path / "job" / "cdc" / "s")
+    assert [f[0] for f in got] == [f[0] for f in want]  # one file per folder and batch
+    assert got == want
+    rows = read_table(direct, tmp_path / "direct" / "cdc" / "s")
+    everything = batch_lsns(batches)
+    assert sorted(r.lsn for r in rows) == (
+        everything if collections == ("*",) else [lsn for lsn in everything if lsn % 2 == 0]
+    )
+
+
+@pytest.mark.parametrize(
+    ("rows", "partition_by"),
+    [(10_000, ("collection",)), (300, ("collection", "date"))],
+    ids=["two-splits", "time-partitioned"],
+)
+async def test_batches_of_two_splits_and_time_partitioned_streams_still_run_a_spark_job(
+    direct: Any, tmp_path: Path, rows: int, partition_by: tuple[str, ...]
+) -> None:
+    """Two splits are two tasks in parallel on the session's two cores; a time
+    partition is a computed column the direct write does not make."""
+    batches = make_batches(1, rows)
+
+    jobs = await run(direct, tmp_path, batches, partition_by=partition_by)
+
+    assert jobs >= 1
+    table = read_table(direct, tmp_path / "cdc" / "all")
+    assert sorted(r.lsn for r in table) == batch_lsns(batches)
+
+
+async def test_json_the_direct_write_cannot_parse_fails_the_batch_naming_the_event(
+    direct: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """As through a Spark job: the batch fails whole (its one stage failed), the
+    error names the event and field, and nothing of it is published or left."""
+    recs = [
+        Record(1, 0, 1, encode(StoredEvent("c", "insert", "k1", b'{"a":1}', None, 1))),
+        Record(2, 0, 2, encode(StoredEvent("c", "update", "k2", b'{"a":1}', b'{"a":', 1))),
+    ]
+    ex = await executor_factory()
+
+    with pytest.raises(ExecutorError) as err:
+        await ex.execute(MicroBatch(1, {0: Slice(0, 1, 2, recs)}))
+
+    assert "event 1 (lsn 2)" in str(err.value) and "field old: not a VARIANT" in str(err.value)
+    table = tmp_path / "cdc" / "all"
+    assert not list(table.glob("collection=*/*"))
+    assert not list((table / META_DIR / "staging").iterdir())
+    assert not list((table / META_DIR / "pending").glob("*"))
