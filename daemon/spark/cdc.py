@@ -28,10 +28,9 @@ Commit protocol for batch B of stream S (the steps are marked in the code):
    intent left by an earlier attempt is completed first (roll forward).
 1. **Stage.** Spark writes the stream's rows of B under ``staging/b<B>/``,
    which is emptied first, so a failed attempt's leftovers are replaced. A
-   small batch (a raw inbox file of one split) of a stream partitioned by
-   ``collection`` alone is written without a Spark job, by Spark's own
-   Parquet writer in the driver (:class:`RawInbox`, ``DirectWrite.java``):
-   the same files, without the job's fixed cost.
+   small batch (a raw inbox file of one split) is written without a Spark
+   job, by Spark's own Parquet writer in the driver (:class:`RawInbox`,
+   ``DirectWrite.java``): the same files, without the job's fixed cost.
 2. **Intent.** fsync every staged file, then write ``pending/b<B>.json``
    listing each staged file and its final name (atomic replace + fsync).
    This is the point of no return: from here the commit only rolls forward.
@@ -737,13 +736,8 @@ class CdcSink:
 
     def writes_directly(self, raw: RawInbox) -> bool:
         """Whether step 1 writes ``raw`` without a Spark job: one split (a
-        job would run one task), partitions by ``collection`` alone (the table's
-        columns as the reader makes them), and the session can load the writer."""
-        return (
-            "," not in raw.splits
-            and self.stream.partition_by == ("collection",)
-            and direct_write_missing(raw.spark) is None
-        )
+        job would run one task), and the session can load the writer."""
+        return "," not in raw.splits and direct_write_missing(raw.spark) is None
 
     def _write_staged(self, df: Any, staging: Path) -> None:
         """The write of step 1 (tests wrap this to inject write failures): a
@@ -765,8 +759,9 @@ class CdcSink:
 
     def _write_direct(self, raw: RawInbox, staging: Path) -> None:
         """Step 1 for a small batch, in the driver JVM (``DirectWrite.java``):
-        the stream's rows of the inbox file into one file per collection
-        folder, with Spark's Parquet writer and this write's options."""
+        the stream's rows of the inbox file into one file per partition
+        folder, with Spark's Parquet writer and this write's options. The
+        time partitions are computed as ``time_columns`` computes them."""
         spark = raw.spark
         jvm = _py4j_jvm(spark)
         gateway = spark.sparkContext._gateway
@@ -777,6 +772,9 @@ class CdcSink:
         collections = gateway.new_array(jvm.java.lang.String, len(taken))
         for i, name in enumerate(taken):
             collections[i] = name
+        partition_by = gateway.new_array(jvm.java.lang.String, len(self.stream.partition_by))
+        for i, name in enumerate(self.stream.partition_by):
+            partition_by[i] = name
         written = jvm.eventplane.inbox.DirectWrite.write(
             spark._jsparkSession,
             str(raw.path),
@@ -786,6 +784,7 @@ class CdcSink:
             self._write_options(spark).jmap,
             columns,
             collections,
+            partition_by,
         )
         if written != raw.rows_for(self.stream.collections):
             raise CdcError(

@@ -61,7 +61,7 @@ def files(table: Path) -> list[tuple[str, list[Any], Any, Any, list[Any]]]:
     schema, its footer's key-values and, per column, its encodings and whether
     it has statistics."""
     out = []
-    for f in sorted(table.glob("collection=*/*.parquet")):
+    for f in sorted(table.glob("collection=*/**/*.parquet")):
         md = pq.read_metadata(f)
         columns = [
             (c.path_in_schema, sorted(c.encodings), c.statistics is not None)
@@ -69,22 +69,37 @@ def files(table: Path) -> list[tuple[str, list[Any], Any, Any, list[Any]]]:
             for c in (md.row_group(g).column(i) for i in range(md.num_columns))
         ]
         rows = pq.ParquetFile(f).read().to_pylist()
-        out.append((f.parent.name, rows, md.schema.to_arrow_schema(), md.metadata, columns))
+        folder = str(f.parent.relative_to(table))
+        out.append((folder, rows, md.schema.to_arrow_schema(), md.metadata, columns))
     return out
 
 
 @pytest.mark.parametrize(
-    ("collections", "compaction"),
-    [(("*",), True), (("orders",), True), (("*",), False)],
-    ids=["all-compacting", "some-compacting", "all-not-compacting"],
+    ("collections", "compaction", "partition_by", "folders"),
+    [
+        (("*",), True, ("collection",), 2),
+        (("orders",), True, ("collection",), 1),
+        (("*",), False, ("collection",), 2),
+        (("*",), True, ("collection", "date"), 8),
+        (("orders",), True, ("collection", "date", "hour"), 51),
+    ],
+    ids=["all", "some", "all-not-compacting", "by-date", "some-by-hour"],
 )
 async def test_a_small_batch_is_written_without_a_spark_job_into_the_files_a_job_writes(
-    direct: Any, tmp_path: Path, collections: tuple[str, ...], compaction: bool
+    direct: Any,
+    tmp_path: Path,
+    collections: tuple[str, ...],
+    compaction: bool,
+    partition_by: tuple[str, ...],
+    folders: int,
 ) -> None:
-    batches = make_batches(3, 400)
+    """The 1,200 events span 50 hours from 2023-11-14 22:13 UTC: the time
+    partitions hold four days and 51 hours."""
+    batches = make_batches(3, 400, ns_per_lsn=150 * 10**9)
     config: dict[str, Any] = {
         "streams": [("s", collections)],
         "stream_options": {"compaction": compaction},
+        "partition_by": partition_by,
     }
 
     jobs = await run(direct, tmp_path / "direct", batches, **config)
@@ -93,6 +108,7 @@ async def test_a_small_batch_is_written_without_a_spark_job_into_the_files_a_job
     assert jobs == 0 and job_jobs >= len(batches)
     got, want = files(tmp_path / "direct" / "cdc" / "s"), files(tmp_path / "job" / "cdc" / "s")
     assert [f[0] for f in got] == [f[0] for f in want]  # one file per folder and batch
+    assert len({f[0] for f in got}) == folders
     assert got == want
     rows = read_table(direct, tmp_path / "direct" / "cdc" / "s")
     everything = batch_lsns(batches)
@@ -101,19 +117,11 @@ async def test_a_small_batch_is_written_without_a_spark_job_into_the_files_a_job
     )
 
 
-@pytest.mark.parametrize(
-    ("rows", "partition_by"),
-    [(10_000, ("collection",)), (300, ("collection", "date"))],
-    ids=["two-splits", "time-partitioned"],
-)
-async def test_batches_of_two_splits_and_time_partitioned_streams_still_run_a_spark_job(
-    direct: Any, tmp_path: Path, rows: int, partition_by: tuple[str, ...]
-) -> None:
-    """Two splits are two tasks in parallel on the session's two cores; a time
-    partition is a computed column the direct write does not make."""
-    batches = make_batches(1, rows)
+async def test_a_batch_of_two_splits_still_runs_a_spark_job(direct: Any, tmp_path: Path) -> None:
+    """Two splits are two tasks, in parallel on the session's two cores."""
+    batches = make_batches(1, 10_000)
 
-    jobs = await run(direct, tmp_path, batches, partition_by=partition_by)
+    jobs = await run(direct, tmp_path, batches)
 
     assert jobs >= 1
     table = read_table(direct, tmp_path / "cdc" / "all")

@@ -2,6 +2,7 @@ package eventplane.inbox;
 
 import java.io.IOException;
 import java.text.SimpleDateFormat;
+import java.time.LocalDate;
 import java.util.ArrayList;
 import java.util.Date;
 import java.util.HashMap;
@@ -38,7 +39,8 @@ import scala.jdk.javaapi.CollectionConverters;
 /**
  * A small batch's CDC write without a Spark job: the rows of a raw inbox file, read and parsed as
  * the inbox's Spark scan reads them, written by Spark's own Parquet writer into one file per
- * {@code collection=X} folder of the staging directory.
+ * partition folder of the staging directory ({@code collection=X}, and {@code date=D} and {@code
+ * hour=H} below it when the stream partitions by time).
  *
  * <p>A Spark job per batch costs the driver its analysis, planning, scheduling and commit: about
  * 80 ms of wall time and 100 ms of CPU on two cores, whatever the rows. For a batch of a few
@@ -46,18 +48,20 @@ import scala.jdk.javaapi.CollectionConverters;
  * reader's rows, the table's columns, a writer per partition value) in the calling thread, with the
  * same writer factory ({@link ParquetFileFormat#prepareWrite}), the same Hadoop configuration (the
  * session's, with the write's options) and the same file and folder names, so its files are the
- * job's files: the same schema, footer and encodings. The daemon uses it only where that holds: a
- * stream partitioned by {@code collection} alone, its columns taken as they are, a file of one
- * split (a job would run one task).
+ * job's files: the same schema, footer and encodings. The time partitions are computed as the
+ * daemon's write computes them ({@code daemon.spark.cdc.time_columns}): the UTC day and hour of
+ * {@code ingest_ts}, from whole epoch seconds. The daemon uses it for a file of one split (a job
+ * would run one task).
  */
 public final class DirectWrite {
   private DirectWrite() {}
 
   /**
    * Write the rows of {@code inbox}'s {@code splits} whose collection is in {@code collections}
-   * (empty: all) into {@code output}, columns {@code columns} (the table's; {@code collection}
-   * becomes the folder). Returns the rows written. On failure the files written so far stay: the
-   * caller removes the staging folder.
+   * (empty: all) into {@code output}, columns {@code columns} (the table's), in the folders of
+   * {@code partitionBy}: {@code collection}, then optionally {@code date}, then optionally {@code
+   * hour}. Returns the rows written. On failure the files written so far stay: the caller removes
+   * the staging folder.
    */
   public static long write(
       SparkSession spark,
@@ -67,7 +71,8 @@ public final class DirectWrite {
       String output,
       Map<String, String> options,
       String[] columns,
-      String[] collections)
+      String[] collections,
+      String[] partitionBy)
       throws IOException {
     // A job would fail on a stopped context, and the daemon then rebuilds the session; so
     // does this write, which would otherwise go on without one.
@@ -75,8 +80,15 @@ public final class DirectWrite {
       throw new IllegalStateException(
           "eventplane direct write: Cannot call methods on a stopped SparkContext");
     }
+    String layout = String.join(",", partitionBy);
+    boolean byDate = layout.startsWith("collection,date");
+    boolean byHour = layout.equals("collection,date,hour");
+    if (!byHour && !layout.equals("collection,date") && !layout.equals("collection")) {
+      throw new IllegalArgumentException("eventplane direct write: partitions " + layout);
+    }
     StructType in = InboxSource.VARIANT_SCHEMA;
     int collection = in.fieldIndex("collection");
+    int ingestTs = in.fieldIndex("ingest_ts");
     List<StructField> fields = new ArrayList<>();
     List<Object> ordinals = new ArrayList<>();
     for (String name : columns) {
@@ -111,7 +123,7 @@ public final class DirectWrite {
         new InboxReader.VariantOptions(
             (Boolean) sql.getConf(SQLConf.VARIANT_ALLOW_DUPLICATE_KEYS()),
             (Boolean) sql.getConf(SQLConf.VARIANT_VALIDATE_UNICODE_IN_JSON_PARSING()));
-    Map<UTF8String, OutputWriter> writers = new HashMap<>();
+    Map<Folder, OutputWriter> writers = new HashMap<>();
     long rows = 0;
     try {
       for (InboxPartition split : InboxTable.partitions(inbox, splits)) {
@@ -125,11 +137,19 @@ public final class DirectWrite {
               if (!wanted.isEmpty() && !wanted.contains(value)) {
                 continue;
               }
-              OutputWriter writer = writers.get(value);
+              long hour = Long.MIN_VALUE; // no time partition, or a NULL ingest_ts
+              if (byDate && !row.isNullAt(ingestTs)) {
+                hour = Math.floorDiv(Math.floorDiv(row.getLong(ingestTs), 1_000_000L), 3_600L);
+                if (!byHour) {
+                  hour = Math.floorDiv(hour, 24L) * 24L; // one folder per day
+                }
+              }
+              Folder key = new Folder(value, hour);
+              OutputWriter writer = writers.get(key);
               if (writer == null) {
-                String folder = ExternalCatalogUtils.getPartitionPathString("collection", value.toString());
+                String folder = key.path(byDate, byHour);
                 writer = factory.newInstance(output + "/" + folder + "/" + name, dataSchema, task);
-                writers.put(value.clone(), writer);
+                writers.put(new Folder(value.clone(), hour), writer);
               }
               projected.project(row);
               writer.write(projected);
@@ -154,6 +174,24 @@ public final class DirectWrite {
       }
     }
     return rows;
+  }
+
+  /** A partition folder: the collection and the first epoch hour of its time partition. */
+  private record Folder(UTF8String collection, long hour) {
+    String path(boolean byDate, boolean byHour) {
+      String out = ExternalCatalogUtils.getPartitionPathString("collection", collection.toString());
+      if (byDate) {
+        // NULL ingest_ts: Spark's write puts the row under the default partition name.
+        boolean known = hour != Long.MIN_VALUE;
+        String day = known ? LocalDate.ofEpochDay(Math.floorDiv(hour, 24L)).toString() : null;
+        out += "/" + ExternalCatalogUtils.getPartitionPathString("date", day);
+        if (byHour) {
+          String hh = known ? String.format("%02d", Math.floorMod(hour, 24L)) : null;
+          out += "/" + ExternalCatalogUtils.getPartitionPathString("hour", hh);
+        }
+      }
+      return out;
+    }
   }
 
   /** The attempt context a write task gets, as Spark's file writer sets one up. */
