@@ -126,9 +126,9 @@ class SparkConfig:
     # default: a 171 MB file, written by the first JVM as it exits (13-19 s
     # here), for a faster start only.
     class_sharing: bool = False
-    # A small batch (one task's rows) is written by Spark's Parquet writer in
-    # the driver, without a Spark job (daemon.spark.cdc, step 1); false:
-    # every batch runs a job.
+    # A batch in a raw inbox file is written by Spark's Parquet writer in the
+    # driver, a thread per split, without a Spark job (daemon.spark.cdc,
+    # step 1); false: every batch runs a job.
     direct_write: bool = True
 
 

@@ -28,8 +28,8 @@ Commit protocol for batch B of stream S (the steps are marked in the code):
    intent left by an earlier attempt is completed first (roll forward).
 1. **Stage.** Spark writes the stream's rows of B under ``staging/b<B>/``,
    which is emptied first, so a failed attempt's leftovers are replaced. A
-   small batch (a raw inbox file of one split) is written without a Spark
-   job, by Spark's own Parquet writer in the driver (:class:`RawInbox`,
+   batch in a raw inbox file is written without a Spark job, by Spark's own
+   Parquet writer in the driver, one thread per split (:class:`RawInbox`,
    ``DirectWrite.java``): the same files, without the job's fixed cost.
 2. **Intent.** fsync every staged file, then write ``pending/b<B>.json``
    listing each staged file and its final name (atomic replace + fsync).
@@ -195,8 +195,8 @@ STAGING_WRITE_OPTIONS = {
 NIO_LOCAL_FS = "eventplane.hadoop.NioLocalFileSystem"
 _staging_options: tuple[Any, dict[str, str]] | None = None
 _staging_fallback_logged = False
-# Step 1 without a Spark job, for a small batch (``RawInbox``): in the jar
-# with the raw inbox's reader, whose rows it writes.
+# Step 1 without a Spark job (``RawInbox``): in the jar with the raw
+# inbox's reader, whose rows it writes.
 DIRECT_WRITE = "eventplane.inbox.DirectWrite"
 _direct_usable: tuple[Any, str | None] | None = None  # (session, why not)
 # The folders Hadoop's file committer (algorithm 1, application attempt 0)
@@ -735,9 +735,9 @@ class CdcSink:
         return cached[2], cached[3]
 
     def writes_directly(self, raw: RawInbox) -> bool:
-        """Whether step 1 writes ``raw`` without a Spark job: one split (a
-        job would run one task), and the session can load the writer."""
-        return "," not in raw.splits and direct_write_missing(raw.spark) is None
+        """Whether step 1 writes ``raw`` without a Spark job: the session can
+        load the writer (``spark.direct_write`` is the executor's to apply)."""
+        return direct_write_missing(raw.spark) is None
 
     def _write_staged(self, df: Any, staging: Path) -> None:
         """The write of step 1 (tests wrap this to inject write failures): a
@@ -758,10 +758,11 @@ class CdcSink:
         self._write_options(df.sparkSession).set_on(writer).parquet(str(staging))
 
     def _write_direct(self, raw: RawInbox, staging: Path) -> None:
-        """Step 1 for a small batch, in the driver JVM (``DirectWrite.java``):
-        the stream's rows of the inbox file into one file per partition
-        folder, with Spark's Parquet writer and this write's options. The
-        time partitions are computed as ``time_columns`` computes them."""
+        """Step 1 in the driver JVM (``DirectWrite.java``): the stream's rows
+        of the inbox file, one thread per split as a job has one task per
+        split, into a file per split and partition folder, with Spark's
+        Parquet writer and this write's options. The time partitions are
+        computed as ``time_columns`` computes them."""
         spark = raw.spark
         jvm = _py4j_jvm(spark)
         gateway = spark.sparkContext._gateway

@@ -21,8 +21,8 @@
   2. -> DataFrame with ``new``/``old`` parsed to VARIANT (``batch_frame`` in
      :mod:`daemon.spark.frame`), built only when something reads it: a
      stage, a handler, or a CDC stream that cannot write the raw file
-     without a Spark job (``CdcSink.writes_directly``: a batch of one
-     split, ``spark.direct_write``);
+     without a Spark job (``CdcSink.writes_directly``: a raw inbox file
+     and ``spark.direct_write``);
      persisted, after step 3, when more than one of those reads it;
   3. each ``BatchStage.run_in_spark`` (triggers) computes its result, and
      the stage's ``finish`` (the webhook calls) starts on the loop at once;
@@ -863,8 +863,8 @@ class SparkExecutor:
                 direct = cdc.RawInbox(spark, file.path, file.splits, batch.batch_id, nrows, counts)
             todo = [(sink, self._rows_for(sink, nrows, counts)) for sink in sinks]
             pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
-            # Small batches skip the DataFrame: each stream writes
-            # the inbox file's rows without a Spark job (CdcSink.writes_directly).
+            # With a raw inbox file, the streams write its rows without a
+            # Spark job (CdcSink.writes_directly): they need no DataFrame.
             readers = {
                 sink.name
                 for sink, _rows in pending

@@ -75,27 +75,31 @@ def files(table: Path) -> list[tuple[str, list[Any], Any, Any, list[Any]]]:
 
 
 @pytest.mark.parametrize(
-    ("collections", "compaction", "partition_by", "folders"),
+    ("collections", "compaction", "partition_by", "shape", "folders"),
     [
-        (("*",), True, ("collection",), 2),
-        (("orders",), True, ("collection",), 1),
-        (("*",), False, ("collection",), 2),
-        (("*",), True, ("collection", "date"), 8),
-        (("orders",), True, ("collection", "date", "hour"), 51),
+        (("*",), True, ("collection",), (3, 400), 2),
+        (("orders",), True, ("collection",), (3, 400), 1),
+        (("*",), False, ("collection",), (3, 400), 2),
+        (("*",), True, ("collection", "date"), (3, 400), 8),
+        (("orders",), True, ("collection", "date", "hour"), (3, 400), 51),
+        (("*",), True, ("collection", "date"), (1, 12_000), 4),
     ],
-    ids=["all", "some", "all-not-compacting", "by-date", "some-by-hour"],
+    ids=["all", "some", "all-not-compacting", "by-date", "some-by-hour", "two-splits"],
 )
-async def test_a_small_batch_is_written_without_a_spark_job_into_the_files_a_job_writes(
+async def test_batches_are_written_without_a_spark_job_into_the_files_a_job_writes(
     direct: Any,
     tmp_path: Path,
     collections: tuple[str, ...],
     compaction: bool,
     partition_by: tuple[str, ...],
+    shape: tuple[int, int],
     folders: int,
 ) -> None:
-    """The 1,200 events span 50 hours from 2023-11-14 22:13 UTC: the time
-    partitions hold four days and 51 hours."""
-    batches = make_batches(3, 400, ns_per_lsn=150 * 10**9)
+    """Batches of 400 rows are one split (a job's one task); 12,000 rows are two
+    splits, two tasks written in parallel, a file each per folder. From
+    2023-11-14 22:13 UTC, the 1,200 small ones are 150 s apart (four UTC days,
+    51 hours), the 12,000 5 s apart (two days)."""
+    batches = make_batches(*shape, ns_per_lsn=150 * 10**9 // (shape[1] // 400))
     config: dict[str, Any] = {
         "streams": [("s", collections)],
         "stream_options": {"compaction": compaction},
@@ -107,8 +111,8 @@ async def test_a_small_batch_is_written_without_a_spark_job_into_the_files_a_job
 
     assert jobs == 0 and job_jobs >= len(batches)
     got, want = files(tmp_path / "direct" / "cdc" / "s"), files(tmp_path / "job" / "cdc" / "s")
-    assert [f[0] for f in got] == [f[0] for f in want]  # one file per folder and batch
     assert len({f[0] for f in got}) == folders
+    assert [f[0] for f in got] == [f[0] for f in want]  # a file per folder, batch and task
     assert got == want
     rows = read_table(direct, tmp_path / "direct" / "cdc" / "s")
     everything = batch_lsns(batches)
@@ -117,32 +121,26 @@ async def test_a_small_batch_is_written_without_a_spark_job_into_the_files_a_job
     )
 
 
-async def test_a_batch_of_two_splits_still_runs_a_spark_job(direct: Any, tmp_path: Path) -> None:
-    """Two splits are two tasks, in parallel on the session's two cores."""
-    batches = make_batches(1, 10_000)
-
-    jobs = await run(direct, tmp_path, batches)
-
-    assert jobs >= 1
-    table = read_table(direct, tmp_path / "cdc" / "all")
-    assert sorted(r.lsn for r in table) == batch_lsns(batches)
-
-
+@pytest.mark.parametrize(("rows", "bad"), [(2, 2), (12_000, 10_000)], ids=["one-split", "two"])
 async def test_json_the_direct_write_cannot_parse_fails_the_batch_naming_the_event(
-    direct: Any, executor_factory: Any, tmp_path: Path
+    direct: Any, executor_factory: Any, tmp_path: Path, rows: int, bad: int
 ) -> None:
     """As through a Spark job: the batch fails whole (its one stage failed), the
-    error names the event and field, and nothing of it is published or left."""
-    recs = [
-        Record(1, 0, 1, encode(StoredEvent("c", "insert", "k1", b'{"a":1}', None, 1))),
-        Record(2, 0, 2, encode(StoredEvent("c", "update", "k2", b'{"a":1}', b'{"a":', 1))),
-    ]
+    error names the event and field, and nothing of it is published or left,
+    also when the bad event is in the second split and the first one's task
+    wrote its files."""
+
+    def event(lsn: int) -> StoredEvent:
+        old = b'{"a":' if lsn == bad else None
+        return StoredEvent("c", "update" if old else "insert", f"k{lsn}", b'{"a":1}', old, 1)
+
+    recs = [Record(lsn, 0, lsn, encode(event(lsn))) for lsn in range(1, rows + 1)]
     ex = await executor_factory()
 
     with pytest.raises(ExecutorError) as err:
-        await ex.execute(MicroBatch(1, {0: Slice(0, 1, 2, recs)}))
+        await ex.execute(MicroBatch(1, {0: Slice(0, 1, rows, recs)}))
 
-    assert "event 1 (lsn 2)" in str(err.value) and "field old: not a VARIANT" in str(err.value)
+    assert f"(lsn {bad})" in str(err.value) and "field old: not a VARIANT" in str(err.value)
     table = tmp_path / "cdc" / "all"
     assert not list(table.glob("collection=*/*"))
     assert not list((table / META_DIR / "staging").iterdir())

@@ -1,6 +1,7 @@
 package eventplane.inbox;
 
 import java.io.IOException;
+import java.io.UncheckedIOException;
 import java.text.SimpleDateFormat;
 import java.time.LocalDate;
 import java.util.ArrayList;
@@ -13,6 +14,13 @@ import java.util.Locale;
 import java.util.Map;
 import java.util.Set;
 import java.util.UUID;
+import java.util.concurrent.Callable;
+import java.util.concurrent.ExecutionException;
+import java.util.concurrent.ExecutorService;
+import java.util.concurrent.Executors;
+import java.util.concurrent.Future;
+import java.util.concurrent.atomic.AtomicBoolean;
+import java.util.concurrent.atomic.AtomicInteger;
 import org.apache.hadoop.conf.Configuration;
 import org.apache.hadoop.fs.Path;
 import org.apache.hadoop.mapreduce.Job;
@@ -34,34 +42,123 @@ import org.apache.spark.sql.internal.SQLConf;
 import org.apache.spark.sql.types.StructField;
 import org.apache.spark.sql.types.StructType;
 import org.apache.spark.unsafe.types.UTF8String;
+import scala.collection.immutable.IndexedSeq;
 import scala.jdk.javaapi.CollectionConverters;
 
 /**
- * A small batch's CDC write without a Spark job: the rows of a raw inbox file, read and parsed as
- * the inbox's Spark scan reads them, written by Spark's own Parquet writer into one file per
- * partition folder of the staging directory ({@code collection=X}, and {@code date=D} and {@code
- * hour=H} below it when the stream partitions by time).
+ * A batch's CDC write without a Spark job: the rows of a raw inbox file, read and parsed as the
+ * inbox's Spark scan reads them, written by Spark's own Parquet writer into the partition folders
+ * of the staging directory ({@code collection=X}, and {@code date=D} and {@code hour=H} below it
+ * when the stream partitions by time).
  *
  * <p>A Spark job per batch costs the driver its analysis, planning, scheduling and commit: about
- * 80 ms of wall time and 100 ms of CPU on two cores, whatever the rows. For a batch of a few
- * thousand rows that is most of its run. This write does what the job's single task does (the
- * reader's rows, the table's columns, a writer per partition value) in the calling thread, with the
- * same writer factory ({@link ParquetFileFormat#prepareWrite}), the same Hadoop configuration (the
- * session's, with the write's options) and the same file and folder names, so its files are the
- * job's files: the same schema, footer and encodings. The time partitions are computed as the
- * daemon's write computes them ({@code daemon.spark.cdc.time_columns}): the UTC day and hour of
- * {@code ingest_ts}, from whole epoch seconds. The daemon uses it for a file of one split (a job
- * would run one task).
+ * 80 ms of wall time and 90 ms of CPU on two cores, whatever the rows. For a batch of a few
+ * thousand rows that is most of its run. This write does what the job's tasks do, one per split of
+ * the file, in parallel (the reader's rows, the table's columns, a writer per partition folder),
+ * with the same writer factory ({@link ParquetFileFormat#prepareWrite}), the same Hadoop
+ * configuration (the session's, with the write's options) and the same file and folder names, so
+ * its files are the job's files: the same rows in the same order, schema, footer and encodings.
+ * The time partitions are computed as the daemon's job computes them ({@code
+ * daemon.spark.cdc.time_columns}): the UTC day and hour of {@code ingest_ts}, from whole epoch
+ * seconds.
  */
 public final class DirectWrite {
-  private DirectWrite() {}
+  /** Threads for the splits after the first, which the calling thread writes. */
+  private static final ExecutorService SPLITS =
+      Executors.newCachedThreadPool(
+          new java.util.concurrent.ThreadFactory() {
+            private final AtomicInteger n = new AtomicInteger();
+
+            @Override
+            public Thread newThread(Runnable r) {
+              Thread t = new Thread(r, "eventplane-direct-write-" + n.incrementAndGet());
+              t.setDaemon(true);
+              return t;
+            }
+          });
+
+  private final SparkSession spark;
+  private final String output;
+  private final long batchId;
+  private final StructType dataSchema;
+  private final IndexedSeq<Object> ordinals;
+  private final int collection;
+  private final int ingestTs;
+  private final boolean byDate;
+  private final boolean byHour;
+  private final Set<UTF8String> wanted;
+  private final Configuration conf;
+  private final OutputWriterFactory factory;
+  private final InboxReader.VariantOptions variants;
+  private final String jobTracker;
+  private final String uuid;
+  /** Set when a task failed: the others stop at their next chunk. */
+  private final AtomicBoolean abort = new AtomicBoolean();
+
+  private DirectWrite(
+      SparkSession spark,
+      String output,
+      long batchId,
+      Map<String, String> options,
+      String[] columns,
+      String[] collections,
+      String[] partitionBy) {
+    String layout = String.join(",", partitionBy);
+    byDate = layout.startsWith("collection,date");
+    byHour = layout.equals("collection,date,hour");
+    if (!byHour && !layout.equals("collection,date") && !layout.equals("collection")) {
+      throw new IllegalArgumentException("eventplane direct write: partitions " + layout);
+    }
+    this.spark = spark;
+    this.output = output;
+    this.batchId = batchId;
+    StructType in = InboxSource.VARIANT_SCHEMA;
+    collection = in.fieldIndex("collection");
+    ingestTs = in.fieldIndex("ingest_ts");
+    List<StructField> fields = new ArrayList<>();
+    List<Object> taken = new ArrayList<>();
+    for (String name : columns) {
+      if (!name.equals("collection")) {
+        int i = in.fieldIndex(name);
+        fields.add(in.fields()[i]);
+        taken.add(i);
+      }
+    }
+    dataSchema = new StructType(fields.toArray(new StructField[0]));
+    ordinals = CollectionConverters.asScala(taken).toIndexedSeq();
+    wanted = new HashSet<>();
+    for (String c : collections) {
+      wanted.add(UTF8String.fromString(c));
+    }
+    scala.collection.immutable.Map<String, String> scalaOptions =
+        scala.collection.immutable.Map.from(CollectionConverters.asScala(options));
+    Job job;
+    try {
+      job = Job.getInstance(spark.sessionState().newHadoopConfWithOptions(scalaOptions));
+    } catch (IOException e) {
+      throw new UncheckedIOException(e);
+    }
+    job.setOutputKeyClass(Void.class);
+    job.setOutputValueClass(InternalRow.class);
+    FileOutputFormat.setOutputPath(job, new Path(output));
+    factory = new ParquetFileFormat().prepareWrite(spark, job, scalaOptions, dataSchema);
+    conf = job.getConfiguration();
+    SQLConf sql = spark.sessionState().conf();
+    variants =
+        new InboxReader.VariantOptions(
+            (Boolean) sql.getConf(SQLConf.VARIANT_ALLOW_DUPLICATE_KEYS()),
+            (Boolean) sql.getConf(SQLConf.VARIANT_VALIDATE_UNICODE_IN_JSON_PARSING()));
+    jobTracker = new SimpleDateFormat("yyyyMMddHHmmss", Locale.US).format(new Date());
+    uuid = UUID.randomUUID().toString();
+  }
 
   /**
    * Write the rows of {@code inbox}'s {@code splits} whose collection is in {@code collections}
    * (empty: all) into {@code output}, columns {@code columns} (the table's), in the folders of
    * {@code partitionBy}: {@code collection}, then optionally {@code date}, then optionally {@code
-   * hour}. Returns the rows written. On failure the files written so far stay: the caller removes
-   * the staging folder.
+   * hour}. One task per split, as a job's; all of them have ended when this returns or throws.
+   * Returns the rows written. On failure the files written so far stay: the caller removes the
+   * staging folder.
    */
   public static long write(
       SparkSession spark,
@@ -73,89 +170,99 @@ public final class DirectWrite {
       String[] columns,
       String[] collections,
       String[] partitionBy)
-      throws IOException {
+      throws Exception {
     // A job would fail on a stopped context, and the daemon then rebuilds the session; so
     // does this write, which would otherwise go on without one.
     if (spark.sparkContext().isStopped()) {
       throw new IllegalStateException(
           "eventplane direct write: Cannot call methods on a stopped SparkContext");
     }
-    String layout = String.join(",", partitionBy);
-    boolean byDate = layout.startsWith("collection,date");
-    boolean byHour = layout.equals("collection,date,hour");
-    if (!byHour && !layout.equals("collection,date") && !layout.equals("collection")) {
-      throw new IllegalArgumentException("eventplane direct write: partitions " + layout);
+    DirectWrite plan =
+        new DirectWrite(spark, output, batchId, options, columns, collections, partitionBy);
+    List<InboxPartition> parts = InboxTable.partitions(inbox, splits);
+    List<Future<Long>> others = new ArrayList<>();
+    for (int k = 1; k < parts.size(); k++) {
+      others.add(SPLITS.submit(plan.task(k, parts.get(k))));
     }
-    StructType in = InboxSource.VARIANT_SCHEMA;
-    int collection = in.fieldIndex("collection");
-    int ingestTs = in.fieldIndex("ingest_ts");
-    List<StructField> fields = new ArrayList<>();
-    List<Object> ordinals = new ArrayList<>();
-    for (String name : columns) {
-      if (!name.equals("collection")) {
-        int i = in.fieldIndex(name);
-        fields.add(in.fields()[i]);
-        ordinals.add(i);
+    long rows = 0;
+    Exception failed = null;
+    try {
+      rows += parts.isEmpty() ? 0 : plan.task(0, parts.get(0)).call();
+    } catch (Exception e) {
+      failed = e;
+      plan.abort.set(true);
+    }
+    // Every task ends before this returns (get waits): none may write into a staging folder
+    // the caller removes after a failure. The first failure is the one reported.
+    for (Future<Long> f : others) {
+      try {
+        rows += f.get();
+      } catch (ExecutionException e) {
+        plan.abort.set(true);
+        if (failed == null) {
+          failed = e.getCause() instanceof Exception ex ? ex : new RuntimeException(e.getCause());
+        }
       }
     }
-    StructType dataSchema = new StructType(fields.toArray(new StructField[0]));
-    ProjectingInternalRow projected =
-        new ProjectingInternalRow(dataSchema, CollectionConverters.asScala(ordinals).toIndexedSeq());
-    Set<UTF8String> wanted = new HashSet<>();
-    for (String c : collections) {
-      wanted.add(UTF8String.fromString(c));
+    if (failed != null) {
+      throw failed;
     }
+    return rows;
+  }
 
-    scala.collection.immutable.Map<String, String> scalaOptions =
-        scala.collection.immutable.Map.from(CollectionConverters.asScala(options));
-    Configuration conf = spark.sessionState().newHadoopConfWithOptions(scalaOptions);
-    Job job = Job.getInstance(conf);
-    job.setOutputKeyClass(Void.class);
-    job.setOutputValueClass(InternalRow.class);
-    FileOutputFormat.setOutputPath(job, new Path(output));
-    OutputWriterFactory factory =
-        new ParquetFileFormat().prepareWrite(spark, job, scalaOptions, dataSchema);
-    TaskAttemptContext task = taskContext(job.getConfiguration());
-    String name = "part-00000-" + UUID.randomUUID() + ".c000" + factory.getFileExtension(task);
+  /** The task of split {@code k}: its rows into its own files, {@code part-0000k-...}. */
+  private Callable<Long> task(int k, InboxPartition split) {
+    return () -> {
+      boolean other = Thread.currentThread().getName().startsWith("eventplane-direct-write-");
+      if (other) {
+        SparkSession.setActiveSession(spark);
+      }
+      try {
+        return writeSplit(k, split);
+      } finally {
+        if (other) {
+          SparkSession.clearActiveSession();
+        }
+      }
+    };
+  }
 
-    SQLConf sql = spark.sessionState().conf();
-    InboxReader.VariantOptions variants =
-        new InboxReader.VariantOptions(
-            (Boolean) sql.getConf(SQLConf.VARIANT_ALLOW_DUPLICATE_KEYS()),
-            (Boolean) sql.getConf(SQLConf.VARIANT_VALIDATE_UNICODE_IN_JSON_PARSING()));
+  private long writeSplit(int k, InboxPartition split) throws IOException {
+    TaskAttemptContext task = taskContext(new Configuration(conf), k);
+    String name = String.format("part-%05d-%s.c000%s", k, uuid, factory.getFileExtension(task));
+    ProjectingInternalRow projected = new ProjectingInternalRow(dataSchema, ordinals);
     Map<Folder, OutputWriter> writers = new HashMap<>();
     long rows = 0;
-    try {
-      for (InboxPartition split : InboxTable.partitions(inbox, splits)) {
-        try (InboxReader reader =
-            new InboxReader(split.path(), split.offset(), split.length(), batchId, variants)) {
-          while (reader.next()) {
-            Iterator<InternalRow> it = reader.get().rowIterator();
-            while (it.hasNext()) {
-              InternalRow row = it.next();
-              UTF8String value = row.getUTF8String(collection);
-              if (!wanted.isEmpty() && !wanted.contains(value)) {
-                continue;
-              }
-              long hour = Long.MIN_VALUE; // no time partition, or a NULL ingest_ts
-              if (byDate && !row.isNullAt(ingestTs)) {
-                hour = Math.floorDiv(Math.floorDiv(row.getLong(ingestTs), 1_000_000L), 3_600L);
-                if (!byHour) {
-                  hour = Math.floorDiv(hour, 24L) * 24L; // one folder per day
-                }
-              }
-              Folder key = new Folder(value, hour);
-              OutputWriter writer = writers.get(key);
-              if (writer == null) {
-                String folder = key.path(byDate, byHour);
-                writer = factory.newInstance(output + "/" + folder + "/" + name, dataSchema, task);
-                writers.put(new Folder(value.clone(), hour), writer);
-              }
-              projected.project(row);
-              writer.write(projected);
-              rows++;
+    try (InboxReader reader =
+        new InboxReader(split.path(), split.offset(), split.length(), batchId, variants)) {
+      while (reader.next()) {
+        if (abort.get()) {
+          throw new IOException("eventplane direct write: stopped (another split failed)");
+        }
+        Iterator<InternalRow> it = reader.get().rowIterator();
+        while (it.hasNext()) {
+          InternalRow row = it.next();
+          UTF8String value = row.getUTF8String(collection);
+          if (!wanted.isEmpty() && !wanted.contains(value)) {
+            continue;
+          }
+          long hour = Long.MIN_VALUE; // no time partition, or a NULL ingest_ts
+          if (byDate && !row.isNullAt(ingestTs)) {
+            hour = Math.floorDiv(Math.floorDiv(row.getLong(ingestTs), 1_000_000L), 3_600L);
+            if (!byHour) {
+              hour = Math.floorDiv(hour, 24L) * 24L; // one folder per day
             }
           }
+          Folder key = new Folder(value, hour);
+          OutputWriter writer = writers.get(key);
+          if (writer == null) {
+            String folder = key.path(byDate, byHour);
+            writer = factory.newInstance(output + "/" + folder + "/" + name, dataSchema, task);
+            writers.put(new Folder(value.clone(), hour), writer);
+          }
+          projected.project(row);
+          writer.write(projected);
+          rows++;
         }
       }
     } finally {
@@ -194,11 +301,10 @@ public final class DirectWrite {
     }
   }
 
-  /** The attempt context a write task gets, as Spark's file writer sets one up. */
-  private static TaskAttemptContext taskContext(Configuration conf) {
-    String tracker = new SimpleDateFormat("yyyyMMddHHmmss", Locale.US).format(new Date());
-    JobID jobId = new JobID(tracker, 0);
-    TaskAttemptID attempt = new TaskAttemptID(new TaskID(jobId, TaskType.MAP, 0), 0);
+  /** The attempt context of task {@code k}, as Spark's file writer sets one up. */
+  private TaskAttemptContext taskContext(Configuration conf, int k) {
+    JobID jobId = new JobID(jobTracker, 0);
+    TaskAttemptID attempt = new TaskAttemptID(new TaskID(jobId, TaskType.MAP, k), 0);
     conf.set("mapreduce.job.id", jobId.toString());
     conf.set("mapreduce.task.id", attempt.getTaskID().toString());
     conf.set("mapreduce.task.attempt.id", attempt.toString());
