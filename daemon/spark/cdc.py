@@ -520,6 +520,9 @@ class CdcSink:
         self._columns: tuple[Any, tuple[str, ...], SelectList, Any | None] | None = None
         # (session, its staging options, the write's options) (_write_staged).
         self._options: tuple[Any, dict[str, str], WriteOptions] | None = None
+        # (session, table columns, collections, partition_by) as Java String
+        # arrays (_write_direct).
+        self._direct_args: tuple[Any, ...] | None = None
         self.commit_lock = threading.RLock()
         # Leaf partitions a compaction claimed (daemon/spark/compact.py), by
         # relative path; retention leaves them alone. Under commit_lock.
@@ -675,8 +678,10 @@ class CdcSink:
             crash_point("cdc.before_stage")
             try:
                 # Step 1. Stage: Spark writes where no reader looks.
-                direct = raw is not None and self.writes_directly(raw)
-                self._write_staged(raw if direct else self._select(df), staging)
+                if raw is not None and self.writes_directly(raw):
+                    self._write_staged(replace(raw, rows=rows), staging)
+                else:
+                    self._write_staged(self._select(df), staging)
                 crash_point("cdc.after_stage")
                 files = self._staged_files(staging, bid)
                 if not files:
@@ -764,33 +769,25 @@ class CdcSink:
         Parquet writer and this write's options. The time partitions are
         computed as ``time_columns`` computes them."""
         spark = raw.spark
-        jvm = _py4j_jvm(spark)
-        gateway = spark.sparkContext._gateway
-        columns = gateway.new_array(jvm.java.lang.String, len(TABLE_COLUMNS))
-        for i, name in enumerate(TABLE_COLUMNS):
-            columns[i] = name
-        taken = () if self.stream.collections == ("*",) else self.stream.collections
-        collections = gateway.new_array(jvm.java.lang.String, len(taken))
-        for i, name in enumerate(taken):
-            collections[i] = name
-        partition_by = gateway.new_array(jvm.java.lang.String, len(self.stream.partition_by))
-        for i, name in enumerate(self.stream.partition_by):
-            partition_by[i] = name
-        written = jvm.eventplane.inbox.DirectWrite.write(
+        cached = self._direct_args
+        if cached is None or cached[0] is not spark:
+            # Java String arrays are a py4j command per element: made once per session.
+            taken = () if self.stream.collections == ("*",) else self.stream.collections
+            lists = (TABLE_COLUMNS, taken, self.stream.partition_by)
+            cached = self._direct_args = (spark, *(_java_strings(spark, x) for x in lists))
+        written = _py4j_jvm(spark).eventplane.inbox.DirectWrite.write(
             spark._jsparkSession,
             str(raw.path),
             raw.splits,
             raw.batch_id,
             str(staging),
             self._write_options(spark).jmap,
-            columns,
-            collections,
-            partition_by,
+            *cached[1:],
         )
-        if written != raw.rows_for(self.stream.collections):
+        if written != raw.rows:
             raise CdcError(
                 f"stream {self.name!r}: the direct write of batch {raw.batch_id} wrote "
-                f"{written} rows, {raw.rows_for(self.stream.collections)} expected"
+                f"{written} rows, {raw.rows} expected"
             )
 
     def _write_options(self, spark: Any) -> WriteOptions:
@@ -1143,22 +1140,21 @@ def _drop_yarn_defaults(spark: Any) -> None:
 class RawInbox:
     """A batch's raw inbox file (``daemon.spark.rawinbox``) in ``spark``'s
     session, for step 1 without a Spark job (:meth:`CdcSink.writes_directly`).
-    ``counts``: rows per collection, None when not counted."""
+    ``rows``: what the write must write (``commit`` sets the stream's)."""
 
     spark: Any
     path: Path
     splits: str
     batch_id: int
     rows: int
-    counts: dict[str, int] | None
 
-    def rows_for(self, collections: tuple[str, ...]) -> int:
-        """The rows of ``collections`` (``("*",)``: all) in the file."""
-        if collections == ("*",):
-            return self.rows
-        if self.counts is None:
-            raise CdcError(f"batch {self.batch_id}: the rows per collection are unknown")
-        return sum(self.counts.get(c, 0) for c in collections)
+
+def _java_strings(spark: Any, values: tuple[str, ...]) -> Any:
+    """A Java ``String[]`` of ``values`` in ``spark``'s JVM."""
+    array = spark.sparkContext._gateway.new_array(_py4j_jvm(spark).java.lang.String, len(values))
+    for i, value in enumerate(values):
+        array[i] = value
+    return array
 
 
 def direct_write_missing(spark: Any) -> str | None:

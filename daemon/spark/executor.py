@@ -860,7 +860,7 @@ class SparkExecutor:
 
             direct = None
             if file is not None and file.splits is not None and self.cfg.spark.direct_write:
-                direct = cdc.RawInbox(spark, file.path, file.splits, batch.batch_id, nrows, counts)
+                direct = cdc.RawInbox(spark, file.path, file.splits, batch.batch_id, nrows)
             todo = [(sink, self._rows_for(sink, nrows, counts)) for sink in sinks]
             pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
             # With a raw inbox file, the streams write its rows without a
