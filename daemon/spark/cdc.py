@@ -520,8 +520,8 @@ class CdcSink:
         self._columns: tuple[Any, tuple[str, ...], SelectList, Any | None] | None = None
         # (session, its staging options, the write's options) (_write_staged).
         self._options: tuple[Any, dict[str, str], WriteOptions] | None = None
-        # (session, table columns, collections, partition_by) as Java String
-        # arrays (_write_direct).
+        # (session, table columns, then the table columns, collections and
+        # partition_by as Java String arrays) (_write_direct).
         self._direct_args: tuple[Any, ...] | None = None
         self.commit_lock = threading.RLock()
         # Leaf partitions a compaction claimed (daemon/spark/compact.py), by
@@ -770,11 +770,12 @@ class CdcSink:
         computed as ``time_columns`` computes them."""
         spark = raw.spark
         cached = self._direct_args
-        if cached is None or cached[0] is not spark:
+        table = TABLE_COLUMNS  # part of the key, as in _write_columns
+        if cached is None or cached[0] is not spark or cached[1] is not table:
             # Java String arrays are a py4j command per element: made once per session.
             taken = () if self.stream.collections == ("*",) else self.stream.collections
-            lists = (TABLE_COLUMNS, taken, self.stream.partition_by)
-            cached = self._direct_args = (spark, *(_java_strings(spark, x) for x in lists))
+            lists = (table, taken, self.stream.partition_by)
+            cached = self._direct_args = (spark, table, *(_java_strings(spark, x) for x in lists))
         written = _py4j_jvm(spark).eventplane.inbox.DirectWrite.write(
             spark._jsparkSession,
             str(raw.path),
@@ -782,7 +783,7 @@ class CdcSink:
             raw.batch_id,
             str(staging),
             self._write_options(spark).jmap,
-            *cached[1:],
+            *cached[2:],
         )
         if written != raw.rows:
             raise CdcError(

@@ -125,11 +125,11 @@ async def test_webhook_gets_its_rows_before_the_batch_cdc_commit_finishes(
     real_commit = sink.commit
     seen: dict[int, tuple[list[int], float]] = {}
 
-    def slow_commit(df: Any, batch: Any, rows: int) -> Any:
+    def slow_commit(df: Any, batch: Any, rows: int, raw: Any = None) -> Any:
         waited = time.monotonic()
         lsns = wait_for_calls(receiver, GATE_S)
         seen[batch.batch_id] = (lsns, time.monotonic() - waited)
-        return real_commit(df, batch, rows)
+        return real_commit(df, batch, rows, raw)
 
     monkeypatch.setattr(sink, "commit", slow_commit)
     (batch,) = make_batches(1, 300)
@@ -162,7 +162,7 @@ async def test_a_failing_cdc_commit_does_not_stop_the_trigger_delivery(
     ex, _ = await _executor_with_stream(spark, make_engine, receiver, tmp_path, metrics)
     (sink,) = ex.sinks
 
-    def failing_commit(df: Any, batch: Any, rows: int) -> Any:
+    def failing_commit(df: Any, batch: Any, rows: int, raw: Any = None) -> Any:
         raise OSError(28, "No space left on device (injected)")
 
     monkeypatch.setattr(sink, "commit", failing_commit)
