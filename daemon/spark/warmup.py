@@ -13,10 +13,14 @@ a scratch CDC table under ``<data_dir>/spark-warmup`` that is removed again:
 1. The scratch folder of an earlier warm-up (a crash in the middle) is
    removed, and made anew.
 2. A synthetic batch (two collections, inserts and updates, JSON payloads of
-   the usual size; the daemon's cores) goes through the same steps as a real
-   one: the batch file (``frame.batch_frame``, into a scratch inbox when the
+   the usual size; the daemon's cores) goes through the steps of a real one:
+   the batch file (``frame.batch_frame``, into a scratch inbox when the
    daemon uses one) and one ``CdcSink.commit`` into a scratch stream with the
-   first configured stream's table layout (its partition columns).
+   first configured stream's table layout (its partition columns). It runs
+   the commit as a Spark job, which the triggers' and handlers' jobs share;
+   a real batch's CDC write mostly runs without one (``DirectWrite``,
+   docs/cdc.md), with the same reader and Parquet writer, which this loads
+   and compiles too.
 3. The scratch folder is removed.
 
 Nothing of it reaches the WAL, the plan log, a real table or its ledger; no
