@@ -139,6 +139,8 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
     spark_text = "ready" if spark.get("ready") else "not ready"
     if spark.get("inbox"):
         spark_text += f"  inbox {spark['inbox']}"
+    if spark.get("cdc_write"):
+        spark_text += f"  cdc write {spark['cdc_write']}"
     if spark.get("last_error"):
         spark_text += f"  last error: {spark['last_error']}"
     lines.append(f"spark       {spark_text}")

@@ -206,6 +206,9 @@ class SparkExecutor:
         # "parquet (why not raw)" or "arrow" (no inbox: the table travels in
         # the call); None before the first batch. status() shows it.
         self._inbox_kind: str | None = None
+        # How the CDC tables are written, decided with _inbox_kind: "direct"
+        # (no Spark job, docs/cdc.md) or "spark job (why not direct)".
+        self._cdc_write: str | None = None
         self._built: Any | None = None  # what the factory returned, even if unused
         self._handlers: list[tuple[str, Handler]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eventplane-spark")
@@ -435,6 +438,7 @@ class SparkExecutor:
             "state": st.state.value,
             "spark": {"remote": spark.remote} if spark.remote else {"master": spark.master},
             "inbox": self._inbox_kind,
+            "cdc_write": self._cdc_write,
             "session_error": st.session_error,
             "session_attempts": st.session_attempts,
             "session_failures": st.session_failures,
@@ -925,7 +929,18 @@ class SparkExecutor:
             else:
                 why = rawinbox.missing(spark)
                 self._inbox_kind = "raw" if why is None else f"parquet ({why})"
+            self._cdc_write = self._cdc_write_kind(spark)
         return self._cores
+
+    def _cdc_write_kind(self, spark: Any) -> str:
+        """``status()``'s ``cdc_write``: whether batches in a raw inbox file are
+        written without a Spark job (``CdcSink.writes_directly``), else why not."""
+        if self._inbox_kind != "raw":
+            return "spark job (no raw inbox)"
+        if not self.cfg.spark.direct_write:
+            return "spark job (spark.direct_write = false)"
+        why = cdc.direct_write_missing(spark)
+        return "direct" if why is None else f"spark job ({why})"
 
     @staticmethod
     def _rows_for(sink: CdcSink, nrows: int, counts: dict[str, int] | None) -> int:

@@ -355,3 +355,5 @@ def test_spark_line_says_how_batches_reach_spark_once_known() -> None:
     assert f"spark       ready  inbox {why}\n" in fallback
     unknown = statuscmd.render(sample_status(spark={"ready": True, "inbox": None}), now=NOW)
     assert "spark       ready\n" in unknown
+    direct = sample_status(spark={"ready": True, "inbox": "raw", "cdc_write": "direct"})
+    assert "spark       ready  inbox raw  cdc write direct\n" in statuscmd.render(direct, now=NOW)

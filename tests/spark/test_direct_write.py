@@ -42,7 +42,8 @@ async def run(
     spark: Any, root: Path, batches: list[MicroBatch], direct_write: bool = True, **config: Any
 ) -> int:
     """The batches through a new executor whose tables are under ``root``, with
-    ``spark.direct_write`` as given; returns the Spark jobs they ran."""
+    ``spark.direct_write`` as given; returns the Spark jobs they ran. Its
+    status says how it wrote them."""
     cfg = make_config(root, **config)
     cfg = replace(cfg, spark=replace(cfg.spark, direct_write=direct_write))
     ex = SparkExecutor(cfg, Metrics(), wal_id="wal-1", session=spark)
@@ -51,6 +52,9 @@ async def run(
         before = spark_jobs(spark)
         for b in batches:
             await ex.execute(b)
+        assert ex.status()["cdc_write"] == (
+            "direct" if direct_write else "spark job (spark.direct_write = false)"
+        )
         return spark_jobs(spark) - before
     finally:
         await ex.stop()

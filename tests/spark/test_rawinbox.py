@@ -282,6 +282,7 @@ async def test_without_the_reader_the_executor_writes_parquet_and_says_why_once(
 
     assert written == [".parquet", ".parquet"]
     assert ex.status()["inbox"] == "parquet (test: the jar was not built)"
+    assert ex.status()["cdc_write"] == "spark job (no raw inbox)"
     assert [e["reason"] for e in logs if e["event"] == "spark_inbox_parquet"] == [
         "test: the jar was not built"
     ]
