@@ -659,9 +659,10 @@ class CdcSink:
 
         ``df`` is the batch DataFrame with the contract columns; ``rows`` is how
         many of its rows this stream takes (counted from Arrow, no Spark job).
-        ``raw``: the batch's raw inbox file, which step 1 writes without a
-        Spark job when :meth:`writes_directly` says so; ``df`` is then not read
-        (and may be None).
+        ``raw``: the batch's raw inbox file, which step 1 then writes without a
+        Spark job (the executor passes it when the session can,
+        :func:`direct_write_missing`); ``df`` is then not read (and may be
+        None).
         """
         started = time.monotonic()
         # Step 0. Idempotency: finish an interrupted commit, skip a committed batch.
@@ -678,7 +679,7 @@ class CdcSink:
             crash_point("cdc.before_stage")
             try:
                 # Step 1. Stage: Spark writes where no reader looks.
-                if raw is not None and self.writes_directly(raw):
+                if raw is not None:
                     self._write_staged(replace(raw, rows=rows), staging)
                 else:
                     self._write_staged(self._select(df), staging)
@@ -738,11 +739,6 @@ class CdcSink:
                 keep = F.col("collection").isin(list(self.stream.collections))
             cached = self._columns = (spark, table, SelectList.build(spark, columns), keep)
         return cached[2], cached[3]
-
-    def writes_directly(self, raw: RawInbox) -> bool:
-        """Whether step 1 writes ``raw`` without a Spark job: the session can
-        load the writer (``spark.direct_write`` is the executor's to apply)."""
-        return direct_write_missing(raw.spark) is None
 
     def _write_staged(self, df: Any, staging: Path) -> None:
         """The write of step 1 (tests wrap this to inject write failures): a
@@ -1140,7 +1136,7 @@ def _drop_yarn_defaults(spark: Any) -> None:
 @dataclass(frozen=True, slots=True)
 class RawInbox:
     """A batch's raw inbox file (``daemon.spark.rawinbox``) in ``spark``'s
-    session, for step 1 without a Spark job (:meth:`CdcSink.writes_directly`).
+    session, for step 1 without a Spark job (:meth:`CdcSink.commit`).
     ``rows``: what the write must write (``commit`` sets the stream's)."""
 
     spark: Any

@@ -21,8 +21,8 @@
   2. -> DataFrame with ``new``/``old`` parsed to VARIANT (``batch_frame`` in
      :mod:`daemon.spark.frame`), built only when something reads it: a
      stage, a handler, or a CDC stream that cannot write the raw file
-     without a Spark job (``CdcSink.writes_directly``: a raw inbox file
-     and ``spark.direct_write``);
+     without a Spark job (a raw inbox file, ``spark.direct_write`` and a
+     jar with ``DirectWrite``: ``cdc.RawInbox``);
      persisted, after step 3, when more than one of those reads it;
   3. each ``BatchStage.run_in_spark`` (triggers) computes its result, and
      the stage's ``finish`` (the webhook calls) starts on the loop at once;
@@ -209,6 +209,7 @@ class SparkExecutor:
         # How the CDC tables are written, decided with _inbox_kind: "direct"
         # (no Spark job, docs/cdc.md) or "spark job (why not direct)".
         self._cdc_write: str | None = None
+        self._direct = False  # _cdc_write == "direct"
         self._built: Any | None = None  # what the factory returned, even if unused
         self._handlers: list[tuple[str, Handler]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eventplane-spark")
@@ -863,17 +864,13 @@ class SparkExecutor:
                 return made[0]
 
             direct = None
-            if file is not None and file.splits is not None and self.cfg.spark.direct_write:
+            if file is not None and file.splits is not None and self._direct:
                 direct = cdc.RawInbox(spark, file.path, file.splits, batch.batch_id, nrows)
             todo = [(sink, self._rows_for(sink, nrows, counts)) for sink in sinks]
             pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
-            # With a raw inbox file, the streams write its rows without a
-            # Spark job (CdcSink.writes_directly): they need no DataFrame.
-            readers = {
-                sink.name
-                for sink, _rows in pending
-                if direct is None or not sink.writes_directly(direct)
-            }
+            # With a raw inbox file the streams write its rows without a Spark
+            # job (CdcSink.commit): they need no DataFrame.
+            readers = set() if direct else {sink.name for sink, _rows in pending}
             # Steps 3-5: each stage on its own; one failing holds back only itself.
             # Step 3. Stages first: their finish (webhook calls) runs on the loop
             # while this thread writes the CDC tables. They read the batch before
@@ -929,18 +926,19 @@ class SparkExecutor:
             else:
                 why = rawinbox.missing(spark)
                 self._inbox_kind = "raw" if why is None else f"parquet ({why})"
-            self._cdc_write = self._cdc_write_kind(spark)
+            why_not = self._why_not_direct(spark)
+            self._direct = why_not is None
+            self._cdc_write = "direct" if why_not is None else f"spark job ({why_not})"
         return self._cores
 
-    def _cdc_write_kind(self, spark: Any) -> str:
-        """``status()``'s ``cdc_write``: whether batches in a raw inbox file are
-        written without a Spark job (``CdcSink.writes_directly``), else why not."""
+    def _why_not_direct(self, spark: Any) -> str | None:
+        """Why batches are not written without a Spark job (None: they are):
+        ``status()``'s ``cdc_write`` says it."""
         if self._inbox_kind != "raw":
-            return "spark job (no raw inbox)"
+            return "no raw inbox"
         if not self.cfg.spark.direct_write:
-            return "spark job (spark.direct_write = false)"
-        why = cdc.direct_write_missing(spark)
-        return "direct" if why is None else f"spark job ({why})"
+            return "spark.direct_write = false"
+        return cdc.direct_write_missing(spark)
 
     @staticmethod
     def _rows_for(sink: CdcSink, nrows: int, counts: dict[str, int] | None) -> int:

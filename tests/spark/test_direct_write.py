@@ -1,6 +1,6 @@
-"""Small batches written without a Spark job (``CdcSink.writes_directly``, the
-jar's ``DirectWrite``): the files a Spark job would have written, byte for byte
-where it counts, and everything else still through Spark."""
+"""Batches written without a Spark job (``cdc.RawInbox``, the jar's
+``DirectWrite``): the files a Spark job would have written, byte for byte where
+it counts."""
 
 from __future__ import annotations
 

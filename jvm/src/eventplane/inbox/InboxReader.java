@@ -13,6 +13,7 @@ import com.fasterxml.jackson.core.JsonParser;
 import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.sql.execution.vectorized.OnHeapColumnVector;
 import org.apache.spark.sql.execution.vectorized.WritableColumnVector;
+import org.apache.spark.sql.internal.SQLConf;
 import org.apache.spark.sql.types.VariantType;
 import org.apache.spark.sql.vectorized.ColumnarBatch;
 import org.apache.spark.types.variant.Variant;
@@ -58,7 +59,14 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
 
   /** The session's parse_json settings, read on the driver. */
   record VariantOptions(boolean allowDuplicateKeys, boolean validateUnicode)
-      implements Serializable {}
+      implements Serializable {
+    /** The settings of {@code conf}, as parse_json reads them when it is planned. */
+    static VariantOptions of(SQLConf conf) {
+      return new VariantOptions(
+          (Boolean) conf.getConf(SQLConf.VARIANT_ALLOW_DUPLICATE_KEYS()),
+          (Boolean) conf.getConf(SQLConf.VARIANT_VALIDATE_UNICODE_IN_JSON_PARSING()));
+    }
+  }
 
   private final String path;
   private final FileChannel channel;

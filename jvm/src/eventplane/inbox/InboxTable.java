@@ -118,11 +118,6 @@ final class InboxTable implements SupportsRead, ScanBuilder, Scan, Batch {
     }
     // The session's parse_json settings, read here on the driver as parse_json reads them when
     // it is planned: the tasks then build the same VARIANTs.
-    SQLConf conf = SQLConf.get();
-    return new InboxReaderFactory(
-        batchId,
-        new InboxReader.VariantOptions(
-            (Boolean) conf.getConf(SQLConf.VARIANT_ALLOW_DUPLICATE_KEYS()),
-            (Boolean) conf.getConf(SQLConf.VARIANT_VALIDATE_UNICODE_IN_JSON_PARSING())));
+    return new InboxReaderFactory(batchId, InboxReader.VariantOptions.of(SQLConf.get()));
   }
 }
