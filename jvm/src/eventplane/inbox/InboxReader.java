@@ -8,8 +8,6 @@ import java.nio.ByteOrder;
 import java.nio.channels.FileChannel;
 import java.nio.file.Path;
 import java.nio.file.StandardOpenOption;
-import com.fasterxml.jackson.core.JsonFactory;
-import com.fasterxml.jackson.core.JsonParser;
 import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.sql.execution.vectorized.OnHeapColumnVector;
 import org.apache.spark.sql.execution.vectorized.WritableColumnVector;
@@ -17,7 +15,6 @@ import org.apache.spark.sql.internal.SQLConf;
 import org.apache.spark.sql.types.VariantType;
 import org.apache.spark.sql.vectorized.ColumnarBatch;
 import org.apache.spark.types.variant.Variant;
-import org.apache.spark.types.variant.VariantBuilder;
 
 /**
  * Reads one split of a raw inbox file, a chunk per columnar batch.
@@ -54,8 +51,6 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
   private static final int NEW = 6, OLD = 7, INGEST_TS = 8, BATCH_ID = 9, EVENT_ID = 10;
   private static final int EVENT_TIME = 11, DEPTH = 12, SOURCE = 13;
   private static final int NEW_VARIANT = 14, OLD_VARIANT = 15;
-  // As Spark's parse_json: a factory with Jackson's defaults, shared (it is thread-safe).
-  private static final JsonFactory JSON = new JsonFactory();
 
   /** The session's parse_json settings, read on the driver. */
   record VariantOptions(boolean allowDuplicateKeys, boolean validateUnicode)
@@ -296,9 +291,14 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
       return;
     }
     Variant v;
-    try (JsonParser parser = JSON.createParser(buf, valueAt, valueLength)) {
-      parser.nextToken();
-      v = VariantBuilder.parseJson(parser, variants.allowDuplicateKeys(), variants.validateUnicode());
+    try {
+      v =
+          JsonCheck.parse(
+              buf,
+              valueAt,
+              valueLength,
+              variants.allowDuplicateKeys(),
+              variants.validateUnicode());
     } catch (IOException | RuntimeException e) {
       throw error(
           "field " + InboxSource.VARIANT_SCHEMA.fields()[c].name() + ": not a VARIANT: " + e);
