@@ -169,6 +169,10 @@ class CdcStream:
     target_file_bytes: int = 128 * MiB
     compact_min_files: int = 16
     compact_interval_s: float = 60.0
+    # Most rows of one batch the stream sets aside in its quarantine (docs/cdc.md,
+    # "Quarantine"). More rows failing alone means the writer, not the rows, is
+    # broken: the batch then fails and is retried, and health says why.
+    quarantine_max_rows: int = 1000
 
     def wants(self, collection: str) -> bool:
         return self.collections == ("*",) or collection in self.collections
@@ -563,6 +567,7 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
             "partition_by": _partition_by,
             "retention": _retention,
             "retention_check_s": _float(0.0),
+            "quarantine_max_rows": _int(0),
             **_COMPACTION,
         }
         got = _section(table, where, spec, errors)
@@ -596,6 +601,7 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
                 got.get("retention"),
                 got.get("retention_check_s", 300.0),
                 **{k: got[k] for k in _COMPACTION if k in got},
+                **{k: got[k] for k in ("quarantine_max_rows",) if k in got},
             )
         )
     handlers: list[CdcHandler] = []

@@ -401,6 +401,19 @@ class Metrics:
         )
         self.build_info.labels(version=_version(), python=platform.python_version()).set(1)
 
+        self.cdc_quarantined_rows = Gauge(
+            p + "cdc_quarantine_rows",
+            "Rows in a CDC stream's quarantine: rows it could not write, set aside "
+            '(docs/cdc.md, "Quarantine"). Not 0: see eventplane cdc quarantine list.',
+            ["stream"],
+            registry=r,
+        )
+        self.cdc_quarantined = Counter(
+            p + "cdc_quarantined_rows_total",
+            "Rows a CDC stream set aside in its quarantine since the daemon started.",
+            ["stream"],
+            registry=r,
+        )
         self.cdc_retention_removed = Counter(
             p + "cdc_retention_removed_partitions_total",
             "Time partitions of a CDC stream removed by its retention (docs/cdc.md, "

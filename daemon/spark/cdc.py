@@ -82,7 +82,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,8 @@ from daemon import snapshot
 from daemon.config import CdcStream
 from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
 from daemon.plane.batch import MicroBatch
+from daemon.spark import quarantine
+from daemon.spark.durable import atomic_write_json, fsync_dir, fsync_file
 from wal import lockfile
 
 log = structlog.get_logger("eventplane.cdc")
@@ -218,6 +220,7 @@ ENV_CRASH_AT = "EVENTPLANE_CRASH_AT"
 COMMIT_CRASH_POINTS = (
     "cdc.before_stage",  # nothing of the batch written
     "cdc.after_stage",  # staged files exist, no intent
+    "cdc.after_quarantine",  # set-aside rows durable, no intent, not committed
     "cdc.after_intent",  # intent durable, nothing published
     "cdc.mid_publish",  # first file renamed, others still staged
     "cdc.after_publish",  # all files visible, ledger not updated
@@ -289,40 +292,12 @@ class CdcStreamLockedError(CdcError):
     """Another process writes this stream."""
 
 
+class CdcQuarantineLimitError(CdcError):
+    """More rows of a batch fail alone than ``quarantine_max_rows``."""
+
+
 class CdcLayoutError(CdcError):
     """The stream's partition_by differs from the layout its table was written with."""
-
-
-# --------------------------------------------------------------------------
-# Durable file helpers
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` so that ``path`` holds either the old or the new text, durably."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def _ranges_to_json(ranges: Mapping[int, tuple[int, int]]) -> dict[str, list[int]]:
@@ -344,15 +319,19 @@ class LedgerEntry:
     rows: int
     files: list[str]
     committed_at: float
+    quarantined: int = 0  # rows the batch set aside (quarantine.py); not in ``rows``
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "batch_id": self.batch_id,
             "ranges": _ranges_to_json(self.ranges),
             "rows": self.rows,
             "files": self.files,
             "committed_at": self.committed_at,
         }
+        if self.quarantined:
+            out["quarantined"] = self.quarantined
+        return out
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> LedgerEntry:
@@ -362,6 +341,7 @@ class LedgerEntry:
             int(raw["rows"]),
             [str(f) for f in raw["files"]],
             float(raw["committed_at"]),
+            int(raw.get("quarantined", 0)),
         )
 
 
@@ -474,6 +454,7 @@ class CommitResult:
     files: int
     noop: bool  # the batch was committed before (a re-run)
     seconds: float
+    quarantined: int = 0  # rows set aside in the stream's quarantine
 
 
 @dataclass(slots=True)
@@ -527,6 +508,8 @@ class CdcSink:
         # Leaf partitions a compaction claimed (daemon/spark/compact.py), by
         # relative path; retention leaves them alone. Under commit_lock.
         self.compacting: set[str] = set()
+        # Rows in the stream's quarantine (quarantine.py), counted at open.
+        self.quarantined = 0
 
     @property
     def name(self) -> str:
@@ -557,6 +540,9 @@ class CdcSink:
             report = RecoveryReport()
             self._remove_temp_files()
             self._complete_pending(report)
+            pending = {bid for bid, _ in self._intents()}
+            quarantine.recover(self.meta, self.ledger.last_batch_id, pending)
+            self.quarantined = quarantine.count(self.meta)
             self._remove_staging(report)
             from daemon.spark import compact
 
@@ -675,25 +661,31 @@ class CdcSink:
         bid = batch.batch_id
         staging = self._staging_dir(bid)
         files: list[tuple[str, str]] = []
+        set_aside: list[quarantine.QuarantinedRow] = []
+        written = rows
         if rows:
             crash_point("cdc.before_stage")
             try:
-                # Step 1. Stage: Spark writes where no reader looks.
-                if raw is not None:
-                    self._write_staged(replace(raw, rows=rows), staging)
-                else:
-                    self._write_staged(self._select(df), staging)
+                # Step 1. Stage: Spark writes where no reader looks; rows that
+                # fail alone are set aside (_stage).
+                set_aside = self._stage(df, batch, rows, raw, staging)
+                written = rows - len(set_aside)
                 crash_point("cdc.after_stage")
-                files = self._staged_files(staging, bid)
-                if not files:
+                files = self._staged_files(staging, bid) if written else []
+                if written and not files:
                     raise CdcError(
                         f"stream {self.name!r}: Spark wrote no files for batch {bid} "
-                        f"({rows} rows expected) under {staging}"
+                        f"({written} rows expected) under {staging}"
                     )
-                # Step 2. Intent: staged bytes durable, then the staged->final map.
+                # Step 2. Intent: staged bytes and set-aside rows durable, then
+                # the staged->final map.
                 for rel, _ in files:
                     fsync_file(staging / rel)
-                self._write_intent(batch, rows, files)
+                if set_aside:
+                    quarantine.write_batch(self.meta, self.name, bid, set_aside)
+                    crash_point("cdc.after_quarantine")
+                if files:
+                    self._write_intent(batch, written, files, len(set_aside))
             except BaseException:
                 # Nothing was promised yet: roll back this attempt's staging.
                 shutil.rmtree(staging, ignore_errors=True)
@@ -703,7 +695,11 @@ class CdcSink:
             self._publish(bid, files)
             crash_point("cdc.after_publish")
         # Step 4. Ledger: the batch is committed for this stream.
-        self._append_ledger(bid, batch.ranges(), rows, [final for _, final in files])
+        self._append_ledger(
+            bid, batch.ranges(), written, [final for _, final in files], len(set_aside)
+        )
+        if set_aside:
+            self.quarantined += len(set_aside)
         crash_point("cdc.after_ledger")
         if files:
             # Under the commit lock: a compaction's swap must not replace a
@@ -713,12 +709,113 @@ class CdcSink:
                 self._write_summaries(files)
         # Step 5. Clean: intent and staging are no longer needed.
         self._clean(bid)
-        return CommitResult(self.name, bid, rows, len(files), False, time.monotonic() - started)
+        return CommitResult(
+            self.name,
+            bid,
+            written,
+            len(files),
+            False,
+            time.monotonic() - started,
+            len(set_aside),
+        )
 
-    def _select(self, df: Any) -> Any:
+    def _stage(
+        self, df: Any, batch: MicroBatch, rows: int, raw: RawInbox | None, staging: Path
+    ) -> list[quarantine.QuarantinedRow]:
+        """Step 1: write the stream's rows of ``batch`` into ``staging``; the
+        rows it set aside (none when the first write succeeds).
+
+        1. Write them (without a Spark job when ``raw.direct``).
+        2. It failed: ask which of the stream's rows fail alone
+           (:meth:`_bad_rows`: each row's payloads parsed on their own, as the
+           writer parses them). None while the first write read the stream's
+           rows only: the failure was the moment's, and the batch is retried.
+        3. More than ``quarantine_max_rows``: the writer, not the rows, is
+           broken; the batch fails (and is retried), its error says so.
+        4. Write again without them (a Spark job reads the stream's own rows
+           of the inbox, so another stream's bad row cannot fail it). If that
+           fails too, it fails the batch like any failed write.
+        """
+        direct = raw is not None and raw.direct
+        try:
+            # Step 1. The write.
+            if raw is not None and raw.direct:
+                self._write_staged(replace(raw, rows=rows), staging)
+            else:
+                self._write_staged(self._select(df), staging)
+            return []
+        except Exception as exc:
+            if raw is None or (self.stream.quarantine_max_rows == 0 and direct):
+                raise  # without a raw inbox no row can be checked alone
+            failure = exc
+        # Step 2. Which rows fail alone.
+        limit = self.stream.quarantine_max_rows
+        bad = self._bad_rows(raw, limit) if limit else []
+        if not bad and (direct or raw.reread is None):
+            raise failure
+        # Step 3. A bound: a writer that refuses rows wholesale is not a bad row.
+        if len(bad) > limit:
+            raise CdcQuarantineLimitError(
+                f"stream {self.name!r}: more than {limit} rows of batch {batch.batch_id} fail "
+                f"on their own (quarantine_max_rows), first: LSN {bad[0][0]}: {bad[0][1]}. "
+                f"That is the writer failing, not bad rows: the batch is retried, nothing is "
+                f"set aside. Fix the cause, or raise [[cdc.streams]] quarantine_max_rows."
+            ) from failure
+        set_aside = quarantine.rows_of(batch, bad)
+        skip = tuple(r.lsn for r in set_aside)
+        if set_aside:
+            log.warning(
+                "cdc_rows_quarantined",
+                stream=self.name,
+                batch_id=batch.batch_id,
+                rows=len(skip),
+                lsns=list(skip[:10]),
+                error=set_aside[0].error,
+            )
+        # Step 4. The write without them.
+        try:
+            if direct:
+                self._write_staged(replace(raw, rows=rows - len(skip), skip=skip), staging)
+            else:
+                assert raw.reread is not None
+                own = raw.reread(self._taken(), skip)
+                self._write_staged(self._select(own, skip), staging)
+        except Exception as exc:
+            raise exc from failure
+        return set_aside
+
+    def _taken(self) -> tuple[str, ...]:
+        """The stream's collections for a reader's filter (empty: all)."""
+        return () if self.stream.collections == ("*",) else self.stream.collections
+
+    def _bad_rows(self, raw: RawInbox, limit: int) -> list[tuple[int, str]]:
+        """``(lsn, error)`` of the stream's rows of ``raw`` whose payloads the
+        writer cannot parse alone, at most ``limit`` + 1 (``DirectWrite.badRows``)."""
+        spark = raw.spark
+        found = _py4j_jvm(spark).eventplane.inbox.DirectWrite.badRows(
+            spark._jsparkSession,
+            str(raw.path),
+            raw.splits,
+            raw.batch_id,
+            _java_strings(spark, self._taken()),
+            limit,
+        )
+        out = []
+        for entry in found:
+            lsn, _, error = str(entry).partition("\t")
+            out.append((int(lsn), error))
+        return out
+
+    def _select(self, df: Any, skip: tuple[int, ...] = ()) -> Any:
         columns, keep = self._write_columns(df.sparkSession)
         out = columns.select(df)
-        return out if keep is None else out.where(keep)
+        if keep is not None:
+            out = out.where(keep)
+        if skip:
+            from pyspark.sql import functions as F
+
+            out = out.where(~F.col("lsn").isin(list(skip)))
+        return out
 
     def _write_columns(self, spark: Any) -> tuple[SelectList, Any | None]:
         """The write's select list (the table's columns, then the time partition
@@ -772,7 +869,7 @@ class CdcSink:
             taken = () if self.stream.collections == ("*",) else self.stream.collections
             lists = (table, taken, self.stream.partition_by)
             cached = self._direct_args = (spark, table, *(_java_strings(spark, x) for x in lists))
-        written = _py4j_jvm(spark).eventplane.inbox.DirectWrite.write(
+        args = [
             spark._jsparkSession,
             str(raw.path),
             raw.splits,
@@ -780,7 +877,15 @@ class CdcSink:
             str(staging),
             self._write_options(spark).jmap,
             *cached[2:],
-        )
+        ]
+        if raw.skip:
+            skip = spark.sparkContext._gateway.new_array(
+                spark.sparkContext._gateway.jvm.long, len(raw.skip)
+            )
+            for i, lsn in enumerate(raw.skip):
+                skip[i] = lsn
+            args.append(skip)
+        written = _py4j_jvm(spark).eventplane.inbox.DirectWrite.write(*args)
         if written != raw.rows:
             raise CdcError(
                 f"stream {self.name!r}: the direct write of batch {raw.batch_id} wrote "
@@ -819,7 +924,9 @@ class CdcSink:
                 out.append((str(rel_dir / n), str(final)))
         return out
 
-    def _write_intent(self, batch: MicroBatch, rows: int, files: list[tuple[str, str]]) -> None:
+    def _write_intent(
+        self, batch: MicroBatch, rows: int, files: list[tuple[str, str]], quarantined: int = 0
+    ) -> None:
         atomic_write_json(
             self._intent_file(batch.batch_id),
             {
@@ -828,6 +935,7 @@ class CdcSink:
                 "ranges": _ranges_to_json(batch.ranges()),
                 "rows": rows,
                 "files": [list(f) for f in files],
+                "quarantined": quarantined,
             },
         )
 
@@ -915,9 +1023,14 @@ class CdcSink:
             log.warning("cdc_summary_failed", stream=self.name, error=str(exc))
 
     def _append_ledger(
-        self, batch_id: int, ranges: dict[int, tuple[int, int]], rows: int, files: list[str]
+        self,
+        batch_id: int,
+        ranges: dict[int, tuple[int, int]],
+        rows: int,
+        files: list[str],
+        quarantined: int = 0,
     ) -> None:
-        entry = LedgerEntry(batch_id, ranges, rows, files, time.time())
+        entry = LedgerEntry(batch_id, ranges, rows, files, time.time(), quarantined)
         with self.commit_lock:  # a compaction records itself in the same file
             candidate = self.ledger.copy()
             candidate.append(entry, self.keep_batches)
@@ -990,6 +1103,7 @@ class CdcSink:
                 ranges = _ranges_from_json(raw["ranges"])
                 rows = int(raw["rows"])
                 files = [(str(a), str(b)) for a, b in raw["files"]]
+                quarantined = int(raw.get("quarantined", 0))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise CdcRecoveryError(
                     f"stream {self.name!r}: commit intent {intent} is unreadable ({exc}). "
@@ -997,7 +1111,7 @@ class CdcSink:
                 ) from exc
             # Steps 3-5 of the interrupted commit.
             self._publish(bid, files)
-            self._append_ledger(bid, ranges, rows, [final for _, final in files])
+            self._append_ledger(bid, ranges, rows, [final for _, final in files], quarantined)
             self._clean(bid)
             report.rolled_forward.append(bid)
             log.warning("cdc_commit_rolled_forward", stream=self.name, batch_id=bid, rows=rows)
@@ -1136,14 +1250,25 @@ def _drop_yarn_defaults(spark: Any) -> None:
 @dataclass(frozen=True, slots=True)
 class RawInbox:
     """A batch's raw inbox file (``daemon.spark.rawinbox``) in ``spark``'s
-    session, for step 1 without a Spark job (:meth:`CdcSink.commit`).
-    ``rows``: what the write must write (``commit`` sets the stream's)."""
+    session, for step 1 (:meth:`CdcSink.commit`).
+
+    ``rows``: what the write must write (``commit`` sets the stream's).
+    ``direct``: step 1 writes the file's rows without a Spark job; else a
+    Spark job writes the batch DataFrame, and the file serves only to find
+    rows that fail alone. ``reread(collections, skip)``: a DataFrame of the
+    batch's rows of those collections (empty: all) but the LSNs of ``skip``,
+    whose reader parses only those rows' payloads. ``skip``: LSNs the
+    direct write leaves out.
+    """
 
     spark: Any
     path: Path
     splits: str
     batch_id: int
     rows: int
+    direct: bool = True
+    reread: Callable[[tuple[str, ...], tuple[int, ...]], Any] | None = None
+    skip: tuple[int, ...] = ()
 
 
 def _java_strings(spark: Any, values: tuple[str, ...]) -> Any:

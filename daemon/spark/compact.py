@@ -133,12 +133,10 @@ from daemon.spark.cdc import (
     CdcRecoveryError,
     CdcSink,
     RecoveryReport,
-    atomic_write_json,
     crash_point,
-    fsync_dir,
-    fsync_file,
     staging_write_options,
 )
+from daemon.spark.durable import atomic_write_json, fsync_dir, fsync_file
 
 log = structlog.get_logger("eventplane.cdc")
 

@@ -65,6 +65,7 @@ import asyncio
 import contextlib
 import contextvars
 import enum
+import functools
 import importlib
 import shutil
 import time
@@ -77,7 +78,7 @@ from typing import Any
 import structlog
 
 from daemon.config import Config
-from daemon.errors import ConfigError, DaemonError, ExecutorError
+from daemon.errors import ConfigError, DaemonError, ExecutorError, error_text
 from daemon.plane.batch import BatchStage, MicroBatch, SessionAware
 from daemon.service.metrics import Metrics
 from daemon.spark import cdc, frame, rawinbox
@@ -460,6 +461,7 @@ class SparkExecutor:
                 s.name: {
                     "path": str(s.path),
                     "last_batch_id": st.streams.get(s.name),
+                    "quarantined": s.quarantined,
                     **({"retention": self._retention[s.name]} if s.name in self._retention else {}),
                     "compaction": self.compaction.status(s.name) if self.compaction else None,
                 }
@@ -553,6 +555,15 @@ class SparkExecutor:
                 )
                 sink.open()
                 sinks.append(sink)
+                self.metrics.cdc_quarantined_rows.labels(sink.name).set(sink.quarantined)
+                if sink.quarantined:
+                    log.warning(
+                        "cdc_quarantine_not_empty",
+                        stream=sink.name,
+                        rows=sink.quarantined,
+                        message=f"stream {sink.name!r} holds {sink.quarantined} rows in its "
+                        "quarantine: eventplane cdc quarantine list " + sink.name,
+                    )
         except BaseException:
             for sink in sinks:
                 sink.close()
@@ -792,8 +803,7 @@ class SparkExecutor:
             if isinstance(exc, DaemonError):
                 raise
             raise ExecutorError(
-                f"micro-batch {batch.batch_id} ({batch.rows} rows) failed: "
-                f"{type(exc).__name__}: {exc}"
+                f"micro-batch {batch.batch_id} ({batch.rows} rows) failed: {error_text(exc)}"
             ) from exc
         seconds = time.monotonic() - started
         for name, failure in outcome.failures.items():
@@ -863,9 +873,20 @@ class SparkExecutor:
                     made.append(frame.read_inbox(spark, inbox, batch.batch_id))
                 return made[0]
 
-            direct = None
-            if file is not None and file.splits is not None and self._direct:
-                direct = cdc.RawInbox(spark, file.path, file.splits, batch.batch_id, nrows)
+            # A raw inbox file: the streams write it without a Spark job, or
+            # (spark.direct_write = false) find in it the rows that fail alone.
+            source = None
+            if file is not None and file.splits is not None:
+                source = cdc.RawInbox(
+                    spark,
+                    file.path,
+                    file.splits,
+                    batch.batch_id,
+                    nrows,
+                    direct=self._direct,
+                    reread=functools.partial(frame.read_inbox, spark, file, batch.batch_id),
+                )
+            direct = source if source is not None and source.direct else None
             todo = [(sink, self._rows_for(sink, nrows, counts)) for sink in sinks]
             pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
             # With a raw inbox file the streams write its rows without a Spark
@@ -897,7 +918,7 @@ class SparkExecutor:
             for sink, rows in todo:
                 try:
                     df = batch_df() if sink.name in readers else None
-                    commits.append(sink.commit(df, batch, rows, direct))
+                    commits.append(sink.commit(df, batch, rows, source))
                 except Exception as exc:
                     failures[sink_stage(sink)] = exc
             # Step 5. Handlers.
@@ -957,6 +978,10 @@ class SparkExecutor:
         st.batches_committed += 1
         for c in outcome.commits:
             st.streams[c.stream] = max(st.streams.get(c.stream) or 0, c.batch_id)
+            if c.quarantined:
+                self.metrics.cdc_quarantined.labels(c.stream).inc(c.quarantined)
+        for sink in self._sinks:
+            self.metrics.cdc_quarantined_rows.labels(sink.name).set(sink.quarantined)
         # The eventplane_microbatch_* series are the planner's: it sees every
         # batch and attempt, whatever executor runs them.
 
@@ -966,7 +991,7 @@ class SparkExecutor:
         st = self._status
         st.batches_failed += 1
         where = f"stage {stage}: " if stage else ""
-        st.last_error = f"{where}{type(exc).__name__}: {exc}"[:2000]
+        st.last_error = f"{where}{error_text(exc)}"
         st.last_error_batch_id = batch.batch_id
         st.last_error_at = time.time()
 

@@ -290,11 +290,20 @@ def write_inbox(
     return InboxFile(path, rows, counts)
 
 
-def read_inbox(spark: Any, file: InboxFile, batch_id: int) -> Any:
-    """The batch DataFrame (``FRAME_COLUMNS``) over an inbox file."""
+def read_inbox(
+    spark: Any,
+    file: InboxFile,
+    batch_id: int,
+    collections: Sequence[str] = (),
+    skip: Sequence[int] = (),
+) -> Any:
+    """The batch DataFrame (``FRAME_COLUMNS``) over an inbox file. A raw
+    inbox's reader parses the payloads of ``collections``' rows only (empty:
+    all) but those of the LSNs in ``skip``; the other rows' ``new`` and
+    ``old`` are NULL, for the caller's filter to drop."""
     if file.splits is None:
         return _contract_frame(_read_inbox(spark, file.path))
-    raw = rawinbox.read(spark, file.path, file.splits, batch_id)
+    raw = rawinbox.read(spark, file.path, file.splits, batch_id, collections, skip)
     return _contract_frame(raw, parsed=True)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import struct
 import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ log = structlog.get_logger("eventplane.spark")
 
 SOURCE = "eventplane.inbox.InboxSource"
 SUFFIX = ".epin"
+# Joins the collection names of the reader's "collections" option (RowFilter.java).
+ROW_FILTER_SEPARATOR = "\x1f"
 MAGIC = 0x31435045  # "EPC1" little-endian
 _HEADER = struct.Struct("<IIIIQQ")  # magic, count, core, flags (0), reserved (0), data bytes
 # Most events in a chunk: a chunk is one columnar batch in Spark's task.
@@ -147,15 +149,30 @@ def _array_of(n: int, payloads: bytes | memoryview) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big") + payloads
 
 
-def read(spark: Any, path: Path, splits: str, batch_id: int) -> Any:
+def read(
+    spark: Any,
+    path: Path,
+    splits: str,
+    batch_id: int,
+    collections: Sequence[str] = (),
+    skip: Sequence[int] = (),
+) -> Any:
     """The inbox file as a DataFrame of ``frame.INBOX_SCHEMA``'s columns and
     ``new``/``old`` as VARIANT: the reader parses the JSON text from its bytes
-    with the session's ``parse_json`` settings (``InboxReader.java``)."""
-    return (
+    with the session's ``parse_json`` settings (``InboxReader.java``), only
+    for rows of ``collections`` (empty: all) whose LSN is not in ``skip``
+    (``RowFilter.java``); the others' VARIANTs are NULL."""
+    reader = (
         spark.read.format(SOURCE)
         .option("path", str(path))
         .option("splits", splits)
         .option("batch_id", str(batch_id))
         .option("variants", "true")
-        .load()
     )
+    if collections:
+        if any(ROW_FILTER_SEPARATOR in c for c in collections):
+            raise ValueError(f"a collection name holds U+001F: {list(collections)}")
+        reader = reader.option("collections", ROW_FILTER_SEPARATOR.join(collections))
+    if skip:
+        reader = reader.option("skip_lsns", ",".join(str(lsn) for lsn in skip))
+    return reader.load()

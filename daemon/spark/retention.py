@@ -52,10 +52,9 @@ from daemon.spark.cdc import (
     META_DIR,
     CdcError,
     CdcSink,
-    atomic_write_json,
     crash_point,
-    fsync_dir,
 )
+from daemon.spark.durable import atomic_write_json, fsync_dir
 
 log = structlog.get_logger("eventplane.cdc")
 

@@ -39,9 +39,8 @@ from daemon.spark.cdc import (
     CdcError,
     CdcSink,
     committed_files,
-    fsync_dir,
-    fsync_file,
 )
+from daemon.spark.durable import fsync_dir, fsync_file
 from daemon.spark.frame import INBOX_SCHEMA
 
 _SOURCE = "_file"

@@ -72,7 +72,9 @@ def test_sigkill_at_commit_steps_and_random_points_keeps_cdc_exactly_once(
     kills = 0
 
     # Step 1. Each named crash point, reached by the second batch.
-    for point in COMMIT_CRASH_POINTS:  # the batch commit (compaction and retention: tests/spark)
+    # The batch commit (compaction and retention: tests/spark). Setting rows aside
+    # needs a row the writer refuses, which ingest never takes: tests/spark/test_crash.py.
+    for point in (p for p in COMMIT_CRASH_POINTS if p != "cdc.after_quarantine"):
         daemon = DaemonProcess.production(config, env={"EVENTPLANE_CRASH_AT": f"{point}@2"})
         daemon.start(timeout_s=120)
         _wait_spark_ready(daemon)

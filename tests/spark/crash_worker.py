@@ -1,7 +1,7 @@
 """A stand-alone executor process for crash and cluster tests.
 
 ``python -m tests.spark.crash_worker ROOT --batches N --per-batch M [--master URL |
---remote sc://...]`` runs the deterministic batches 1..N of ``tests.spark.support``
+--remote sc://...] [--bad-every K]`` runs the deterministic batches 1..N of ``tests.spark.support``
 through a real ``SparkExecutor`` writing under ROOT, printing ``committed <id>``
 after each. With ``EVENTPLANE_CRASH_AT`` set it SIGKILLs itself at that point.
 ``--pause-before B`` prints ``paused B`` and waits for a line on stdin before
@@ -28,7 +28,7 @@ async def run(args: argparse.Namespace) -> int:
     try:
         await asyncio.wait_for(ex.wait_ready(), args.ready_timeout)
         say("ready")
-        for batch in make_batches(args.batches, args.per_batch):
+        for batch in make_batches(args.batches, args.per_batch, bad_every=args.bad_every):
             if args.pause_before == batch.batch_id:
                 # The test restarts the server meanwhile, then writes a line.
                 say(f"paused {batch.batch_id}")
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wal-id", default="wal-1")
     p.add_argument("--ready-timeout", type=float, default=240.0)
     p.add_argument("--retries", type=int, default=0, help="failed attempts retried per batch")
+    p.add_argument("--bad-every", type=int, default=0, help="every Nth LSN's payload is bad")
     p.add_argument("--pause-before", type=int, default=0, help="wait for a stdin line first")
     return asyncio.run(run(p.parse_args(argv)))
 

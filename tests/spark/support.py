@@ -39,12 +39,19 @@ def core_of(collection: str, key: str, cores: int = CORES) -> int:
     return zlib.crc32(f"{collection}\0{key}".encode()) % cores
 
 
-def event_for(lsn: int, keys: int = 50, ns_per_lsn: int = 1000) -> StoredEvent:
-    """Event number ``lsn``: a few keys per collection see many updates (order tests)."""
+# A payload the CDC writers cannot parse (invalid UTF-8; ingest refuses it).
+BAD_NEW = b'{"note":"\xff"}'
+
+
+def event_for(lsn: int, keys: int = 50, ns_per_lsn: int = 1000, bad_every: int = 0) -> StoredEvent:
+    """Event number ``lsn``: a few keys per collection see many updates (order
+    tests); with ``bad_every``, every such LSN's ``new`` is ``BAD_NEW``."""
     collection = COLLECTIONS[lsn % len(COLLECTIONS)]
     key = f"k{(lsn * 7919) % keys}"
     op = "insert" if lsn % 5 == 1 else "update"
     new = json.dumps({"amount": lsn * 10 % 2000, "note": "x" * 40, "lsn": lsn}).encode()
+    if bad_every and lsn % bad_every == 0:
+        new = BAD_NEW
     old = None if op == "insert" else json.dumps({"amount": lsn % 7}).encode()
     return StoredEvent(collection, op, key, new, old, BASE_TS_NS + lsn * ns_per_lsn)
 
@@ -58,16 +65,18 @@ def make_batches(
     cores: int = CORES,
     keys: int = 50,
     ns_per_lsn: int = 1000,
+    bad_every: int = 0,
 ) -> list[MicroBatch]:
     """``n_batches`` consecutive batches of ``per_batch`` events, LSNs from ``first_lsn``;
-    event ``lsn`` was ingested at ``BASE_TS_NS + lsn * ns_per_lsn``."""
+    event ``lsn`` was ingested at ``BASE_TS_NS + lsn * ns_per_lsn`` (``bad_every``:
+    ``event_for``)."""
     batches = []
     seq = dict.fromkeys(range(cores), 0)
     lsn = first_lsn
     for b in range(n_batches):
         per_core: dict[int, list[Record]] = {}
         for _ in range(per_batch):
-            ev = event_for(lsn, keys, ns_per_lsn)
+            ev = event_for(lsn, keys, ns_per_lsn, bad_every)
             c = core_of(ev.collection, ev.key, cores)
             seq[c] += 1
             per_core.setdefault(c, []).append(Record(lsn, c, seq[c], encode(ev)))

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from daemon.spark import quarantine
 from daemon.spark.cdc import COMMIT_CRASH_POINTS, ENV_CRASH_AT, META_DIR, read_ledger
 from tests.spark.support import batch_lsns, make_batches
 
@@ -18,11 +19,15 @@ pytestmark = [pytest.mark.spark, pytest.mark.crash]
 
 REPO = Path(__file__).resolve().parents[2]
 PER_BATCH = 150
+# Every 50th event cannot be written (support.BAD_NEW): each batch sets three
+# rows aside in the stream's quarantine, so every step of the commit is reached.
+BAD_EVERY = 50
 
 # What a plain reader sees after the kill, before any recovery ran.
 BEFORE_RECOVERY = {
     "cdc.before_stage": "batches 1-2",
     "cdc.after_stage": "batches 1-2",
+    "cdc.after_quarantine": "batches 1-2",
     "cdc.after_intent": "batches 1-2",
     "cdc.mid_publish": "batches 1-2 and part of 3",
     "cdc.after_publish": "batches 1-3",
@@ -39,6 +44,7 @@ def run_worker(
     master: str = "local[1]",
     remote: str = "",
     timeout: float = 300,
+    bad_every: int = 0,
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_PYTHON": sys.executable}
     env.pop(ENV_CRASH_AT, None)
@@ -58,6 +64,8 @@ def run_worker(
     ]
     if remote:
         cmd += ["--remote", remote]
+    if bad_every:
+        cmd += ["--bad-every", str(bad_every)]
     return subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -78,15 +86,23 @@ async def test_sigkill_at_commit_step_recovers_to_exactly_once(
     spark: Any, executor_factory: Any, tmp_path: Path, point: str
 ) -> None:
     """1. A real executor process commits batches 1-2, then SIGKILLs itself at ``point``
-    while committing batch 3.  2. Readers see only whole, committed batches (or, from
-    mid-publish on, files of a batch whose commit can only roll forward) and never a
-    duplicate.  3. A new executor opens the stream (recovery), the planner re-runs
-    batch 3 and runs batch 4.  4. The table holds batches 1-4, each event once, and
-    no staging, intent or temp file is left."""
-    batches = make_batches(4, PER_BATCH)
+    while committing batch 3; every batch has three rows the writer cannot parse.
+    2. Readers see only whole, committed batches (or, from mid-publish on, files of
+    a batch whose commit can only roll forward) and never a duplicate.  3. A new
+    executor opens the stream (recovery), the planner re-runs batch 3 and runs
+    batch 4.  4. Each event is in the table or the quarantine, once, and no staging,
+    intent or temp file is left."""
+    batches = make_batches(4, PER_BATCH, bad_every=BAD_EVERY)
     table = tmp_path / "cdc" / "all"
+    meta = table / META_DIR
 
-    proc = run_worker(tmp_path, batches=4, crash_at=f"{point}@3")
+    def good(lsns: list[int]) -> list[int]:
+        return [lsn for lsn in lsns if lsn % BAD_EVERY]
+
+    def held() -> list[int]:
+        return [r.lsn for r in quarantine.load(meta)]
+
+    proc = run_worker(tmp_path, batches=4, crash_at=f"{point}@3", bad_every=BAD_EVERY)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert f"crash point {point} reached (hit 3)" in proc.stderr
     assert "committed 2" in proc.stdout and "committed 3" not in proc.stdout
@@ -95,27 +111,31 @@ async def test_sigkill_at_commit_step_recovers_to_exactly_once(
     assert len(seen) == len(set(seen))
     one_two, one_three = batch_lsns(batches[:2]), batch_lsns(batches[:3])
     if BEFORE_RECOVERY[point] == "batches 1-2":
-        assert seen == one_two
+        assert seen == good(one_two)
     elif BEFORE_RECOVERY[point] == "batches 1-3":
-        assert seen == one_three
+        assert seen == good(one_three)
     else:
-        assert set(one_two) < set(seen) < set(one_three)
+        assert set(good(one_two)) < set(seen) < set(good(one_three))
 
     ex = await executor_factory()  # restart: recovery runs in start()
     ledger = read_ledger(table)
     assert ledger is not None
-    rolled_forward = point not in ("cdc.before_stage", "cdc.after_stage")
+    rolled_forward = point not in ("cdc.before_stage", "cdc.after_stage", "cdc.after_quarantine")
     assert ledger.last_batch_id == (3 if rolled_forward else 2)
-    assert visible(spark, table) == (one_three if rolled_forward else one_two)
+    done = one_three if rolled_forward else one_two
+    assert visible(spark, table) == good(done)
+    assert held() == sorted(set(done) - set(good(done)))
 
     await ex.execute(batches[2])  # the planner re-runs the planned batch
     await ex.execute(batches[3])
-    assert visible(spark, table) == batch_lsns(batches)
-    meta = table / META_DIR
-    assert sorted(p.name for p in meta.rglob("*") if p.is_file()) == [
+    everything = batch_lsns(batches)
+    assert visible(spark, table) == good(everything)
+    assert held() == sorted(set(everything) - set(good(everything)))
+    assert sorted(p.relative_to(meta).as_posix() for p in meta.rglob("*") if p.is_file()) == [
         "generation",
         "ledger.json",
         "lock",
+        *(f"quarantine/b{b:012d}.json" for b in (1, 2, 3, 4)),
     ]
     assert not list((meta / "staging").iterdir())
 

@@ -15,7 +15,7 @@ from daemon.errors import ExecutorError
 from daemon.events import StoredEvent, encode
 from daemon.plane.batch import MicroBatch, Slice
 from daemon.service.metrics import Metrics
-from daemon.spark import cdc
+from daemon.spark import cdc, quarantine
 from daemon.spark.cdc import META_DIR
 from daemon.spark.executor import SparkExecutor
 from tests.spark.support import batch_lsns, make_batches, make_config, read_table
@@ -126,20 +126,15 @@ async def test_batches_are_written_without_a_spark_job_into_the_files_a_job_writ
 
 
 @pytest.mark.parametrize(("rows", "bad"), [(2, 2), (12_000, 10_000)], ids=["one-split", "two"])
-async def test_json_the_direct_write_cannot_parse_fails_the_batch_naming_the_event(
+async def test_with_the_quarantine_off_json_the_direct_write_cannot_parse_fails_the_batch(
     direct: Any, executor_factory: Any, tmp_path: Path, rows: int, bad: int
 ) -> None:
     """As through a Spark job: the batch fails whole (its one stage failed), the
     error names the event and field, and nothing of it is published or left,
     also when the bad event is in the second split and the first one's task
     wrote its files."""
-
-    def event(lsn: int) -> StoredEvent:
-        old = b'{"a":' if lsn == bad else None
-        return StoredEvent("c", "update" if old else "insert", f"k{lsn}", b'{"a":1}', old, 1)
-
-    recs = [Record(lsn, 0, lsn, encode(event(lsn))) for lsn in range(1, rows + 1)]
-    ex = await executor_factory()
+    recs = [Record(lsn, 0, lsn, encode(_event(lsn, bad))) for lsn in range(1, rows + 1)]
+    ex = await executor_factory(stream_options={"quarantine_max_rows": 0})
 
     with pytest.raises(ExecutorError) as err:
         await ex.execute(MicroBatch(1, {0: Slice(0, 1, rows, recs)}))
@@ -149,3 +144,27 @@ async def test_json_the_direct_write_cannot_parse_fails_the_batch_naming_the_eve
     assert not list(table.glob("collection=*/*"))
     assert not list((table / META_DIR / "staging").iterdir())
     assert not list((table / META_DIR / "pending").glob("*"))
+
+
+@pytest.mark.parametrize(("rows", "bad"), [(2, 2), (12_000, 10_000)], ids=["one-split", "two"])
+async def test_json_the_direct_write_cannot_parse_goes_to_the_quarantine_and_the_rest_commits(
+    direct: Any, executor_factory: Any, tmp_path: Path, rows: int, bad: int
+) -> None:
+    """The bad event, also in the second split, is set aside with its error;
+    every other row is in the table once."""
+    recs = [Record(lsn, 0, lsn, encode(_event(lsn, bad))) for lsn in range(1, rows + 1)]
+    ex = await executor_factory()
+
+    assert not await ex.execute(MicroBatch(1, {0: Slice(0, 1, rows, recs)}))
+
+    table = tmp_path / "cdc" / "all"
+    got = read_table(direct, table)
+    assert sorted(r.lsn for r in got) == [lsn for lsn in range(1, rows + 1) if lsn != bad]
+    held = quarantine.load(table / META_DIR)
+    assert [(r.lsn, r.error.split(":")[0]) for r in held] == [(bad, "old")]
+
+
+def _event(lsn: int, bad: int) -> StoredEvent:
+    """An insert, but an update whose ``old`` is not JSON at LSN ``bad``."""
+    old = b'{"a":' if lsn == bad else None
+    return StoredEvent("c", "update" if old else "insert", f"k{lsn}", b'{"a":1}', old, 1)

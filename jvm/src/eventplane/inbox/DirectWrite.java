@@ -82,10 +82,12 @@ public final class DirectWrite {
   private final StructType dataSchema;
   private final IndexedSeq<Object> ordinals;
   private final int collection;
+  private final int lsn;
   private final int ingestTs;
   private final boolean byDate;
   private final boolean byHour;
   private final Set<UTF8String> wanted;
+  private final RowFilter filter;
   private final Configuration conf;
   private final OutputWriterFactory factory;
   private final InboxReader.VariantOptions variants;
@@ -101,7 +103,8 @@ public final class DirectWrite {
       Map<String, String> options,
       String[] columns,
       String[] collections,
-      String[] partitionBy) {
+      String[] partitionBy,
+      long[] skip) {
     String layout = String.join(",", partitionBy);
     byDate = layout.startsWith("collection,date");
     byHour = layout.equals("collection,date,hour");
@@ -113,6 +116,7 @@ public final class DirectWrite {
     this.batchId = batchId;
     StructType in = InboxSource.VARIANT_SCHEMA;
     collection = in.fieldIndex("collection");
+    lsn = in.fieldIndex("lsn");
     ingestTs = in.fieldIndex("ingest_ts");
     List<StructField> fields = new ArrayList<>();
     List<Object> taken = new ArrayList<>();
@@ -129,6 +133,7 @@ public final class DirectWrite {
     for (String c : collections) {
       wanted.add(UTF8String.fromString(c));
     }
+    filter = RowFilter.of(collections, skip);
     scala.collection.immutable.Map<String, String> scalaOptions =
         scala.collection.immutable.Map.from(CollectionConverters.asScala(options));
     Job job;
@@ -166,6 +171,27 @@ public final class DirectWrite {
       String[] collections,
       String[] partitionBy)
       throws Exception {
+    return write(
+        spark, inbox, splits, batchId, output, options, columns, collections, partitionBy,
+        new long[0]);
+  }
+
+  /**
+   * {@link #write}, leaving out the rows whose LSN is in {@code skip} (a stream's quarantined
+   * rows): their payloads are not parsed.
+   */
+  public static long write(
+      SparkSession spark,
+      String inbox,
+      String splits,
+      long batchId,
+      String output,
+      Map<String, String> options,
+      String[] columns,
+      String[] collections,
+      String[] partitionBy,
+      long[] skip)
+      throws Exception {
     // A job would fail on a stopped context, and the daemon then rebuilds the session; so
     // does this write, which would otherwise go on without one.
     if (spark.sparkContext().isStopped()) {
@@ -173,7 +199,8 @@ public final class DirectWrite {
           "eventplane direct write: Cannot call methods on a stopped SparkContext");
     }
     DirectWrite plan =
-        new DirectWrite(spark, output, batchId, options, columns, collections, partitionBy);
+        new DirectWrite(
+            spark, output, batchId, options, columns, collections, partitionBy, skip);
     List<InboxPartition> parts = InboxTable.partitions(inbox, splits);
     List<Future<Long>> others = new ArrayList<>();
     for (int k = 1; k < parts.size(); k++) {
@@ -205,6 +232,41 @@ public final class DirectWrite {
     return rows;
   }
 
+  /**
+   * The rows of {@code inbox}'s {@code splits} whose collection is in {@code collections} (empty:
+   * all) and whose payload cannot be parsed on its own, each as {@code "lsn<TAB>field: error"},
+   * in file order, at most {@code limit} of them (one more tells the caller there are more). A
+   * stream asks this after its write failed: a row listed here fails every write that takes it (a
+   * bad row); an empty answer means the failure was not any one row's (a bad moment). Reads the
+   * file once, in this thread, with the session's parse_json settings.
+   */
+  public static String[] badRows(
+      SparkSession spark,
+      String inbox,
+      String splits,
+      long batchId,
+      String[] collections,
+      int limit)
+      throws IOException {
+    InboxReader.VariantOptions variants =
+        InboxReader.VariantOptions.of(spark.sessionState().conf());
+    RowFilter filter = RowFilter.of(collections, new long[0]);
+    List<String> bad = new ArrayList<>();
+    for (InboxPartition split : InboxTable.partitions(inbox, splits)) {
+      try (InboxReader reader =
+          new InboxReader(
+              split.path(), split.offset(), split.length(), batchId, variants, filter, bad)) {
+        while (bad.size() <= limit && reader.next()) {
+          // Each chunk's rows are decoded; the unparseable ones were added to bad.
+        }
+      }
+      if (bad.size() > limit) {
+        break;
+      }
+    }
+    return bad.subList(0, Math.min(bad.size(), limit + 1)).toArray(new String[0]);
+  }
+
   /** The task of split {@code k}: its rows into its own files, {@code part-0000k-...}. */
   private Callable<Long> task(int k, InboxPartition split) {
     return () -> {
@@ -229,7 +291,8 @@ public final class DirectWrite {
     Map<Folder, OutputWriter> writers = new HashMap<>();
     long rows = 0;
     try (InboxReader reader =
-        new InboxReader(split.path(), split.offset(), split.length(), batchId, variants)) {
+        new InboxReader(
+            split.path(), split.offset(), split.length(), batchId, variants, filter, null)) {
       while (reader.next()) {
         if (abort.get()) {
           throw new IOException("eventplane direct write: stopped (another split failed)");
@@ -239,6 +302,9 @@ public final class DirectWrite {
           InternalRow row = it.next();
           UTF8String value = row.getUTF8String(collection);
           if (!wanted.isEmpty() && !wanted.contains(value)) {
+            continue;
+          }
+          if (filter.skips(row.getLong(lsn))) {
             continue;
           }
           long hour = Long.MIN_VALUE; // no time partition, or a NULL ingest_ts

@@ -8,6 +8,7 @@ import java.nio.ByteOrder;
 import java.nio.channels.FileChannel;
 import java.nio.file.Path;
 import java.nio.file.StandardOpenOption;
+import java.util.List;
 import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.sql.execution.vectorized.OnHeapColumnVector;
 import org.apache.spark.sql.execution.vectorized.WritableColumnVector;
@@ -68,6 +69,10 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
   private final long end;
   private final long batchId;
   private final VariantOptions variants; // null: no VARIANT columns
+  private final RowFilter filter; // whose payloads are parsed; the others' VARIANTs are NULL
+  // Null: a payload that cannot be parsed fails the read. Else its row's VARIANTs are NULL and
+  // "lsn<TAB>error" is added here (DirectWrite.badRows).
+  private final List<String> rowErrors;
   private final OnHeapColumnVector[] columns;
   private final ColumnarBatch batch;
   private final ByteBuffer header = ByteBuffer.allocate(HEADER).order(ByteOrder.LITTLE_ENDIAN);
@@ -86,8 +91,22 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
 
   InboxReader(String path, long offset, long length, long batchId, VariantOptions variants)
       throws IOException {
+    this(path, offset, length, batchId, variants, RowFilter.ALL, null);
+  }
+
+  InboxReader(
+      String path,
+      long offset,
+      long length,
+      long batchId,
+      VariantOptions variants,
+      RowFilter filter,
+      List<String> rowErrors)
+      throws IOException {
     this.path = path;
     this.variants = variants;
+    this.filter = filter;
+    this.rowErrors = rowErrors;
     this.channel = FileChannel.open(Path.of(path), StandardOpenOption.READ);
     this.position = offset;
     this.end = offset + length;
@@ -210,15 +229,31 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
       throw error("stored event has " + fields + " fields (8 or 10 expected)");
     }
     string(COLLECTION, i, false);
+    boolean parse =
+        variants != null
+            && (filter.everything() || filter.takes(eventLsn, buf, valueAt, valueLength));
     string(OP, i, false);
     string(KEY, i, false);
     string(NEW, i, true);
-    if (variants != null) {
-      variant(NEW_VARIANT, i);
-    }
+    int newAt = valueAt, newLength = valueLength;
     string(OLD, i, true);
-    if (variants != null) {
-      variant(OLD_VARIANT, i);
+    if (parse) {
+      int oldAt = valueAt, oldLength = valueLength;
+      valueAt = newAt;
+      valueLength = newLength;
+      boolean parsed = variant(NEW_VARIANT, i);
+      valueAt = oldAt;
+      valueLength = oldLength;
+      if (parsed) {
+        parsed = variant(OLD_VARIANT, i);
+      }
+      if (!parsed) {
+        columns[NEW_VARIANT].putNull(i);
+        columns[OLD_VARIANT].putNull(i);
+      }
+    } else if (variants != null) {
+      columns[NEW_VARIANT].putNull(i);
+      columns[OLD_VARIANT].putNull(i);
     }
     integer(false);
     columns[INGEST_TS].putLong(i, value / 1000);
@@ -283,12 +318,15 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
     valueLength = length;
   }
 
-  /** The JSON text string() just read (or nil) as a VARIANT into column {@code c}, row {@code i}. */
-  private void variant(int c, int i) throws IOException {
+  /**
+   * The JSON text string() just read (or nil) as a VARIANT into column {@code c}, row {@code i};
+   * false when it cannot be parsed and the reader collects such rows ({@link #rowErrors}).
+   */
+  private boolean variant(int c, int i) throws IOException {
     WritableColumnVector column = columns[c];
     if (valueAt < 0) {
       column.putNull(i);
-      return;
+      return true;
     }
     Variant v;
     try {
@@ -300,11 +338,17 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
               variants.allowDuplicateKeys(),
               variants.validateUnicode());
     } catch (IOException | RuntimeException e) {
-      throw error(
-          "field " + InboxSource.VARIANT_SCHEMA.fields()[c].name() + ": not a VARIANT: " + e);
+      String what = JsonCheck.describe(e);
+      String field = InboxSource.VARIANT_SCHEMA.fields()[c].name();
+      if (rowErrors != null) {
+        rowErrors.add(eventLsn + "\t" + field + ": " + what);
+        return false;
+      }
+      throw error("field " + field + ": not a VARIANT: " + what);
     }
     column.getChild(0).putByteArray(i, v.getValue());
     column.getChild(1).putByteArray(i, v.getMetadata());
+    return true;
   }
 
   /** An integer into {@link #value}; false for nil (when {@code nullable}). */

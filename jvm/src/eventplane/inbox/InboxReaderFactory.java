@@ -15,10 +15,12 @@ final class InboxReaderFactory implements PartitionReaderFactory {
   private static final long serialVersionUID = 1L;
   private final long batchId;
   private final InboxReader.VariantOptions variants; // null: no VARIANT columns
+  private final RowFilter filter;
 
-  InboxReaderFactory(long batchId, InboxReader.VariantOptions variants) {
+  InboxReaderFactory(long batchId, InboxReader.VariantOptions variants, RowFilter filter) {
     this.batchId = batchId;
     this.variants = variants;
+    this.filter = filter;
   }
 
   @Override
@@ -65,7 +67,7 @@ final class InboxReaderFactory implements PartitionReaderFactory {
   private InboxReader open(InputPartition partition) {
     InboxPartition p = (InboxPartition) partition;
     try {
-      return new InboxReader(p.path(), p.offset(), p.length(), batchId, variants);
+      return new InboxReader(p.path(), p.offset(), p.length(), batchId, variants, filter, null);
     } catch (IOException e) {
       throw new UncheckedIOException(e);
     }

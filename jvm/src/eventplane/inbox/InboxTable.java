@@ -20,9 +20,11 @@ final class InboxTable implements SupportsRead, ScanBuilder, Scan, Batch {
   private final String splits;
   private final long batchId;
   private final boolean variants;
+  private final RowFilter filter;
 
   InboxTable(CaseInsensitiveStringMap options) {
     variants = options.getBoolean("variants", false);
+    filter = RowFilter.fromOptions(options.get("collections"), options.get("skip_lsns"));
     path = required(options, "path");
     splits = required(options, "splits");
     try {
@@ -114,10 +116,11 @@ final class InboxTable implements SupportsRead, ScanBuilder, Scan, Batch {
   @Override
   public PartitionReaderFactory createReaderFactory() {
     if (!variants) {
-      return new InboxReaderFactory(batchId, null);
+      return new InboxReaderFactory(batchId, null, filter);
     }
     // The session's parse_json settings, read here on the driver as parse_json reads them when
     // it is planned: the tasks then build the same VARIANTs.
-    return new InboxReaderFactory(batchId, InboxReader.VariantOptions.of(SQLConf.get()));
+    return new InboxReaderFactory(
+        batchId, InboxReader.VariantOptions.of(SQLConf.get()), filter);
   }
 }

@@ -1,7 +1,9 @@
 package eventplane.inbox;
 
 import com.fasterxml.jackson.core.JsonFactory;
+import com.fasterxml.jackson.core.JsonLocation;
 import com.fasterxml.jackson.core.JsonParser;
+import com.fasterxml.jackson.core.JsonProcessingException;
 import java.io.IOException;
 import java.nio.charset.StandardCharsets;
 import org.apache.spark.types.variant.Variant;
@@ -31,6 +33,25 @@ public final class JsonCheck {
   }
 
   /**
+   * One line for a parse failure: the exception's class, its message without Jackson's source
+   * excerpt, and where in the value it stopped ({@code at byte N}, from 0).
+   */
+  static String describe(Throwable e) {
+    String message;
+    String where = "";
+    if (e instanceof JsonProcessingException jpe) {
+      message = jpe.getOriginalMessage();
+      JsonLocation at = jpe.getLocation();
+      if (at != null && at.getByteOffset() >= 0) {
+        where = " at byte " + at.getByteOffset();
+      }
+    } else {
+      message = String.valueOf(e.getMessage());
+    }
+    return e.getClass().getSimpleName() + ": " + message.split("\n", 2)[0] + where;
+  }
+
+  /**
    * For each document of {@code data} (one after another, {@code lengths} their byte lengths,
    * comma-separated), null when the writers take it, else the writers' error as {@code Class:
    * message}. One call for many documents: a py4j round trip costs more than a parse.
@@ -45,8 +66,7 @@ public final class JsonCheck {
       try {
         parse(data, at, n, allowDuplicateKeys, validateUnicode);
       } catch (IOException | RuntimeException | StackOverflowError e) {
-        String message = String.valueOf(e.getMessage());
-        out[i] = e.getClass().getName() + ": " + message.split("\n", 2)[0];
+        out[i] = describe(e);
       }
       at += n;
     }
