@@ -41,6 +41,10 @@ class ExecutorError(DaemonError):
     retriable = True
 
 
+class UnknownStreamError(DaemonError):
+    """No CDC stream of that name is configured."""
+
+
 # Longest error text kept for status, logs and health (Java traces are long).
 ERROR_TEXT_CHARS = 600
 

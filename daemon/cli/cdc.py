@@ -129,6 +129,10 @@ def main(
         from daemon.cli import compact
 
         return compact.main(args, cfg, session=session, out=out)
+    if args.cdc_command == "quarantine":
+        from daemon.cli import quarantine
+
+        return quarantine.main(args, cfg, out, session=session)
     if args.cdc_command not in ("show", "rewrite", "files"):
         print(f"eventplane cdc: unknown action {args.cdc_command!r}", file=sys.stderr)
         return 2

@@ -37,8 +37,15 @@ class Unreachable(Exception):
     """No daemon answers on the admin address."""
 
 
-def _call(method: str, url: str, timeout: float = 10.0) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url, method=method, headers={"Accept": "application/json"})
+def _call(
+    method: str, url: str, timeout: float = 10.0, body: dict[str, Any] | None = None
+) -> tuple[int, dict[str, Any]]:
+    headers = {"Accept": "application/json"}
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             return int(resp.status), json.loads(resp.read())

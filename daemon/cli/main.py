@@ -155,6 +155,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(q)
     q.add_argument("stream")
     q = cdc_sub.add_parser(
+        "quarantine",
+        help="list, replay or purge the rows a CDC stream set aside (docs/cdc.md, 'Quarantine')",
+    )
+    q_sub = q.add_subparsers(dest="quarantine_command", required=True, metavar="ACTION")
+    r = q_sub.add_parser("list", help="the rows in the stream's quarantine, with their errors")
+    _add_config(r)
+    r.add_argument("stream")
+    r.add_argument("--json", action="store_true", help="a JSON array of rows")
+    for name, text in (
+        ("replay", "write quarantined rows into the table once the cause is fixed"),
+        ("purge", "remove quarantined rows for good (recorded in quarantine/purged.jsonl)"),
+    ):
+        r = q_sub.add_parser(name, help=text)
+        _add_config(r)
+        r.add_argument("stream")
+        r.add_argument(
+            "--lsn", type=int, action="append", help="only this row (repeatable; default: all)"
+        )
+        r.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+        if name == "purge":
+            r.add_argument("--all", action="store_true", help="every row of the quarantine")
+            r.add_argument("--yes", action="store_true", help="do not ask for a confirmation")
+    q = cdc_sub.add_parser(
         "retention", help="preview (or --apply) removing a CDC stream's expired partitions"
     )
     _add_config(q)

@@ -26,6 +26,9 @@ never delays a health check, and so the two can bind different interfaces.
   daemon's compaction service (``daemon.spark.compact``) through these.
 - ``POST /v1/cdc/{stream}/retention``: one retention run of the stream now
   (``eventplane cdc retention --apply`` while the daemon runs).
+- ``POST /v1/cdc/{stream}/quarantine/{replay|purge}``, JSON body ``{"lsns":
+  [..] | null, "by": "..."}``: ``eventplane cdc quarantine replay|purge``
+  while the daemon runs (docs/cdc.md, "Quarantine").
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import structlog
 from aiohttp import web
 
 from daemon.config import Config
+from daemon.errors import DaemonError, UnknownStreamError
 from daemon.plane.stages import PAUSE_TEXT_CHARS, StagesNotRunningError, UnknownStageError
 from daemon.service.metrics import Metrics
 
@@ -56,6 +60,8 @@ TICK_S = 0.25
 STALL_S = 2.0
 # A pause request's JSON body (a reason and an author) is small.
 MAX_PAUSE_BODY_BYTES = 16 * 1024
+# A quarantine replay/purge body lists LSNs: ~2 MiB holds 100k of them.
+MAX_QUARANTINE_BODY_BYTES = 2 * 1024 * 1024
 
 
 class StageControl(Protocol):
@@ -94,6 +100,7 @@ class AdminServer:
         clock: Callable[[], float] | None = None,
         compaction: Any = None,
         retention: Callable[[str], Awaitable[dict[str, Any]]] | None = None,
+        quarantine: Callable[..., Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self._listen = cfg.admin.listen
         self._stages = stages
@@ -104,6 +111,7 @@ class AdminServer:
         self._clock = clock
         self._compaction = compaction  # daemon.spark.compact.CompactionService
         self._retention = retention  # SparkExecutor.run_retention
+        self._quarantine = quarantine  # SparkExecutor.quarantine_action
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -121,6 +129,9 @@ class AdminServer:
         app.router.add_post("/v1/cdc/{stream}/compact", self._post_compact)
         app.router.add_get("/v1/cdc/{stream}/compaction", self._get_compaction)
         app.router.add_post("/v1/cdc/{stream}/retention", self._post_retention)
+        app.router.add_post(
+            "/v1/cdc/{stream}/quarantine/{action:replay|purge}", self._post_quarantine
+        )
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=30.0)
         await runner.setup()
         self._runner = runner
@@ -325,6 +336,32 @@ class AdminServer:
             return _json(404, {"error": "no_retention", "message": str(exc)})
         status = 500 if result.get("error") else 200
         return _json(status, {"stream": stream, **result})
+
+    async def _post_quarantine(self, request: web.Request) -> web.StreamResponse:
+        """Replay or purge a stream's quarantined rows (``eventplane cdc quarantine``)."""
+        stream, action = request.match_info["stream"], request.match_info["action"]
+        if self._quarantine is None:
+            return _json(503, {"error": "not_running", "message": "this daemon runs no CDC"})
+        if request.content_length and request.content_length > MAX_QUARANTINE_BODY_BYTES:
+            return _json(413, {"error": "too_large", "message": "list at most ~100k LSNs"})
+        try:
+            body = msgspec.json.decode(await request.read() or b"{}")
+            lsns = body.get("lsns")
+            by = body.get("by")
+            if lsns is not None:
+                lsns = {int(x) for x in lsns}
+            if by is not None and not isinstance(by, str):
+                raise TypeError("by: expected a string")
+        except (msgspec.DecodeError, ValueError, TypeError, AttributeError) as exc:
+            msg = f'expected {{"lsns": [integers] | null, "by": "who"}}: {exc}'
+            return _json(400, {"error": "bad_request", "message": msg})
+        try:
+            result = await self._quarantine(stream, action, lsns, by)
+        except UnknownStreamError as exc:
+            return _json(404, {"error": "no_stream", "message": str(exc)})
+        except DaemonError as exc:  # Spark not ready: retry
+            return _json(503, {"error": "refused", "message": str(exc)})
+        return _json(200, result)
 
     async def _get_compaction(self, request: web.Request) -> web.StreamResponse:
         svc, stream, missing = self._compaction_for(request)

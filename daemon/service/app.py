@@ -204,6 +204,7 @@ class Daemon:
             stages=StagePauses(self.plane, lambda: self.triggers),
             compaction=getattr(self.executor, "compaction", None),
             retention=getattr(self.executor, "run_retention", None),
+            quarantine=getattr(self.executor, "quarantine_action", None),
         )
         await self.admin.start()
         self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"

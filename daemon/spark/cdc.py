@@ -92,10 +92,11 @@ import structlog
 from daemon import snapshot
 from daemon.config import CdcStream
 from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
-from daemon.plane.batch import MicroBatch
+from daemon.plane.batch import MicroBatch, Slice
 from daemon.spark import quarantine
 from daemon.spark.durable import atomic_write_json, fsync_dir, fsync_file
 from wal import lockfile
+from wal.record import Record
 
 log = structlog.get_logger("eventplane.cdc")
 
@@ -245,7 +246,15 @@ COMPACT_CRASH_POINTS = (
     "cdc.compact.after_ledger",  # recorded; old folder, intent not removed
     "cdc.compact.mid_clean",  # old folder removed, intent not yet
 )
-CRASH_POINTS = COMMIT_CRASH_POINTS + RETENTION_CRASH_POINTS + COMPACT_CRASH_POINTS
+# A replay of quarantined rows (CdcSink.replay_quarantine): rolled back before
+# its intent, forward after it.
+REPLAY_CRASH_POINTS = (
+    "cdc.replay_after_intent",  # rows staged and listed, nothing published
+    "cdc.replay_after_publish",  # rows visible, still in the quarantine file
+)
+CRASH_POINTS = (
+    COMMIT_CRASH_POINTS + RETENTION_CRASH_POINTS + COMPACT_CRASH_POINTS + REPLAY_CRASH_POINTS
+)
 _crash_hits: dict[str, int] = {}
 _crash_lock = threading.Lock()
 
@@ -542,6 +551,7 @@ class CdcSink:
             self._complete_pending(report)
             pending = {bid for bid, _ in self._intents()}
             quarantine.recover(self.meta, self.ledger.last_batch_id, pending)
+            self._complete_replays()
             self.quarantined = quarantine.count(self.meta)
             self._remove_staging(report)
             from daemon.spark import compact
@@ -939,12 +949,16 @@ class CdcSink:
             },
         )
 
-    def _publish(self, batch_id: int, files: list[tuple[str, str]]) -> None:
+    def _publish(
+        self, batch_id: int, files: list[tuple[str, str]], staging: Path | None = None
+    ) -> None:
         with self.commit_lock:  # a compaction swaps partition folders under it
-            self._publish_files(batch_id, files)
+            self._publish_files(batch_id, files, staging)
 
-    def _publish_files(self, batch_id: int, files: list[tuple[str, str]]) -> None:
-        staging = self._staging_dir(batch_id)
+    def _publish_files(
+        self, batch_id: int, files: list[tuple[str, str]], staging: Path | None = None
+    ) -> None:
+        staging = staging or self._staging_dir(batch_id)
         touched: set[Path] = set()
         for i, (rel, final_rel) in enumerate(files):
             src, dst = staging / rel, self.path / final_rel
@@ -1051,6 +1065,106 @@ class CdcSink:
             shutil.rmtree(self._staging_dir(batch_id), ignore_errors=True)
         except OSError as exc:  # committed already; the next open removes leftovers
             log.warning("cdc_clean_failed", stream=self.name, batch_id=batch_id, error=str(exc))
+
+    # -- quarantine ----------------------------------------------------------
+
+    def replay_quarantine(
+        self,
+        spark: Any,
+        frame_of: Callable[[MicroBatch], Any],
+        lsns: set[int] | None = None,
+    ) -> dict[str, Any]:
+        """Write quarantined rows (all, or those of ``lsns``) into the table,
+        exactly once; the rows the writer still refuses stay. Per batch file
+        of the quarantine:
+
+        1. Check each row's payloads with the writer's parse (``JsonCheck``).
+        2. Stage the rows that pass with a Spark job (``frame_of`` makes their
+           DataFrame) under ``staging/r<batch>/``.
+        3. Intent ``quarantine/r<batch>.json``: its rows and files. From here
+           the replay rolls forward (recovery: :meth:`_complete_replays`).
+        4. Publish the files (named for the batch that set the rows aside).
+        5. Take the rows out of the quarantine, then remove intent and staging.
+
+        Runs where the stream's batches run (never beside a commit).
+        """
+        held = [r for r in quarantine.load(self.meta) if lsns is None or r.lsn in lsns]
+        written: list[int] = []
+        refused: list[dict[str, Any]] = []
+        by_batch: dict[int, list[quarantine.QuarantinedRow]] = {}
+        for row in held:
+            by_batch.setdefault(row.batch_id, []).append(row)
+        for bid, rows in sorted(by_batch.items()):
+            # Step 1. The writer's verdict on each row now.
+            errors = writer_errors(spark, rows)
+            ok = [r for r, e in zip(rows, errors, strict=True) if e is None]
+            refused += [{"lsn": r.lsn, "error": e} for r, e in zip(rows, errors, strict=True) if e]
+            if not ok:
+                continue
+            # Step 2. Stage.
+            staging = self.meta / "staging" / f"r{bid:012d}"
+            slices: dict[int, list[Record]] = {}
+            for r in ok:
+                slices.setdefault(r.core, []).append(r.record())
+            batch = MicroBatch(
+                bid,
+                {
+                    c: Slice(c, recs[0].lsn, recs[-1].lsn, recs)
+                    for c, recs in sorted(slices.items())
+                },
+            )
+            try:
+                self._write_staged(self._select(frame_of(batch)), staging)
+                files = self._staged_files(staging, bid)
+                for rel, _ in files:
+                    fsync_file(staging / rel)
+                # Step 3. Intent.
+                atomic_write_json(
+                    quarantine.replay_file(self.meta, bid),
+                    {"stream": self.name, "lsns": [r.lsn for r in ok], "files": files},
+                )
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            crash_point("cdc.replay_after_intent")
+            # Steps 4-5.
+            self._finish_replay(bid, [r.lsn for r in ok], files)
+            written += [r.lsn for r in ok]
+        self.quarantined = quarantine.count(self.meta)
+        if written:
+            log.info("cdc_quarantine_replayed", stream=self.name, rows=len(written))
+        return {
+            "stream": self.name,
+            "replayed": len(written),
+            "lsns": written,
+            "still_refused": refused,
+            "quarantined": self.quarantined,
+        }
+
+    def _finish_replay(self, bid: int, lsns: list[int], files: list[tuple[str, str]]) -> None:
+        staging = self.meta / "staging" / f"r{bid:012d}"
+        # Step 4. Publish.
+        self._publish(bid, files, staging)
+        crash_point("cdc.replay_after_publish")
+        # Step 5. Out of the quarantine; the intent and staging go last.
+        quarantine.drop(self.meta, lsns)
+        quarantine.replay_file(self.meta, bid).unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def _complete_replays(self) -> None:
+        """Recovery: replays whose intent is durable roll forward."""
+        for bid, path in quarantine.replay_intents(self.meta):
+            raw = json.loads(path.read_bytes())
+            files = [(str(a), str(b)) for a, b in raw["files"]]
+            self._finish_replay(bid, [int(x) for x in raw["lsns"]], files)
+
+    def purge_quarantine(self, lsns: set[int] | None, by: str | None = None) -> int:
+        """Remove quarantined rows for good (logged with who and when: quarantine.purge)."""
+        n = quarantine.purge(self.meta, self.name, lsns, by)
+        self.quarantined = quarantine.count(self.meta)
+        if n:
+            log.warning("cdc_quarantine_purged", stream=self.name, rows=n, by=by)
+        return n
 
     # -- checks ------------------------------------------------------------
 
@@ -1269,6 +1383,29 @@ class RawInbox:
     direct: bool = True
     reread: Callable[[tuple[str, ...], tuple[int, ...]], Any] | None = None
     skip: tuple[int, ...] = ()
+
+
+def writer_errors(spark: Any, rows: list[quarantine.QuarantinedRow]) -> list[str | None]:
+    """For each row, None when the writer parses its payloads now, else why
+    not (``JsonCheck.checkMany``, with the session's parse_json settings)."""
+    from daemon.events import decode as decode_stored
+
+    docs: list[bytes] = []
+    for r in rows:
+        event = decode_stored(r.payload)
+        docs += [event.new or b"null", event.old or b"null"]
+    conf = spark.conf
+    verdicts = _py4j_jvm(spark).eventplane.inbox.JsonCheck.checkMany(
+        bytearray(b"".join(docs)),
+        ",".join(str(len(d)) for d in docs),
+        conf.get("spark.sql.variant.allowDuplicateKeys") == "true",
+        conf.get("spark.sql.variant.validateUnicodeInJsonParsing") == "true",
+    )
+    out: list[str | None] = []
+    for i in range(len(rows)):
+        new, old = verdicts[2 * i], verdicts[2 * i + 1]
+        out.append(f"new: {new}" if new else f"old: {old}" if old else None)
+    return out
 
 
 def _java_strings(spark: Any, values: tuple[str, ...]) -> Any:

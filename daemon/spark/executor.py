@@ -78,7 +78,13 @@ from typing import Any
 import structlog
 
 from daemon.config import Config
-from daemon.errors import ConfigError, DaemonError, ExecutorError, error_text
+from daemon.errors import (
+    ConfigError,
+    DaemonError,
+    ExecutorError,
+    UnknownStreamError,
+    error_text,
+)
 from daemon.plane.batch import BatchStage, MicroBatch, SessionAware
 from daemon.service.metrics import Metrics
 from daemon.spark import cdc, frame, rawinbox
@@ -512,6 +518,36 @@ class SparkExecutor:
             oldest_kept=result.oldest_kept,
         )
         return result.to_json()
+
+    # -- quarantine ----------------------------------------------------------
+
+    async def quarantine_action(
+        self, stream: str, action: str, lsns: set[int] | None, by: str | None = None
+    ) -> dict[str, Any]:
+        """``replay`` or ``purge`` the quarantined rows of ``stream`` (all, or
+        ``lsns``) in the batch thread, so never beside one of its commits."""
+        sink = next((s for s in self._sinks if s.name == stream), None)
+        if sink is None:
+            raise UnknownStreamError(f"no CDC stream {stream!r}")
+        loop = asyncio.get_running_loop()
+        if action == "purge":
+            n = await loop.run_in_executor(self._pool, sink.purge_quarantine, lsns, by)
+            result: dict[str, Any] = {"stream": stream, "purged": n}
+        elif action == "replay":
+            spark = self._session
+            if spark is None or not self.ready():
+                raise ExecutorError("Spark is not ready: try the replay again shortly")
+
+            def frame_of(batch: MicroBatch) -> Any:
+                return frame.batch_frame(spark, batch, None, 1)[0]
+
+            result = await loop.run_in_executor(
+                self._pool, sink.replay_quarantine, spark, frame_of, lsns
+            )
+        else:
+            raise ExecutorError(f"unknown quarantine action {action!r}")
+        self.metrics.cdc_quarantined_rows.labels(stream).set(sink.quarantined)
+        return {**result, "quarantined": sink.quarantined}
 
     # -- start-up ----------------------------------------------------------
 

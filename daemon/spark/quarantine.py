@@ -239,17 +239,25 @@ def recover(meta: Path, last_batch_id: int, intents: set[int]) -> list[int]:
     return removed
 
 
-def replays(meta: Path) -> list[tuple[int, list[int]]]:
-    """Pending replay intents: ``(replay id, LSNs)``."""
+def replay_intents(meta: Path) -> list[tuple[int, Path]]:
+    """Pending replay intents: ``(batch, path)``, by batch."""
     d = directory(meta)
     if not d.is_dir():
         return []
-    out = []
-    for p in sorted(d.iterdir()):
+    found = []
+    for p in d.iterdir():
         m = _REPLAY_FILE.match(p.name)
         if m:
-            raw = json.loads(p.read_bytes())
-            out.append((int(m.group(1)), [int(x) for x in raw["lsns"]]))
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def replays(meta: Path) -> list[tuple[int, list[int]]]:
+    """Pending replay intents: ``(batch, LSNs being written back)``."""
+    out = []
+    for bid, p in replay_intents(meta):
+        raw = json.loads(p.read_bytes())
+        out.append((bid, [int(x) for x in raw["lsns"]]))
     return out
 
 

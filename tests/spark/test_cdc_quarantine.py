@@ -8,8 +8,9 @@ number of 1,001 digits."""
 
 from __future__ import annotations
 
+import io
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from unittest import mock
 
 import pytest
 
+from daemon.cli import cdc as cdccmd
+from daemon.cli.main import build_parser
 from daemon.errors import ExecutorError
 from daemon.events import StoredEvent, encode
 from daemon.plane.batch import MicroBatch, Slice
@@ -196,3 +199,115 @@ def test_a_quarantine_file_of_a_batch_that_never_committed_is_removed_at_open(
     assert removed == [3]
     assert json.loads(quarantine.batch_file(meta, 2).read_text())["batch_id"] == 2
     assert not quarantine.batch_file(meta, 3).exists()
+
+
+@pytest.fixture
+def strict_duplicate_keys(spark: Any) -> Iterator[Callable[[bool], None]]:
+    """``strict(True)`` makes the writer refuse duplicate keys (a writer limit
+    ingest does not know), ``strict(False)`` fixes that cause again."""
+    key = "spark.sql.variant.allowDuplicateKeys"
+    before = spark.conf.get(key)
+
+    def strict(on: bool) -> None:
+        spark.conf.set(key, "false" if on else "true")
+
+    yield strict
+    spark.conf.set(key, before)
+
+
+DUPLICATE = b'{"a":1,"a":2}'
+
+
+async def test_replay_writes_quarantined_rows_into_the_table_exactly_once_after_the_fix(
+    spark: Any, make: Any, tmp_path: Path, strict_duplicate_keys: Callable[[bool], None]
+) -> None:
+    """1. The writer refuses duplicate keys: three rows are set aside, one of
+       them (LSN 9) with invalid UTF-8.
+    2. Replay while the cause is not fixed: nothing moves.
+    3. The cause fixed, replay: the two duplicate-key rows are in the table,
+       once; LSN 9 stays, with the writer's reason.
+    4. Replay again: nothing more is written."""
+    ex = await make()
+    table = tmp_path / "cdc" / "all"
+    bad = {3: DUPLICATE, 6: DUPLICATE, 9: BAD_PAYLOADS["invalid UTF-8 in a value"]}
+    records = events(["a", "b"] * 6, bad)
+    strict_duplicate_keys(True)
+    assert not await ex.execute(batch_of(records))
+    assert [r.lsn for r in quarantine.load(table / META_DIR)] == [3, 6, 9]
+
+    unchanged = await ex.quarantine_action("all", "replay", None)
+    assert unchanged["replayed"] == 0 and unchanged["quarantined"] == 3
+
+    strict_duplicate_keys(False)
+    done = await ex.quarantine_action("all", "replay", None)
+
+    assert done["lsns"] == [3, 6] and done["quarantined"] == 1
+    assert [r["lsn"] for r in done["still_refused"]] == [9]
+    lsns = sorted(r.lsn for r in read_table(spark, table))
+    assert lsns == [lsn for lsn in range(1, 13) if lsn != 9]
+    row = spark.read.parquet(str(table)).where("lsn = 3").select("new_json", "batch_id").first()
+    assert row.new_json == DUPLICATE.decode() and row.batch_id == 1
+    assert [r.lsn for r in quarantine.load(table / META_DIR)] == [9]
+    assert ex.status()["streams"]["all"]["quarantined"] == 1
+
+    again = await ex.quarantine_action("all", "replay", None)
+    assert again["replayed"] == 0
+    assert len(read_table(spark, table)) == 11
+
+
+async def test_purge_removes_rows_for_good_and_records_who_when_and_what(
+    make: Any, tmp_path: Path
+) -> None:
+    ex = await make()
+    table = tmp_path / "cdc" / "all"
+    bad = {2: BAD_PAYLOADS["an encoded surrogate"], 4: BAD_PAYLOADS["an encoded surrogate"]}
+    assert not await ex.execute(batch_of(events(["a"] * 5, bad)))
+
+    result = await ex.quarantine_action("all", "purge", {2}, "ops@example (ticket 7)")
+
+    assert result == {"stream": "all", "purged": 1, "quarantined": 1}
+    assert [r.lsn for r in quarantine.load(table / META_DIR)] == [4]
+    log = (table / META_DIR / "quarantine" / quarantine.PURGE_LOG).read_text().splitlines()
+    entry = json.loads(log[-1])
+    assert entry["by"] == "ops@example (ticket 7)" and entry["lsns"] == [2]
+    assert entry["rows"][0]["error"].startswith("new: JsonParseException")
+    assert entry["at"] > 0
+
+
+async def test_the_cli_lists_replays_and_purges_while_no_daemon_holds_the_stream(
+    spark: Any, make: Any, tmp_path: Path, strict_duplicate_keys: Callable[[bool], None]
+) -> None:
+    """``eventplane cdc quarantine``: ``list --json`` gives lsn, collection,
+    key and error per row; with the daemon stopped, ``replay`` and ``purge
+    --yes`` take the stream's lock and work here."""
+    ex = await make()
+    bad = {1: DUPLICATE, 2: BAD_PAYLOADS["invalid UTF-8 in a key"]}
+    strict_duplicate_keys(True)
+    assert not await ex.execute(batch_of(events(["a", "b", "a"], bad)))
+    await ex.stop()
+    cfg = make_config(tmp_path)
+
+    def cli(*argv: str) -> tuple[int, str]:
+        out = io.StringIO()
+        args = build_parser().parse_args(["cdc", "quarantine", *argv])
+        return cdccmd.main(args, cfg, session=spark, out=out), out.getvalue()
+
+    code, text = cli("list", "all", "--json")
+    rows = json.loads(text)
+    assert code == 0 and [(r["lsn"], r["collection"], r["key"]) for r in rows] == [
+        (1, "a", "k1"),
+        (2, "b", "k2"),
+    ]
+    assert "VARIANT_DUPLICATE_KEY" in rows[0]["error"] and rows[1]["new"] == '{"\\xff":1}'
+
+    strict_duplicate_keys(False)
+    code, text = cli("replay", "all")
+    assert code == 0 and "replayed 1 row(s)" in text and "still refused: LSN 2" in text
+
+    code, text = cli("purge", "all")
+    assert code == 2  # neither --lsn nor --all
+    code, text = cli("purge", "all", "--all", "--yes")
+    assert code == 0 and "purged 1 row(s)" in text
+    code, text = cli("list", "all")
+    assert "the quarantine is empty" in text
+    assert sorted(r.lsn for r in read_table(spark, tmp_path / "cdc" / "all")) == [1, 3]

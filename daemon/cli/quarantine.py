@@ -1,0 +1,168 @@
+"""``eventplane cdc quarantine list|replay|purge STREAM``: the rows a CDC stream
+set aside because it could not write them (docs/cdc.md, "Quarantine").
+
+``list`` reads the quarantine's files (it works while the daemon runs).
+``replay`` writes rows back into the table once the cause is fixed, exactly
+once; rows the writer still refuses stay. ``purge`` removes rows for good,
+after recording them (who, when, the rows) in ``quarantine/purged.jsonl``.
+Both go through the daemon's admin API while it holds the stream, and
+otherwise take the stream's lock and do it here (``replay`` with an embedded
+``local[1]`` Spark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from daemon.config import CdcStream, Config
+from daemon.spark import quarantine
+from daemon.spark.cdc import META_DIR, CdcSink, CdcStreamLockedError, read_ledger
+
+MAX_ERROR_CHARS = 100  # per row in the table view; --json has it whole
+
+
+def main(args: argparse.Namespace, cfg: Config, out: TextIO, *, session: Any = None) -> int:
+    stream = next((s for s in cfg.cdc.streams if s.name == args.stream), None)
+    if stream is None:
+        known = ", ".join(s.name for s in cfg.cdc.streams) or "none configured"
+        _err(f"no stream named {args.stream!r} (streams: {known})")
+        return 1
+    if args.quarantine_command == "list":
+        return list_rows(stream, as_json=args.json, out=out)
+    lsns = set(args.lsn) if args.lsn else None
+    if args.quarantine_command == "purge":
+        if lsns is None and not args.all:
+            _err("purge needs --lsn N (repeatable) or --all")
+            return 2
+        if not args.yes and not _confirm(stream, lsns):
+            _err("purge not confirmed: nothing was removed (pass --yes to skip the question)")
+            return 1
+    return _act(args, cfg, stream, lsns, out, session)
+
+
+def list_rows(stream: CdcStream, *, as_json: bool, out: TextIO) -> int:
+    rows = [r.shown() for r in quarantine.load(Path(stream.path) / META_DIR)]
+    if as_json:
+        print(json.dumps(rows), file=out)
+        return 0
+    if not rows:
+        print(f"stream {stream.name!r}: the quarantine is empty", file=out)
+        return 0
+    print(f"stream {stream.name!r}: {len(rows)} row(s) in the quarantine", file=out)
+    print("lsn\tbatch\tcollection\tkey\terror", file=out)
+    for r in rows:
+        error = r["error"]
+        if len(error) > MAX_ERROR_CHARS:
+            error = error[: MAX_ERROR_CHARS - 3] + "..."
+        print(f"{r['lsn']}\t{r['batch_id']}\t{r['collection']}\t{r['key']}\t{error}", file=out)
+    return 0
+
+
+def _act(
+    args: argparse.Namespace,
+    cfg: Config,
+    stream: CdcStream,
+    lsns: set[int] | None,
+    out: TextIO,
+    session: Any,
+) -> int:
+    action = args.quarantine_command
+    ledger = read_ledger(stream.path)
+    if ledger is None:
+        _err(f"stream {stream.name!r}: {stream.path} holds no table yet")
+        return 1
+    sink = CdcSink(stream, wal_id=ledger.wal_id, cores=ledger.cores, data_dir=cfg.data_dir)
+    try:
+        sink.open()
+    except CdcStreamLockedError:
+        return _through_daemon(args, cfg, stream, lsns, out)
+    try:
+        if action == "purge":
+            result: dict[str, Any] = {
+                "stream": stream.name,
+                "purged": sink.purge_quarantine(lsns, quarantine.who()),
+            }
+        else:
+            result = _replay_here(sink, lsns, session)
+        result["quarantined"] = sink.quarantined
+    finally:
+        sink.close()
+    _report(action, result, out)
+    return 0
+
+
+def _replay_here(sink: CdcSink, lsns: set[int] | None, session: Any) -> dict[str, Any]:
+    from daemon.spark import frame
+
+    owned = session is None
+    if owned:
+        from daemon.spark.session import build_session
+
+        session = build_session("local[1]", "eventplane-cdc-quarantine", False, "ERROR", {})
+    try:
+        return sink.replay_quarantine(
+            session, lambda batch: frame.batch_frame(session, batch, None, 1)[0], lsns
+        )
+    finally:
+        if owned:
+            session.stop()
+
+
+def _through_daemon(
+    args: argparse.Namespace,
+    cfg: Config,
+    stream: CdcStream,
+    lsns: set[int] | None,
+    out: TextIO,
+) -> int:
+    """The daemon holds the stream: it replays or purges (admin API)."""
+    from daemon.cli.compact import Unreachable, _call
+    from daemon.cli.status import STATUS_PATH, admin_url
+
+    action = args.quarantine_command
+    base = admin_url(cfg, getattr(args, "url", None)).removesuffix(STATUS_PATH)
+    url = f"{base}/v1/cdc/{stream.name}/quarantine/{action}"
+    body = {"lsns": sorted(lsns) if lsns is not None else None, "by": quarantine.who()}
+    try:
+        status, doc = _call("POST", url, timeout=600.0, body=body)
+    except Unreachable as exc:
+        _err(f"stream {stream.name!r} is locked and no daemon answers at {url} ({exc})")
+        return 1
+    if status != 200:
+        _err(f"the daemon answered {status}: {doc.get('message', doc)}")
+        return 1
+    _report(action, doc, out)
+    return 0
+
+
+def _report(action: str, result: dict[str, Any], out: TextIO) -> None:
+    if action == "purge":
+        print(
+            f"purged {result['purged']} row(s) of stream {result['stream']!r} (recorded in "
+            f"{META_DIR}/quarantine/{quarantine.PURGE_LOG}); {result['quarantined']} left",
+            file=out,
+        )
+        return
+    print(
+        f"replayed {result['replayed']} row(s) of stream {result['stream']!r} into the table; "
+        f"{result['quarantined']} left in the quarantine",
+        file=out,
+    )
+    for r in result.get("still_refused", []):
+        print(f"  still refused: LSN {r['lsn']}: {r['error']}", file=out)
+
+
+def _confirm(stream: CdcStream, lsns: set[int] | None) -> bool:
+    if not sys.stdin.isatty():
+        return False
+    what = "every row" if lsns is None else f"{len(lsns)} row(s)"
+    answer = input(f"remove {what} of stream {stream.name!r}'s quarantine for good? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _err(message: str) -> None:
+    print(f"eventplane cdc quarantine: {message}", file=sys.stderr)
