@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 
 from daemon.spark import quarantine
-from daemon.spark.cdc import COMMIT_CRASH_POINTS, ENV_CRASH_AT, META_DIR, read_ledger
+from daemon.spark.cdc import (
+    COMMIT_CRASH_POINTS,
+    ENV_CRASH_AT,
+    META_DIR,
+    REPLAY_CRASH_POINTS,
+    read_ledger,
+)
 from tests.spark.support import batch_lsns, make_batches
 
 pytestmark = [pytest.mark.spark, pytest.mark.crash]
@@ -68,6 +74,20 @@ def run_worker(
         cmd += ["--bad-every", str(bad_every)]
     return subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def run_quarantine_worker(root: Path, crash_at: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_PYTHON": sys.executable}
+    env[ENV_CRASH_AT] = crash_at
+    return subprocess.run(
+        [sys.executable, "-m", "tests.spark.quarantine_worker", str(root)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 
@@ -161,3 +181,35 @@ def test_crash_point_fires_at_the_nth_arrival_only(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGKILL
     assert proc.stdout.split("\n")[:-1] == ["passed 1"]
     assert "crash point cdc.after_ledger reached (hit 2)" in proc.stderr
+
+
+@pytest.mark.parametrize("point", REPLAY_CRASH_POINTS)
+async def test_sigkill_during_a_quarantine_replay_leaves_each_row_in_one_place(
+    spark: Any, executor_factory: Any, tmp_path: Path, point: str
+) -> None:
+    """1. A real executor process sets rows 3, 6 and 9 aside, then SIGKILLs
+    itself at ``point`` while replaying them.  2. Before any recovery the
+    quarantine no longer lists rows its pending replay writes back, and a
+    reader sees each row at most once.  3. A new executor opens the stream:
+    the replay rolls forward.  4. Rows 1-12 are in the table once, the
+    quarantine is empty, and no intent or staging is left."""
+    from tests.spark import quarantine_worker
+
+    proc = run_quarantine_worker(tmp_path, point)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert "committed 1" in proc.stdout and "replayed" not in proc.stdout
+    table = tmp_path / "cdc" / "all"
+    meta = table / META_DIR
+    seen = visible(spark, table)
+    assert len(seen) == len(set(seen))
+    published = point == "cdc.replay_after_publish"
+    rest = [n for n in range(1, quarantine_worker.ROWS + 1) if n not in (3, 6, 9)]
+    assert seen == (list(range(1, 13)) if published else rest)
+    assert quarantine.load(meta) == []  # a pending replay's rows are the table's
+
+    await executor_factory()  # restart: recovery runs in start()
+
+    assert visible(spark, table) == list(range(1, 13))
+    assert quarantine.load(meta) == []
+    assert not list((meta / "quarantine").glob("r*.json"))
+    assert not list((meta / "staging").iterdir())
