@@ -163,6 +163,12 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
         compaction = _obj(_obj(stream).get("compaction"))
         if compaction:
             lines.append(f"cdc {name:<7} {_compaction(compaction, now)}")
+        held = _obj(stream).get("quarantined")
+        if isinstance(held, int) and held:
+            lines.append(
+                f"cdc {name:<7} {_count(held)} rows in quarantine "
+                f"(eventplane cdc quarantine list {name})"
+            )
 
     stages = doc.get("stages")
     if isinstance(stages, list) and stages:

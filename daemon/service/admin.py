@@ -96,6 +96,7 @@ class AdminServer:
         ready: Callable[[], bool],
         *,
         problems: Callable[[], list[dict[str, Any]]] | None = None,
+        notices: Callable[[], list[dict[str, Any]]] | None = None,
         stages: StageControl | None = None,
         clock: Callable[[], float] | None = None,
         compaction: Any = None,
@@ -108,6 +109,7 @@ class AdminServer:
         self._status = status
         self._ready = ready
         self._problems = problems
+        self._notices = notices  # what health names without failing (a quarantine)
         self._clock = clock
         self._compaction = compaction  # daemon.spark.compact.CompactionService
         self._retention = retention  # SparkExecutor.run_retention
@@ -227,7 +229,15 @@ class AdminServer:
                     "loop_stall_s": round(stall, 3),
                 },
             )
-        return _json(200, {"status": "ok", "loop_stall_s": round(stall, 3)})
+        body: dict[str, Any] = {"status": "ok", "loop_stall_s": round(stall, 3)}
+        try:
+            notices = self._notices() if self._notices is not None else []
+        except Exception:
+            log.exception("admin.notices_failed")
+            notices = []
+        if notices:
+            body["notices"] = notices
+        return _json(200, body)
 
     async def _get_readyz(self, request: web.Request) -> web.StreamResponse:
         try:

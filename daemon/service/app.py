@@ -201,6 +201,7 @@ class Daemon:
             status=self.status,
             ready=self.ready,
             problems=self.problems,
+            notices=self.notices,
             stages=StagePauses(self.plane, lambda: self.triggers),
             compaction=getattr(self.executor, "compaction", None),
             retention=getattr(self.executor, "run_retention", None),
@@ -460,6 +461,26 @@ class Daemon:
             return True
         check = getattr(self.executor, "needs_restart", None)
         return bool(check()) if callable(check) else False
+
+    def notices(self) -> list[dict[str, Any]]:
+        """What health names while the daemon stays healthy: CDC streams that
+        hold rows in their quarantine (docs/cdc.md, "Quarantine")."""
+        status = getattr(self.executor, "status", None)
+        if not callable(status):
+            return []
+        out = []
+        for name, stream in (status().get("streams") or {}).items():
+            held = stream.get("quarantined") or 0
+            if held:
+                out.append(
+                    {
+                        "part": f"stream {name}",
+                        "quarantined": held,
+                        "message": f"stream {name} holds {held} row(s) it could not write in "
+                        f"its quarantine: eventplane cdc quarantine list {name}",
+                    }
+                )
+        return out
 
     def problems(self) -> list[dict[str, Any]]:
         """What makes the daemon unhealthy, one entry per stalled part (empty: healthy).

@@ -110,3 +110,46 @@ async def test_a_retention_run_is_asked_of_the_daemon_over_the_admin_api(
         assert resp.status == 404
         assert "no CDC stream 'nope'" in (await resp.json())["message"]
     assert asked == ["all", "nope"]
+
+
+async def test_healthz_names_a_quarantine_but_stays_200(start_admin: Callable[..., Any]) -> None:
+    notice = {"part": "stream all", "quarantined": 2, "message": "stream all holds 2 row(s)"}
+    admin = await start_admin(notices=lambda: [notice])
+    status, _, doc = await get(admin.url + "/healthz")
+    assert status == 200 and doc["status"] == "ok" and doc["notices"] == [notice]
+
+
+async def test_a_quarantine_replay_or_purge_is_asked_of_the_daemon_with_its_lsns(
+    start_admin: Any, http: aiohttp.ClientSession
+) -> None:
+    """The body's LSNs and ``by`` reach the executor; an unknown stream is a
+    404, a body that is not the expected JSON a 400, Spark not ready a 503."""
+    from daemon.errors import ExecutorError, UnknownStreamError
+
+    asked: list[tuple[str, str, set[int] | None, str | None]] = []
+
+    async def act(
+        stream: str, action: str, lsns: set[int] | None, by: str | None
+    ) -> dict[str, Any]:
+        asked.append((stream, action, lsns, by))
+        if stream == "nope":
+            raise UnknownStreamError(f"no CDC stream {stream!r}")
+        if stream == "cold":
+            raise ExecutorError("Spark is not ready: try the replay again shortly")
+        return {"stream": stream, "purged": len(lsns or ()), "quarantined": 0}
+
+    admin = await start_admin(quarantine=act)
+    url = admin.url + "/v1/cdc/{}/quarantine/{}"
+    async with http.post(url.format("all", "purge"), json={"lsns": [7, 9], "by": "ops"}) as r:
+        assert r.status == 200 and (await r.json())["purged"] == 2
+    async with http.post(url.format("all", "replay")) as r:
+        assert r.status == 200
+    async with http.post(url.format("nope", "replay")) as r:
+        assert r.status == 404
+    async with http.post(url.format("cold", "replay")) as r:
+        assert r.status == 503 and "not ready" in (await r.json())["message"]
+    async with http.post(url.format("all", "purge"), data=b'{"lsns": ["x"]}') as r:
+        assert r.status == 400
+    async with http.post(url.format("all", "drop")) as r:
+        assert r.status in (404, 405)
+    assert asked[:2] == [("all", "purge", {7, 9}, "ops"), ("all", "replay", None, None)]

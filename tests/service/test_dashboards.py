@@ -52,6 +52,8 @@ def exposed_series() -> dict[str, set[str]]:
         m.cdc_compaction_seconds,
         m.cdc_table_files,
         m.cdc_retention_removed,
+        m.cdc_quarantined_rows,
+        m.cdc_quarantined,
     ):
         family.labels(stream="all")
     out: dict[str, set[str]] = {}
