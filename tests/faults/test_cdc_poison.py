@@ -1,0 +1,158 @@
+"""No event stops a table (invariant 17), with a real daemon, real Spark and
+real HTTP.
+
+Events an older daemon acknowledged before ingest checked payloads (invalid
+UTF-8, nesting deeper than the writer takes, a 1,001-digit number) are in the
+WAL when this daemon starts: the streams that take them set them aside, every
+other event reaches every table once, and health names the quarantine while
+it stays 200.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.config import load
+from daemon.events import StoredEvent, encode
+from daemon.shard import core_of
+from tests.faults.support import healthz, metric, spark_config, wait_for
+from tests.integration.harness import ROOT, DaemonProcess, Loader
+from wal.log import Wal
+
+pytestmark = [pytest.mark.spark, pytest.mark.crash]
+
+# What older daemons acknowledged and no CDC writer can parse, by collection.
+OLD_POISON = [
+    ("orders", b'{"note":"\xff\xfe"}'),
+    ("users", b'{"a":' * 1001 + b"1" + b"}" * 1001),
+    ("orders", b'{"total":' + b"9" * 1001 + b"}"),
+]
+
+
+def _lsns(spark: Any, path: Path) -> Counter[int]:
+    if not list(path.glob("collection=*/*.parquet")):
+        return Counter()
+    return Counter(r.lsn for r in spark.read.parquet(str(path)).select("lsn").collect())
+
+
+def _cli(config: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "daemon.cli.main", *argv, "--config", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _append_as_an_older_daemon(config: Path) -> dict[int, str]:
+    """The poison events, appended to the stopped daemon's WAL one request each,
+    between clean ones; returns their LSNs and collections."""
+    cfg = load(config)
+    wal = Wal.open(cfg.wal_dir, segment_bytes=cfg.wal.segment_bytes)
+    poison: dict[int, str] = {}
+    try:
+        for n, (collection, new) in enumerate(OLD_POISON):
+            key = f"old-{n}"
+            clean = StoredEvent(collection, "insert", f"ok-{n}", b'{"ok":1}', None, time.time_ns())
+            bad = StoredEvent(collection, "insert", key, new, None, time.time_ns())
+            wal.append_blocking([(core_of(collection, f"ok-{n}", cfg.daemon.cores), encode(clean))])
+            lsn, _ = wal.append_blocking(
+                [(core_of(collection, key, cfg.daemon.cores), encode(bad))]
+            )
+            poison[lsn] = collection
+    finally:
+        wal.close()
+    return poison
+
+
+@pytest.mark.timeout(600)
+def test_events_no_table_can_hold_go_to_the_quarantine_and_every_other_event_lands_once(
+    tmp_path: Path, spark: Any
+) -> None:
+    """1. A daemon with two streams, ``all`` (every collection) and ``orders``,
+       takes clean events over HTTP and stops.
+    2. Three poison events and three clean ones go into its WAL directly.
+    3. It starts again and takes more clean events under load.
+    4. ``all`` sets the three poison events aside, ``orders`` its two; every
+       other event is in each table once; /healthz is 200 and names both
+       quarantines; the gauge and ``eventplane status`` say so.
+    5. ``eventplane cdc quarantine list all --json`` shows them with the
+       writer's error; a purge through the running daemon empties ``orders``'s
+       quarantine and its notice goes.
+    """
+    streams = {"all": tmp_path / "cdc" / "all", "orders": tmp_path / "cdc" / "orders"}
+    config = spark_config(tmp_path, streams)
+    text = config.read_text().replace(
+        'name = "orders"\ncollections = "*"', 'name = "orders"\ncollections = ["orders"]'
+    )
+    config.write_text(text)
+    daemon = DaemonProcess.production(config).start(timeout_s=120)
+    try:
+        wait_for("spark ready", lambda: daemon.status()["spark"]["ready"], 180, daemon)
+        loader = Loader(daemon.ingest_url, batch=50, producers=1, pause_s=0.05)
+        loader.start()
+        time.sleep(1.0)
+        loader.stop()
+    finally:
+        assert daemon.stop() == 0
+    acked = loader.acked_lsns()
+    assert acked
+
+    poison = _append_as_an_older_daemon(config)  # Step 2
+
+    daemon = DaemonProcess.production(config).start(timeout_s=120)
+    try:
+        wait_for("spark ready", lambda: daemon.status()["spark"]["ready"], 180, daemon)
+        loader = Loader(daemon.ingest_url, batch=50, producers=2, pause_s=0.05)
+        loader.start()
+        time.sleep(2.0)
+        loader.stop()
+        acked |= loader.acked_lsns()
+        wal_clean = {lsn - 1 for lsn in poison}  # the clean event before each poison one
+        everything = acked | wal_clean
+        orders_poison = {lsn for lsn, c in poison.items() if c == "orders"}
+
+        def settled() -> bool:
+            streams_status = daemon.status()["spark"]["streams"]
+            return (
+                streams_status["all"]["quarantined"] == len(poison)
+                and streams_status["orders"]["quarantined"] == len(orders_poison)
+                and set(_lsns(spark, streams["all"])) >= everything
+            )
+
+        wait_for("both streams commit past the poison", settled, 120, daemon)
+        code, body = healthz(daemon)
+        assert code == 200, body
+        parts = sorted(n["part"] for n in body["notices"])
+        assert parts == ["stream all", "stream orders"]
+        assert metric(daemon, 'eventplane_cdc_quarantine_rows{stream="all"}') == len(poison)
+        assert "3 rows in quarantine" in _cli(config, "status").stdout
+
+        listed = json.loads(_cli(config, "cdc", "quarantine", "list", "all", "--json").stdout)
+        assert sorted(r["lsn"] for r in listed) == sorted(poison)
+        errors = {r["lsn"]: r["error"] for r in listed}
+        assert all(e.startswith("new: ") for e in errors.values()), errors
+
+        purge = _cli(config, "cdc", "quarantine", "purge", "orders", "--all", "--yes")
+        assert purge.returncode == 0 and "purged 2 row(s)" in purge.stdout, purge.stderr
+        code, body = healthz(daemon)
+        assert code == 200 and [n["part"] for n in body["notices"]] == ["stream all"]
+    finally:
+        assert daemon.stop() == 0
+
+    # Step 4, after a clean stop: each table holds each clean event once.
+    table_all = _lsns(spark, streams["all"])
+    assert set(table_all) == everything and max(table_all.values()) == 1
+    assert not set(table_all) & set(poison)
+    table_orders = _lsns(spark, streams["orders"])
+    assert max(table_orders.values()) == 1 and not set(table_orders) & set(poison)
