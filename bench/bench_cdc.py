@@ -388,7 +388,7 @@ def stop_daemon(d: Daemon) -> None:
 
 
 def _ledger_state(table: Path) -> tuple[int, dict[int, int]]:
-    from daemon.spark.cdc import read_ledger
+    from daemon.table.ledger import read_ledger
 
     try:
         ledger = read_ledger(table)

@@ -52,10 +52,10 @@ from bench.common import process_tree, total_cpu_seconds
 from daemon.config import CdcConfig, CdcStream, Config, DaemonConfig, SparkConfig
 from daemon.plane.batch import MicroBatch
 from daemon.service.metrics import Metrics
-from daemon.spark import compact
-from daemon.spark.cdc import CdcSink
 from daemon.spark.executor import SparkExecutor
 from daemon.spark.session import build_session
+from daemon.table import compact
+from daemon.table.parquet import CdcSink
 
 
 def _config(root: Path, table: Path, **stream: Any) -> Config:

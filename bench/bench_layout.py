@@ -16,7 +16,7 @@ switched per layout:
   columns (every reader opens it, only Spark and DuckDB can decode ``new``);
 - **+ JSON text, dictionary**: the same plus ``new_json``/``old_json``;
 - **current layout**: the same with no Parquet dictionary for the JSON columns
-  (``daemon.spark.cdc.PARQUET_OPTIONS``): what the daemon writes now;
+  (``daemon.table.layout.PARQUET_OPTIONS``): what the daemon writes now;
 - **current layout, zstd**: with ``spark.sql.parquet.compression.codec=zstd``
   (a ``[spark.conf]`` choice; the others use Spark's default, snappy).
 
@@ -151,7 +151,7 @@ def make_batches(events: int, batch_rows: int, payload: str) -> tuple[list[Micro
 def write(spark: Any, layout: Layout, inputs: list[Path], out: Path) -> None:
     """The CDC sink's staged write of every batch, in ``layout``."""
     from daemon.spark import frame
-    from daemon.spark.cdc import CDC_COLUMNS, JSON_COLUMNS, PARQUET_OPTIONS, TABLE_COLUMNS
+    from daemon.table.layout import CDC_COLUMNS, JSON_COLUMNS, PARQUET_OPTIONS, TABLE_COLUMNS
 
     for k, v in layout.confs.items():
         spark.conf.set(k, v)

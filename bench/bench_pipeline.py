@@ -978,7 +978,7 @@ class EventplaneSide(Side):
         return _ledger_state(self.table)[1]
 
     def batches(self) -> int | None:
-        from daemon.spark.cdc import read_ledger
+        from daemon.table.ledger import read_ledger
 
         ledger = read_ledger(self.table)
         return ledger.last_batch_id if ledger else 0
@@ -1180,7 +1180,7 @@ def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> 
     stop_watch = threading.Event()
     watcher: threading.Thread | None = None
     if watch:
-        from daemon.spark.cdc import read_ledger
+        from daemon.table.ledger import read_ledger
 
         assert isinstance(side, EventplaneSide)
         ep = side

@@ -127,7 +127,7 @@ class SparkConfig:
     # here), for a faster start only.
     class_sharing: bool = False
     # A batch in a raw inbox file is written by Spark's Parquet writer in the
-    # driver, a thread per split, without a Spark job (daemon.spark.cdc,
+    # driver, a thread per split, without a Spark job (daemon.table.parquet,
     # step 1); false: every batch runs a job.
     direct_write: bool = True
 

@@ -14,7 +14,7 @@ submit a job to a cluster. Works while the daemon runs (it only reads). The
 producer's ``event_id`` and ``event_time`` are shown when one of the rows has
 them.
 
-``rewrite`` (:mod:`daemon.spark.rewrite`) takes the stream's lock, so it is
+``rewrite`` (:mod:`daemon.table.rewrite`) takes the stream's lock, so it is
 refused while the daemon runs; embedded Spark (``local[*]``) too.
 """
 
@@ -27,7 +27,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from daemon.config import CdcStream, Config
-from daemon.spark.cdc import CdcSink, CdcStreamLockedError, committed_files, read_ledger
+from daemon.table.errors import CdcStreamLockedError
+from daemon.table.layout import committed_files
+from daemon.table.ledger import read_ledger
+from daemon.table.parquet import CdcSink
 
 COLUMNS = ("lsn", "batch_id", "core", "collection", "op", "key", "new", "old", "ingest_ts")
 # Shown after "key" when a row has a value (files from before them have no such column).
@@ -60,7 +63,7 @@ def latest_rows(spark: Any, stream: CdcStream, limit: int) -> list[dict[str, Any
     """The newest ``limit`` rows, listed and read within one table generation:
     a compaction or retention run meanwhile makes the whole query run again
     (docs/cdc.md, "Reading while compaction runs")."""
-    from daemon.snapshot import consistent
+    from daemon.table.snapshot import consistent
 
     return consistent(stream.path, lambda: _newest_rows(spark, stream, limit))
 
@@ -178,7 +181,7 @@ def main(
 
 def files(stream: CdcStream, *, as_json: bool, out: TextIO) -> int:
     """Print a snapshot of the stream's data files; 1 when it cannot be taken."""
-    from daemon.snapshot import SnapshotError, snapshot
+    from daemon.table.snapshot import SnapshotError, snapshot
 
     try:
         snap = snapshot(stream.path)
@@ -196,7 +199,7 @@ def files(stream: CdcStream, *, as_json: bool, out: TextIO) -> int:
 
 def rewrite(stream: CdcStream, *, session: Any = None, out: TextIO) -> int:
     """Rewrite the stream's previous-layout files; 1 when the daemon holds the stream."""
-    from daemon.spark.rewrite import previous_layout_files, rewrite_previous_layout
+    from daemon.table.rewrite import previous_layout_files, rewrite_previous_layout
 
     ledger = read_ledger(stream.path)
     if ledger is None:
@@ -280,7 +283,7 @@ def retention_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
     it refuses while the daemon writes the stream: the daemon applies
     retention itself every ``retention_check_s``.
     """
-    from daemon.spark import retention
+    from daemon.table import retention
     from wal import lockfile
 
     stream = next((s for s in cfg.cdc.streams if s.name == args.stream), None)

@@ -153,8 +153,10 @@ def locally(
     cfg: Config, stream: CdcStream, dry_run: bool, session: Any, out: TextIO, base: str
 ) -> int:
     """No daemon answered: lock the stream and compact with our own Spark."""
-    from daemon.spark import compact
-    from daemon.spark.cdc import CdcSink, CdcStreamLockedError, read_ledger
+    from daemon.table import compact
+    from daemon.table.errors import CdcStreamLockedError
+    from daemon.table.ledger import read_ledger
+    from daemon.table.parquet import CdcSink
 
     if read_ledger(stream.path) is None:
         print(f"stream {stream.name!r} ({stream.path}): no committed rows yet", file=out)

@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from daemon.config import CdcStream, Config
-from daemon.spark import quarantine
-from daemon.spark.cdc import META_DIR, CdcSink, CdcStreamLockedError, read_ledger
+from daemon.table import quarantine
+from daemon.table.errors import CdcStreamLockedError
+from daemon.table.layout import META_DIR
+from daemon.table.ledger import read_ledger
+from daemon.table.parquet import CdcSink
 
 MAX_ERROR_CHARS = 100  # per row in the table view; --json has it whole
 

@@ -23,7 +23,7 @@ never delays a health check, and so the two can bind different interfaces.
   management network (docs/operating.md, "Pausing a stage").
 - ``POST /v1/cdc/{stream}/compact`` (``?dry_run=1``: only the plan) and
   ``GET /v1/cdc/{stream}/compaction``: ``eventplane cdc compact`` asks the
-  daemon's compaction service (``daemon.spark.compact``) through these.
+  daemon's compaction service (``daemon.table.compact``) through these.
 - ``POST /v1/cdc/{stream}/retention``: one retention run of the stream now
   (``eventplane cdc retention --apply`` while the daemon runs).
 - ``POST /v1/cdc/{stream}/quarantine/{replay|purge}``, JSON body ``{"lsns":
@@ -111,7 +111,7 @@ class AdminServer:
         self._problems = problems
         self._notices = notices  # what health names without failing (a quarantine)
         self._clock = clock
-        self._compaction = compaction  # daemon.spark.compact.CompactionService
+        self._compaction = compaction  # daemon.table.compact.CompactionService
         self._retention = retention  # SparkExecutor.run_retention
         self._quarantine = quarantine  # SparkExecutor.quarantine_action
         self._runner: web.AppRunner | None = None

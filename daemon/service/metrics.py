@@ -237,7 +237,7 @@ class Metrics:
             registry=r,
         )
 
-        # CDC compaction (daemon/spark/compact.py)
+        # CDC compaction (daemon/table/compact.py)
         self.cdc_compactions = Counter(
             p + "cdc_compactions_total",
             "CDC compactions (one partition folder each), by outcome (done, failed).",

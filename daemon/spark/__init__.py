@@ -1,5 +1,5 @@
-"""Spark: the session (``session``), batch -> DataFrame (``frame``), the executor
-(``executor``) and the exactly-once CDC sink (``cdc``).
+"""Spark: the session (``session``), batch -> DataFrame (``frame``) and the
+executor (``executor``), which drives the CDC tables of ``daemon.table``.
 
 Imports nothing: pyspark loads only when a module here asks for it, so the CLI
 imports ``daemon.*`` cheaply.

@@ -22,12 +22,12 @@
      :mod:`daemon.spark.frame`), built only when something reads it: a
      stage, a handler, or a CDC stream that cannot write the raw file
      without a Spark job (a raw inbox file, ``spark.direct_write`` and a
-     jar with ``DirectWrite``: ``cdc.RawInbox``);
+     jar with ``DirectWrite``: ``sparkio.RawInbox``);
      persisted, after step 3, when more than one of those reads it;
   3. each ``BatchStage.run_in_spark`` (triggers) computes its result, and
      the stage's ``finish`` (the webhook calls) starts on the loop at once;
   4. meanwhile each CDC stream commits its rows exactly once
-     (``daemon.spark.cdc``): a trigger's calls do not wait for the CDC write
+     (``daemon.table.parquet``): a trigger's calls do not wait for the CDC write
      of their batch, most of a run (docs/triggers.md, "End to end");
   5. each ``[[cdc.handlers]]`` function gets ``(df, batch_id)``.
 
@@ -52,7 +52,7 @@
   re-runs with the same id and rows, and the CDC ledgers commit it once.
   ``needs_restart()`` turns true after ``health.session_restart_attempts``
   failed builds in a row.
-- Compaction (``daemon.spark.compact``): a ``CompactionService`` merges the
+- Compaction (``daemon.table.compact``): a ``CompactionService`` merges the
   streams' small files in its own thread, on the same session, beside the
   batches (``compaction``; status per stream under ``streams``).
 - ``stop()`` waits for the batch in flight, stops compaction, closes the
@@ -87,10 +87,14 @@ from daemon.errors import (
 )
 from daemon.plane.batch import BatchStage, MicroBatch, SessionAware
 from daemon.service.metrics import Metrics
-from daemon.spark import cdc, frame, rawinbox
+from daemon.spark import frame, rawinbox
 from daemon.spark import session as sparkmod
-from daemon.spark.cdc import CDC_COLUMNS, CdcSink, CommitResult, crash_point
-from daemon.spark.compact import CompactionService
+from daemon.table import sparkio
+from daemon.table.compact import CompactionService
+from daemon.table.crash import crash_point
+from daemon.table.layout import CDC_COLUMNS
+from daemon.table.parquet import CdcSink
+from daemon.table.sink import CommitResult
 
 log = structlog.get_logger("eventplane.spark")
 
@@ -481,7 +485,7 @@ class SparkExecutor:
 
     async def _retention_loop(self) -> None:
         """Each stream with ``retention``: remove its expired partitions every
-        ``retention_check_s`` (daemon/spark/retention.py). Runs in a thread of
+        ``retention_check_s`` (daemon/table/retention.py). Runs in a thread of
         its own, never in the batch thread: a batch does not wait for it."""
         due = {s.name: 0.0 for s in self._sinks if s.stream.retention_s is not None}
         while True:
@@ -495,7 +499,7 @@ class SparkExecutor:
 
     async def run_retention(self, stream: str) -> dict[str, Any]:
         """One retention run of ``stream`` now; its result (also in ``status()``)."""
-        from daemon.spark import retention
+        from daemon.table import retention
 
         sink = next((s for s in self._sinks if s.name == stream), None)
         if sink is None or sink.stream.retention_s is None:
@@ -913,7 +917,7 @@ class SparkExecutor:
             # (spark.direct_write = false) find in it the rows that fail alone.
             source = None
             if file is not None and file.splits is not None:
-                source = cdc.RawInbox(
+                source = sparkio.RawInbox(
                     spark,
                     file.path,
                     file.splits,
@@ -995,7 +999,7 @@ class SparkExecutor:
             return "no raw inbox"
         if not self.cfg.spark.direct_write:
             return "spark.direct_write = false"
-        return cdc.direct_write_missing(spark)
+        return sparkio.direct_write_missing(spark)
 
     @staticmethod
     def _rows_for(sink: CdcSink, nrows: int, counts: dict[str, int] | None) -> int:

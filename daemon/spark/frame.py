@@ -24,7 +24,8 @@ from daemon.events import StoredEvent
 from daemon.plane.batch import MicroBatch
 from daemon.plane.parts import Rows
 from daemon.spark import rawinbox
-from daemon.spark.cdc import CDC_COLUMNS, JSON_COLUMNS, SelectList
+from daemon.table.layout import CDC_COLUMNS, INBOX_SCHEMA, JSON_COLUMNS
+from daemon.table.sparkio import SelectList
 from wal.reader import RecordBatch
 from wal.record import Record
 
@@ -427,16 +428,6 @@ def payload_bytes(batch: MicroBatch) -> int:
             else:
                 n += sum(len(r.payload) for r in part)
     return n
-
-
-# The inbox file's columns as Spark reads them (``_record_batch``'s schema).
-# Given up front, Spark plans the read without opening the file's footer on
-# the driver: measured 0.1-0.4 s per batch here, time in which no task runs.
-INBOX_SCHEMA = (
-    "lsn BIGINT, core INT, seq BIGINT, collection STRING, op STRING, key STRING,"
-    " new_json STRING, old_json STRING, ingest_ts TIMESTAMP, batch_id BIGINT,"
-    " event_id STRING, event_time TIMESTAMP, depth INT, source STRING"
-)
 
 
 def _read_inbox(spark: Any, file: Path) -> Any:

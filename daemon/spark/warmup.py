@@ -42,7 +42,7 @@ from daemon.config import CdcStream, Config
 from daemon.events import StoredEvent, encode
 from daemon.plane.batch import MicroBatch, Slice
 from daemon.spark import frame
-from daemon.spark.cdc import CdcSink
+from daemon.table.parquet import CdcSink
 from wal.record import Record
 
 # The scratch folder under ``daemon.data_dir``.

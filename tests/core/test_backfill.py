@@ -26,7 +26,7 @@ CFG = MicrobatchConfig(interval_ms=10, retry_initial_ms=1, retry_max_ms=4, max_r
 
 
 class LedgerExecutor(StagedExecutor):
-    """Stages with a CDC ledger each, checked like ``daemon.spark.cdc.CdcSink``:
+    """Stages with a CDC ledger each, checked like ``daemon.table.parquet.CdcSink``:
     a committed id must come back with the same ranges (and writes nothing),
     a new id must start every core above what the ledger holds."""
 

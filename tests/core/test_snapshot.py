@@ -1,4 +1,4 @@
-"""The table generation (daemon/snapshot.py): how a reader gets a list of files
+"""The table generation (daemon/table/snapshot.py): how a reader gets a list of files
 that no compaction swap or retention removal cut through. Real files; the
 clock, the sleep and the lister are injected so no test waits for real."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon import snapshot
-from daemon.snapshot import (
+from daemon.table import snapshot
+from daemon.table.snapshot import (
     SnapshotError,
     TableBusyError,
     consistent,

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from daemon.spark.cdc import COMMIT_CRASH_POINTS
+from daemon.table.crash import COMMIT_CRASH_POINTS
 from tests.integration.harness import DaemonProcess, Loader, write_config
 from tests.integration.test_crash_recording import _wait_caught_up
 

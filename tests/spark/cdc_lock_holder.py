@@ -14,7 +14,7 @@ from pathlib import Path
 import structlog
 
 from daemon.config import CdcStream
-from daemon.spark.cdc import CdcSink
+from daemon.table.parquet import CdcSink
 
 if __name__ == "__main__":
     # stdout carries "ready"; log lines go to stderr.

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from daemon.service.metrics import Metrics
-from daemon.spark.compact import compact_stream
 from daemon.spark.executor import SparkExecutor
+from daemon.table.compact import compact_stream
 from tests.spark.support import make_batches, make_config, say
 
 

@@ -171,7 +171,7 @@ def consistent_arrow_lsns(path: Path) -> list[int]:
     ``daemon.snapshot.consistent``, sorted."""
     import pyarrow.dataset as ds
 
-    from daemon.snapshot import consistent
+    from daemon.table.snapshot import consistent
 
     if not any(path.glob("collection=*")):
         return []
@@ -182,7 +182,7 @@ def consistent_arrow_lsns(path: Path) -> list[int]:
 def consistent_spark_lsns(spark: Any, path: Path) -> list[int]:
     """LSNs a plain ``spark.read.parquet`` sees when its DataFrame (and so its
     listing) is made inside ``daemon.snapshot.consistent``, sorted."""
-    from daemon.snapshot import consistent
+    from daemon.table.snapshot import consistent
 
     if not any(path.glob("collection=*")):
         return []

@@ -11,16 +11,10 @@ from unittest import mock
 import pytest
 
 from daemon.errors import ExecutorError, IdentityMismatchError, LsnRegressionError
-from daemon.spark.cdc import (
-    KEEP_BATCHES,
-    META_DIR,
-    CdcLedgerMismatchError,
-    CdcSink,
-    CdcStreamLockedError,
-    Ledger,
-    LedgerEntry,
-    read_ledger,
-)
+from daemon.table.errors import CdcLedgerMismatchError, CdcStreamLockedError
+from daemon.table.layout import META_DIR
+from daemon.table.ledger import KEEP_BATCHES, Ledger, LedgerEntry, read_ledger
+from daemon.table.parquet import CdcSink
 from tests.spark.support import batch_lsns, make_batches, read_table
 
 pytestmark = pytest.mark.spark
@@ -112,7 +106,7 @@ async def test_publish_failure_after_the_intent_rolls_forward_on_retry(
             raise OSError(5, "Input/output error")
         real_rename(src, dst)
 
-    failing = mock.patch("daemon.spark.cdc.os.rename", side_effect=rename_once)
+    failing = mock.patch("daemon.table.parquet.os.rename", side_effect=rename_once)
     with failing, pytest.raises(ExecutorError, match="Input/output error"):
         await ex.execute(batch)
     table = tmp_path / "cdc" / "all"

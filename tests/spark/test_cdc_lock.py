@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from daemon.config import CdcStream
-from daemon.spark.cdc import CdcSink, CdcStreamLockedError
+from daemon.table.errors import CdcStreamLockedError
+from daemon.table.parquet import CdcSink
 from tests.wal.helpers import ready_child
 
 

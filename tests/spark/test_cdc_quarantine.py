@@ -24,9 +24,12 @@ from daemon.errors import ExecutorError
 from daemon.events import StoredEvent, encode
 from daemon.plane.batch import MicroBatch, Slice
 from daemon.service.metrics import Metrics
-from daemon.spark import cdc, quarantine
-from daemon.spark.cdc import META_DIR, CdcQuarantineLimitError, CdcSink, read_ledger
 from daemon.spark.executor import SparkExecutor
+from daemon.table import quarantine, sparkio
+from daemon.table.errors import CdcQuarantineLimitError
+from daemon.table.layout import META_DIR
+from daemon.table.ledger import read_ledger
+from daemon.table.parquet import CdcSink
 from tests.spark.support import make_config, read_table
 from wal.record import Record
 
@@ -58,7 +61,7 @@ def batch_of(records: list[Record], batch_id: int = 1) -> MicroBatch:
 
 @pytest.fixture(params=[True, False], ids=["direct", "spark-job"])
 def direct_write(request: Any, spark: Any) -> bool:
-    if cdc.direct_write_missing(spark) is not None:  # `make test` builds the jar
+    if sparkio.direct_write_missing(spark) is not None:  # `make test` builds the jar
         pytest.skip("needs the daemon's jar (raw inbox and direct write)")
     return bool(request.param)
 

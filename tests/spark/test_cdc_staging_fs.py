@@ -15,8 +15,9 @@ from unittest import mock
 import pytest
 import structlog
 
-from daemon.spark import cdc, session
-from daemon.spark.compact import Plan, data_files, write_merged_spark
+from daemon.spark import session
+from daemon.table import layout, sparkio
+from daemon.table.compact import Plan, data_files, write_merged_spark
 from tests.spark.support import batch_lsns, make_batches, read_table
 
 pytestmark = pytest.mark.spark
@@ -47,7 +48,7 @@ async def chmods_during(spark: Any, tmp_path: Path, work: Callable[[], Awaitable
 @pytest.fixture
 def fresh_options() -> Any:
     """The per-session choice of file system is made again in the test."""
-    with mock.patch.object(cdc, "_staging_options", None):
+    with mock.patch.object(sparkio, "_staging_options", None):
         yield
 
 
@@ -59,8 +60,8 @@ async def test_a_batch_forks_no_chmod_with_the_daemons_jar(
     its class path (``spark.driver.extraClassPath``): Hadoop's configuration
     loads the class, and a batch into several collections forks nothing."""
     hadoop_conf = spark.sparkContext._jsc.hadoopConfiguration()
-    assert hadoop_conf.getClassByNameOrNull(cdc.NIO_LOCAL_FS) is not None
-    assert cdc.staging_write_options(spark)["fs.file.impl"] == cdc.NIO_LOCAL_FS
+    assert hadoop_conf.getClassByNameOrNull(sparkio.NIO_LOCAL_FS) is not None
+    assert sparkio.staging_write_options(spark)["fs.file.impl"] == sparkio.NIO_LOCAL_FS
     ex = await executor_factory()
     batches = make_batches(2, 200)
     await ex.execute(batches[0])  # the first batch of a table writes its summaries
@@ -81,15 +82,15 @@ async def test_without_the_class_a_batch_forks_chmod_commits_and_says_so_once(
     batches = make_batches(3, 200)
     missing = "eventplane.hadoop.NotBuilt"
     with (
-        mock.patch.object(cdc, "NIO_LOCAL_FS", missing),
-        mock.patch.object(cdc, "_staging_fallback_logged", False),
+        mock.patch.object(sparkio, "NIO_LOCAL_FS", missing),
+        mock.patch.object(sparkio, "_staging_fallback_logged", False),
         structlog.testing.capture_logs() as logs,
     ):
         await ex.execute(batches[0])
         forks = await chmods_during(spark, tmp_path, lambda: ex.execute(batches[1]))
-        with mock.patch.object(cdc, "_staging_options", None):  # asked again: not logged again
+        with mock.patch.object(sparkio, "_staging_options", None):  # asked again: not logged again
             await ex.execute(batches[2])
-        options = cdc.staging_write_options(spark)
+        options = sparkio.staging_write_options(spark)
     assert options["fs.file.impl"] == "org.apache.hadoop.fs.RawLocalFileSystem"
     assert forks >= 2  # at least a file and its collection's folder
     said = [e for e in logs if e["event"] == "cdc_staging_forks_chmod"]
@@ -211,7 +212,7 @@ async def test_each_select_and_the_writes_options_are_one_py4j_command(
     with py4j_commands() as options:
         sink._write_options(spark).set_on(writer)
     assert (len(contract), len(write), len(options)) == (1, 1, 1), (contract, write, options)
-    assert out.columns == [*cdc.TABLE_COLUMNS]
+    assert out.columns == [*layout.TABLE_COLUMNS]
     assert [f.name for f in df.schema.fields] == list(frame.FRAME_COLUMNS)
 
 
@@ -251,8 +252,8 @@ def test_masters_whose_tasks_run_in_other_jvms_keep_hadoops_file_system(
     file system, before any call to the JVM."""
     jsc = mock.Mock(spec=["hadoopConfiguration"])
     classic = mock.Mock(_sc=mock.Mock(master=master, _jsc=jsc))
-    reason = cdc._nio_fs_missing(classic)
+    reason = sparkio._nio_fs_missing(classic)
     assert reason is not None and why in reason
     jsc.hadoopConfiguration.assert_not_called()
     connect = mock.Mock(spec=["sql"])  # a Connect session has no _sc
-    assert "Spark Connect" in str(cdc._nio_fs_missing(connect))
+    assert "Spark Connect" in str(sparkio._nio_fs_missing(connect))

@@ -46,7 +46,7 @@ async def test_cdc_show_lists_again_when_the_table_changed_while_it_read(
     """A change that removes files (a compaction's swap) between ``cdc show``'s
     listing and its read moves the table generation: the whole query runs
     again, and the rows shown are those of the table after the change."""
-    from daemon.snapshot import read_generation, table_change
+    from daemon.table.snapshot import read_generation, table_change
 
     ex = await executor_factory()
     for b in make_batches(2, 10):

@@ -13,11 +13,8 @@ from unittest import mock
 import pytest
 
 from daemon.cli import cdc as cdccmd
-from daemon.snapshot import consistent, read_generation, snapshot
-from daemon.snapshot import data_files as table_files
-from daemon.spark import compact
-from daemon.spark.cdc import META_DIR, committed_files, read_ledger
-from daemon.spark.compact import (
+from daemon.table import compact
+from daemon.table.compact import (
     CompactionError,
     CompactionUnsupportedError,
     DataFile,
@@ -25,6 +22,10 @@ from daemon.spark.compact import (
     data_files,
     plan_partition,
 )
+from daemon.table.layout import META_DIR, committed_files
+from daemon.table.ledger import read_ledger
+from daemon.table.snapshot import consistent, read_generation, snapshot
+from daemon.table.snapshot import data_files as table_files
 from tests.spark.support import (
     COLLECTIONS,
     batch_lsns,
@@ -414,7 +415,7 @@ async def test_concurrent_readers_see_every_committed_row_exactly_once(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
     """Readers (pyarrow threads and one Spark thread) read the table through
-    snapshots (daemon/snapshot.py) in a loop while batches commit and the
+    snapshots (daemon/table/snapshot.py) in a loop while batches commit and the
     service compacts. Every observation has no duplicate, holds every batch
     committed before the read began, and nothing of a batch not yet begun. A
     read whose files a later swap removed before it opened them fails with

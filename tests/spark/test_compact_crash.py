@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from daemon.spark.cdc import COMPACT_CRASH_POINTS, ENV_CRASH_AT, read_ledger
-from daemon.spark.compact import compact_stream
+from daemon.table.compact import compact_stream
+from daemon.table.crash import COMPACT_CRASH_POINTS, ENV_CRASH_AT
+from daemon.table.ledger import read_ledger
 from tests.spark.support import batch_lsns, consistent_arrow_lsns, make_batches
 from tests.spark.test_compact import (
     arrow_lsns,
@@ -140,7 +141,7 @@ async def test_sigkill_at_a_compaction_step_keeps_every_row_exactly_once(
 
 class Readers:
     """pyarrow readers of the table in threads, listing through snapshots
-    (daemon/snapshot.py); each observation is checked against the batches
+    (daemon/table/snapshot.py); each observation is checked against the batches
     acknowledged before it began."""
 
     def __init__(self, table: Path, batches: list[Any], n: int = 2) -> None:

@@ -12,9 +12,9 @@ from unittest import mock
 
 import pytest
 
-from daemon.spark import compact
-from daemon.spark.cdc import PARQUET_OPTIONS
-from daemon.spark.compact import ArrowLayout, DataFile, compact_stream, sort_groups
+from daemon.table import compact
+from daemon.table.compact import ArrowLayout, DataFile, compact_stream, sort_groups
+from daemon.table.layout import PARQUET_OPTIONS
 from tests.spark.support import make_batches
 from tests.spark.test_readers import READERS, expected, read_spark, shaped_batches
 

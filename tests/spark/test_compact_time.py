@@ -19,9 +19,12 @@ import pytest
 from daemon.cli.compact import describe_plan
 from daemon.config import CdcStream
 from daemon.spark import compact, retention
-from daemon.spark.cdc import META_DIR, CdcRecoveryError, CdcSink, atomic_write_json
-from daemon.spark.compact import compact_stream, plan_stream
 from daemon.spark.executor import SparkExecutor
+from daemon.table.compact import compact_stream, plan_stream
+from daemon.table.durable import atomic_write_json
+from daemon.table.errors import CdcRecoveryError
+from daemon.table.layout import META_DIR
+from daemon.table.parquet import CdcSink
 from tests.spark.support import BASE_TS_NS, CORES, batch_lsns, event_for, make_batches
 from tests.spark.test_compact import (
     REAL_WRITE,

@@ -11,14 +11,10 @@ from typing import Any
 
 import pytest
 
-from daemon.spark import quarantine
-from daemon.spark.cdc import (
-    COMMIT_CRASH_POINTS,
-    ENV_CRASH_AT,
-    META_DIR,
-    REPLAY_CRASH_POINTS,
-    read_ledger,
-)
+from daemon.table import quarantine
+from daemon.table.crash import COMMIT_CRASH_POINTS, ENV_CRASH_AT, REPLAY_CRASH_POINTS
+from daemon.table.layout import META_DIR
+from daemon.table.ledger import read_ledger
 from tests.spark.support import batch_lsns, make_batches
 
 pytestmark = [pytest.mark.spark, pytest.mark.crash]
@@ -163,7 +159,7 @@ async def test_sigkill_at_commit_step_recovers_to_exactly_once(
 def test_crash_point_fires_at_the_nth_arrival_only(tmp_path: Path) -> None:
     """Without a Spark JVM: the hook itself, in a child process."""
     code = (
-        "from daemon.spark.cdc import crash_point\n"
+        "from daemon.table.crash import crash_point\n"
         "for i in range(1, 4):\n"
         "    crash_point('cdc.after_stage'); crash_point('cdc.after_ledger')\n"
         "    print('passed', i, flush=True)\n"

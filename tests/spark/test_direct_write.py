@@ -1,4 +1,4 @@
-"""Batches written without a Spark job (``cdc.RawInbox``, the jar's
+"""Batches written without a Spark job (``sparkio.RawInbox``, the jar's
 ``DirectWrite``): the files a Spark job would have written, byte for byte where
 it counts."""
 
@@ -15,9 +15,9 @@ from daemon.errors import ExecutorError
 from daemon.events import StoredEvent, encode
 from daemon.plane.batch import MicroBatch, Slice
 from daemon.service.metrics import Metrics
-from daemon.spark import cdc, quarantine
-from daemon.spark.cdc import META_DIR
 from daemon.spark.executor import SparkExecutor
+from daemon.table import quarantine, sparkio
+from daemon.table.layout import META_DIR
 from tests.spark.support import batch_lsns, make_batches, make_config, read_table
 from wal.record import Record
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.spark
 @pytest.fixture
 def direct(spark: Any) -> Any:
     """The shared session, which must be able to load the direct writer."""
-    reason = cdc.direct_write_missing(spark)
+    reason = sparkio.direct_write_missing(spark)
     if reason is not None:  # `make test` builds the jar; a machine without javac cannot
         pytest.skip(reason)
     return spark

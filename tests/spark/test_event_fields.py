@@ -21,8 +21,9 @@ from daemon.events import StoredEvent, encode
 from daemon.ingest.server import IngestServer
 from daemon.plane.batch import MicroBatch, Slice
 from daemon.service.metrics import Metrics
-from daemon.spark import cdc
-from daemon.spark.cdc import SUMMARY_FILE, CdcSink
+from daemon.table import layout, parquet
+from daemon.table.layout import SUMMARY_FILE
+from daemon.table.parquet import CdcSink
 from tests.spark.support import CORES, core_of, make_batches, make_config
 from wal import Wal
 from wal.record import Record
@@ -33,7 +34,7 @@ MiB = 1 << 20
 # 2025-01-02T03:04:05.123456Z as epoch microseconds.
 T_US = 1_735_787_045_123_456
 # What a table of the release before carried: no event columns, no JSON text columns.
-OLD_COLUMNS = tuple(c for c in cdc.CDC_COLUMNS if c not in ("event_id", "event_time"))
+OLD_COLUMNS = tuple(c for c in layout.CDC_COLUMNS if c not in ("event_id", "event_time"))
 
 
 def batch_of(batch_id: int, records: Sequence[Record]) -> MicroBatch:
@@ -158,7 +159,7 @@ async def test_table_with_files_from_before_the_event_columns_reads_whole_with_t
     path = tmp_path / "cdc" / "all"
     old_batches = make_batches(2, 60)
     with (
-        mock.patch.object(cdc, "TABLE_COLUMNS", OLD_COLUMNS),
+        mock.patch.object(parquet, "TABLE_COLUMNS", OLD_COLUMNS),
         mock.patch.object(CdcSink, "_write_summaries", lambda self, files: None),
     ):
         old = SparkExecutor(cfg, metrics, (), wal_id="wal-1", session=spark)
@@ -187,7 +188,7 @@ async def test_table_with_files_from_before_the_event_columns_reads_whole_with_t
     assert all((d / SUMMARY_FILE).is_file() for d in path.glob("collection=*"))
     for reader in (spark.read, spark.read.option("mergeSchema", "true")):
         table = reader.parquet(str(path))
-        assert set(table.columns) == set(cdc.TABLE_COLUMNS)
+        assert set(table.columns) == set(layout.TABLE_COLUMNS)
         assert table.count() == 130
     rows = event_columns(spark, path)
     assert [r[0] for r in rows] == list(range(1, 131))

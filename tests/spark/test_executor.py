@@ -15,7 +15,6 @@ from daemon.errors import ConfigError, ExecutorError
 from daemon.plane.batch import MicroBatch
 from daemon.service.metrics import Metrics
 from daemon.spark import frame
-from daemon.spark.cdc import CDC_COLUMNS, TABLE_COLUMNS
 from daemon.spark.executor import SparkExecutor
 from daemon.spark.frame import (
     BATCH_COLUMNS,
@@ -25,6 +24,7 @@ from daemon.spark.frame import (
     batch_table,
     write_batch_file,
 )
+from daemon.table.layout import CDC_COLUMNS, TABLE_COLUMNS
 from tests.spark import handlers
 from tests.spark.support import (
     SharedSession,

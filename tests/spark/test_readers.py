@@ -24,9 +24,9 @@ from daemon.cli import cdc as cdccmd
 from daemon.cli.main import build_parser
 from daemon.events import StoredEvent, encode
 from daemon.plane.batch import MicroBatch, Slice
-from daemon.snapshot import snapshot
-from daemon.spark.cdc import CDC_COLUMNS, META_DIR
-from daemon.spark.rewrite import previous_layout_files
+from daemon.table.layout import CDC_COLUMNS, META_DIR
+from daemon.table.rewrite import previous_layout_files
+from daemon.table.snapshot import snapshot
 from tests.spark.support import BASE_TS_NS, CORES, make_config
 from wal.record import Record
 
@@ -333,7 +333,7 @@ async def write_mixed_table(spark: Any, ex: Any, batches: Sequence[MicroBatch]) 
     try:
         for k, v in previous.items():
             spark.conf.set(k, v)
-        with mock.patch("daemon.spark.cdc.TABLE_COLUMNS", PREVIOUS_COLUMNS):
+        with mock.patch("daemon.table.parquet.TABLE_COLUMNS", PREVIOUS_COLUMNS):
             for b in batches[:half]:
                 await ex.execute(b)
     finally:

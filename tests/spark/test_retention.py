@@ -21,19 +21,14 @@ import pytest
 
 from daemon.cli import cdc as cdc_cli
 from daemon.config import CdcStream
-from daemon.snapshot import read_generation
-from daemon.spark import retention
-from daemon.spark.cdc import (
-    CRASH_POINTS,
-    ENV_CRASH_AT,
-    META_DIR,
-    SUMMARY_FILE,
-    CdcLayoutError,
-    CdcSink,
-    committed_files,
-    read_ledger,
-)
 from daemon.spark.executor import SparkExecutor
+from daemon.table import retention
+from daemon.table.crash import CRASH_POINTS, ENV_CRASH_AT
+from daemon.table.errors import CdcLayoutError
+from daemon.table.layout import META_DIR, SUMMARY_FILE, committed_files
+from daemon.table.ledger import read_ledger
+from daemon.table.parquet import CdcSink
+from daemon.table.snapshot import read_generation
 from tests.spark.support import BASE_TS_NS, batch_lsns, event_for, make_batches
 
 pytestmark = pytest.mark.spark

@@ -12,8 +12,9 @@ import pytest
 from daemon.config import Config
 from daemon.service.metrics import Metrics
 from daemon.spark import warmup
-from daemon.spark.cdc import CdcSink, read_ledger
 from daemon.spark.executor import SparkExecutor
+from daemon.table.ledger import read_ledger
+from daemon.table.parquet import CdcSink
 from tests.spark.support import SharedSession, make_batches, make_config, read_table
 
 pytestmark = pytest.mark.spark

@@ -58,7 +58,7 @@ import scala.jdk.javaapi.CollectionConverters;
  * configuration (the session's, with the write's options) and the same file and folder names, so
  * its files are the job's files: the same rows in the same order, schema, footer and encodings.
  * The time partitions are computed as the daemon's job computes them ({@code
- * daemon.spark.cdc.time_columns}): the UTC day and hour of {@code ingest_ts}, from whole epoch
+ * daemon.table.layout.time_columns}): the UTC day and hour of {@code ingest_ts}, from whole epoch
  * seconds.
  */
 public final class DirectWrite {

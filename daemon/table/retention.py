@@ -47,14 +47,12 @@ from typing import Any
 import structlog
 
 from daemon.config import CdcStream
-from daemon.snapshot import table_change
-from daemon.spark.cdc import (
-    META_DIR,
-    CdcError,
-    CdcSink,
-    crash_point,
-)
-from daemon.spark.durable import atomic_write_json, fsync_dir
+from daemon.table.crash import crash_point
+from daemon.table.durable import atomic_write_json, fsync_dir
+from daemon.table.errors import CdcError
+from daemon.table.layout import META_DIR
+from daemon.table.sink import MaintainedTable
+from daemon.table.snapshot import table_change
 
 log = structlog.get_logger("eventplane.cdc")
 
@@ -268,7 +266,9 @@ class RunResult:
         }
 
 
-def apply(stream: CdcStream, now: float | None = None, *, sink: CdcSink | None = None) -> RunResult:
+def apply(
+    stream: CdcStream, now: float | None = None, *, sink: MaintainedTable | None = None
+) -> RunResult:
     """Remove the expired partitions of ``stream``. The caller holds the stream
     (the daemon's open ``sink``, or the CLI with the stream's lock).
 
@@ -289,7 +289,7 @@ def apply(stream: CdcStream, now: float | None = None, *, sink: CdcSink | None =
         hidden = src.parent / f"{HIDDEN_PREFIX}{src.name}-{uuid.uuid4().hex[:12]}"
         crash_point("cdc.retention.before_rename")
         # Step 1: one rename takes the whole partition away from every reader
-        # (and snapshot readers list again: daemon/snapshot.py).
+        # (and snapshot readers list again: daemon/table/snapshot.py).
         with sink.commit_lock if sink is not None else contextlib.nullcontext():
             if sink is not None and part.rel in sink.compacting:
                 deferred.append(part.rel)

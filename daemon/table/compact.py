@@ -123,20 +123,14 @@ from typing import Any
 
 import structlog
 
-from daemon.snapshot import table_change
-from daemon.spark import retention
-from daemon.spark.cdc import (
-    _COMPACTED,
-    _PUBLISHED,
-    PARQUET_OPTIONS,
-    CdcError,
-    CdcRecoveryError,
-    CdcSink,
-    RecoveryReport,
-    crash_point,
-    staging_write_options,
-)
-from daemon.spark.durable import atomic_write_json, fsync_dir, fsync_file
+from daemon.table import retention
+from daemon.table.crash import crash_point
+from daemon.table.durable import atomic_write_json, fsync_dir, fsync_file
+from daemon.table.errors import CdcError, CdcRecoveryError
+from daemon.table.layout import _COMPACTED, _PUBLISHED, PARQUET_OPTIONS
+from daemon.table.sink import MaintainedTable, RecoveryReport
+from daemon.table.snapshot import table_change
+from daemon.table.sparkio import staging_write_options
 
 log = structlog.get_logger("eventplane.cdc")
 
@@ -286,7 +280,7 @@ def partitions(path: Path, partition_by: Sequence[str] = ("collection",)) -> lis
     return sorted(level)
 
 
-def rel(sink: CdcSink, folder: Path) -> str:
+def rel(sink: MaintainedTable, folder: Path) -> str:
     """A partition's path relative to the table (``collection=X/date=D``): its
     name in plans, intents, the ledger and status."""
     return folder.relative_to(sink.path).as_posix()
@@ -387,7 +381,7 @@ def plan_partition(
     return Plan(name, "full" if full else "tiered", bins, len(files), reason)
 
 
-def plan_stream(sink: CdcSink, *, full: bool = False) -> list[Plan]:
+def plan_stream(sink: MaintainedTable, *, full: bool = False) -> list[Plan]:
     """Every leaf partition of the stream that has something to merge now.
 
     A time-partitioned stream is compacted per ``date`` (``hour``) folder. A
@@ -421,7 +415,7 @@ def plan_stream(sink: CdcSink, *, full: bool = False) -> list[Plan]:
     return out
 
 
-def file_counts(sink: CdcSink) -> dict[str, int]:
+def file_counts(sink: MaintainedTable) -> dict[str, int]:
     """Data files per leaf partition folder, by its relative path."""
     out = {}
     for d in partitions(sink.path, sink.stream.partition_by):
@@ -501,15 +495,15 @@ class Progress:
 # One compaction
 
 
-def _cdir(sink: CdcSink) -> Path:
+def _cdir(sink: MaintainedTable) -> Path:
     return sink.meta / COMPACT_DIR
 
 
-def _intent(sink: CdcSink, cid: int) -> Path:
+def _intent(sink: MaintainedTable, cid: int) -> Path:
     return _cdir(sink) / f"c{cid:012d}.json"
 
 
-def _work(sink: CdcSink, cid: int) -> Path:
+def _work(sink: MaintainedTable, cid: int) -> Path:
     return _cdir(sink) / f"c{cid:012d}"
 
 
@@ -841,7 +835,7 @@ def _sync_links(src: Path, dst: Path, skip: set[str], keep: set[str]) -> bool:
 
 
 def run_compaction(
-    sink: CdcSink, spark: Any, plan: Plan, progress: Progress, *, write: Any = None
+    sink: MaintainedTable, spark: Any, plan: Plan, progress: Progress, *, write: Any = None
 ) -> Progress:
     """Steps 2-7 of the module doc for one partition. Raises on failure, after
     rolling back what was not swapped; a failure after the swap rolls forward
@@ -934,7 +928,7 @@ def run_compaction(
             if _sync_links(folder, new, inputs, finals):
                 fsync_dir(new)
             crash_point("cdc.compact.before_swap")
-            with table_change(sink.path):  # snapshot readers list again (daemon/snapshot.py)
+            with table_change(sink.path):  # snapshot readers list again (daemon/table/snapshot.py)
                 exchange(new, folder)
                 swapped = True
             progress.lock_held_s = time.monotonic() - held
@@ -959,7 +953,7 @@ def run_compaction(
     return progress
 
 
-def _leaf(sink: CdcSink, partition: str) -> Path:
+def _leaf(sink: MaintainedTable, partition: str) -> Path:
     """The folder of a leaf partition named in an intent; ValueError when the
     name is not one (absolute, ``..``, hidden, or not as deep as
     ``partition_by``): recovery must never delete or swap anything else."""
@@ -974,12 +968,12 @@ def _leaf(sink: CdcSink, partition: str) -> Path:
     return sink.path.joinpath(*parts)
 
 
-def _release(sink: CdcSink, partition: str) -> None:
+def _release(sink: MaintainedTable, partition: str) -> None:
     with sink.commit_lock:
         sink.compacting.discard(partition)
 
 
-def _clean(sink: CdcSink, cid: int, *, mid: bool = False) -> None:
+def _clean(sink: MaintainedTable, cid: int, *, mid: bool = False) -> None:
     shutil.rmtree(_work(sink, cid), ignore_errors=True)
     if mid:
         crash_point("cdc.compact.mid_clean")
@@ -987,7 +981,7 @@ def _clean(sink: CdcSink, cid: int, *, mid: bool = False) -> None:
     fsync_dir(_cdir(sink))
 
 
-def recover(sink: CdcSink, report: RecoveryReport | None = None) -> RecoveryReport:
+def recover(sink: MaintainedTable, report: RecoveryReport | None = None) -> RecoveryReport:
     """Finish or undo interrupted compactions (module doc, Recovery)."""
     report = report if report is not None else RecoveryReport()
     cdir = _cdir(sink)
@@ -1051,7 +1045,7 @@ def recover(sink: CdcSink, report: RecoveryReport | None = None) -> RecoveryRepo
 
 
 def compact_stream(
-    sink: CdcSink,
+    sink: MaintainedTable,
     spark: Any,
     *,
     full: bool,
@@ -1094,7 +1088,7 @@ def compact_stream(
 
 @dataclass(slots=True)
 class _StreamState:
-    sink: CdcSink
+    sink: MaintainedTable
     next_check: float
     running: Progress | None = None
     last: Progress | None = None
@@ -1123,7 +1117,7 @@ class CompactionService:
 
     def __init__(
         self,
-        sinks: Sequence[CdcSink],
+        sinks: Sequence[MaintainedTable],
         session: Callable[[], Any | None],
         metrics: Any = None,
         *,

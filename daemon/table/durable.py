@@ -1,6 +1,6 @@
 """Durable file writes of the CDC tables' own files (ledger, intents, quarantine).
 
-Below :mod:`daemon.spark.cdc` and its neighbours, which all take these from
+Below :mod:`daemon.table.parquet` and its neighbours, which all take these from
 here: a write is durable once its bytes and the folder entry naming it were
 fsynced, and a reader finds either the old file or the new one, never a part.
 """

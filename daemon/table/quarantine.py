@@ -39,7 +39,7 @@ from typing import Any
 
 from daemon.events import decode as decode_stored
 from daemon.plane.batch import MicroBatch
-from daemon.spark.durable import append_line, atomic_write_json
+from daemon.table.durable import append_line, atomic_write_json
 from wal.record import Record
 
 QUARANTINE_DIR = "quarantine"

@@ -9,14 +9,14 @@ Layout of a stream's ``path``::
     <path>/_eventplane/lock                 flock: one writer per stream; names the holder
     <path>/_eventplane/generation           seqlock around changes that remove files (snapshot.py)
     <path>/_common_metadata                 the table's schema (also in each collection=...)
-    <path>/_eventplane/compact/c<id>.json   compaction intent (daemon/spark/compact.py)
+    <path>/_eventplane/compact/c<id>.json   compaction intent (daemon/table/compact.py)
     <path>/_eventplane/compact/c<id>/       where a compaction builds a partition folder
 
 Readers (``spark.read.parquet(path)``, pyarrow, DuckDB) skip every path
 component that starts with ``_`` or ``.``, so only published files are seen.
 Published names carry the batch id, which is how recovery recognises them;
 files a compaction merged are named ``part-c<id>-b<first>-b<last>-...`` (the
-batches they hold) and are never orphans (:mod:`daemon.spark.compact`).
+batches they hold) and are never orphans (:mod:`daemon.table.compact`).
 Publishing and the ledger write take ``CdcSink.commit_lock``, under which a
 compaction swaps a partition folder and records itself.
 
@@ -57,11 +57,11 @@ Recovery when a stream opens (before the first batch):
 - staging folders without an intent are rolled back (deleted): Spark wrote
   them, but nothing was promised;
 - interrupted compactions roll forward (their folder swap happened) or back
-  (:func:`daemon.spark.compact.recover`);
+  (:func:`daemon.table.compact.recover`);
 - published-looking files (``part-b<id>-*``) with an id above the ledger's
   last and no intent are orphans and are deleted, as are temp files;
 - partitions a retention run had hidden (``.expired-*``) are logged if they
-  were not yet, and deleted (``daemon/spark/retention.py``).
+  were not yet, and deleted (``daemon/table/retention.py``).
 
 ``partition_by`` (``[[cdc.streams]]``) adds ``date``/``hour`` folders under
 each ``collection=...`` (``time_columns``); the ledger records it, and a
@@ -74,406 +74,67 @@ names are in ``CRASH_POINTS``. Crash tests aim at each step with them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from daemon import snapshot
 from daemon.config import CdcStream
-from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
+from daemon.errors import IdentityMismatchError, LsnRegressionError
 from daemon.plane.batch import MicroBatch, Slice
-from daemon.spark import quarantine
-from daemon.spark.durable import atomic_write_json, fsync_dir, fsync_file
+from daemon.table import compact, quarantine, retention, snapshot
+from daemon.table.crash import crash_point
+from daemon.table.durable import atomic_write_json, fsync_dir, fsync_file
+from daemon.table.errors import (
+    CdcError,
+    CdcLayoutError,
+    CdcLedgerMismatchError,
+    CdcQuarantineLimitError,
+    CdcRecoveryError,
+    CdcStreamLockedError,
+)
+from daemon.table.layout import (
+    META_DIR,
+    PARQUET_OPTIONS,
+    SPARK_SCHEMA_KEY,
+    SUMMARY_FILE,
+    TABLE_COLUMNS,
+    TRANSIENT_PARQUET_OPTIONS,
+    _published,
+    committed_files,
+    time_columns,
+)
+from daemon.table.ledger import (
+    KEEP_BATCHES,
+    Ledger,
+    LedgerEntry,
+    _ranges_from_json,
+    _ranges_to_json,
+    read_ledger,
+)
+from daemon.table.sink import CommitResult, RecoveryReport, TableSink
+from daemon.table.sparkio import (
+    STAGING_JOB_DIRS,
+    RawInbox,
+    SelectList,
+    WriteOptions,
+    _java_strings,
+    _py4j_jvm,
+    staging_write_options,
+    writer_errors,
+)
 from wal import lockfile
 from wal.record import Record
 
 log = structlog.get_logger("eventplane.cdc")
-
-LEDGER_FORMAT = 1
-META_DIR = "_eventplane"
-# Ranges of this many recent batches are kept for the re-run check; older
-# re-runs are still no-ops (id <= last), just without the range comparison.
-# A restart re-runs the batches committed since the last watermark flush
-# (``consumer.watermark_flush_ms``, 5 s by default) and the two the planner
-# had planned: 128 covers 25 batches a second at the default. The ledger
-# is rewritten on every commit: with 8 files per batch it is 121 KiB and
-# takes 1.5 ms; 1024 batches made it 960 KiB and 10 ms, and 4 MiB and 25 ms
-# with 40 files per batch (fsync included, ad-hoc script).
-KEEP_BATCHES = 128
-_PUBLISHED = re.compile(r"^part-b(\d{12})-")
-# A compaction's merged file: compaction id, first and last batch it holds.
-_COMPACTED = re.compile(r"^part-c(\d{12})-b(\d{12})-b(\d{12})-")
-# Compactions the ledger remembers (the ledger is rewritten on every commit).
-KEEP_COMPACTIONS = 16
-# Contract columns of a CDC table (README, "CDC tables"), in order.
-CDC_COLUMNS = (
-    "lsn",
-    "core",
-    "seq",
-    "collection",
-    "op",
-    "key",
-    "new",
-    "old",
-    "ingest_ts",
-    "batch_id",
-    "event_id",
-    "event_time",
-)
-# The payloads' JSON text, written next to ``new``/``old`` (VARIANT) in every
-# file. pyarrow, pandas and Polars cannot decode VARIANT; they (and DuckDB)
-# query this text with their own JSON functions (docs/cdc.md, "Reading a table").
-JSON_COLUMNS = ("new_json", "old_json")
-# Columns of a CDC table's files, in order (``collection`` is the partition).
-TABLE_COLUMNS = (*CDC_COLUMNS, *JSON_COLUMNS)
-# Parquet writer options of the CDC write. ``lsn`` and ``seq`` are unique by
-# construction and ``key`` nearly so within a batch: Parquet would build a
-# dictionary for them alongside the plain values, then drop it at the first
-# page. Ten 100k-row batches measured 18-20 % less JVM CPU without those
-# dictionaries, and the same bytes on disk (docs/cdc.md, "Tuning the write").
-# A producer's ``event_id`` is meant to be unique too.
-PARQUET_OPTIONS = {
-    "parquet.enable.dictionary#lsn": "false",
-    "parquet.enable.dictionary#seq": "false",
-    "parquet.enable.dictionary#key": "false",
-    "parquet.enable.dictionary#event_id": "false",
-    # The payloads' text is nearly as unique: 200k events wrote with 13-16 %
-    # less JVM CPU without its dictionary, in the same bytes (docs/cdc.md,
-    # "Payload layout"; 15 % more only where payloads repeat a lot).
-    "parquet.enable.dictionary#new_json": "false",
-    "parquet.enable.dictionary#old_json": "false",
-}
-# What a batch's write skips on top, in a stream that compacts: its files live
-# only until a compaction merges them, which writes with ``PARQUET_OPTIONS``
-# (the files that stay). So the batch write drops what pays off only in files
-# that stay:
-# - the dictionary of the VARIANT values. It saves bytes where payloads repeat
-#   (18 % of the bench's, whose 1M events hold 35k distinct documents) and
-#   nothing where they do not;
-# - min/max statistics of the payload columns, which no query prunes by.
-# 300k-event batches took 24 % less JVM CPU with both (1.42 against 1.87 CPU s,
-# medians of 6 rounds in one session; docs/cdc.md, "Tuning the write").
-# A stream without compaction keeps its batch files: they get PARQUET_OPTIONS.
-_PAYLOAD_LEAVES = ("new.value", "new.metadata", "old.value", "old.metadata", *JSON_COLUMNS)
-TRANSIENT_PARQUET_OPTIONS = {
-    **PARQUET_OPTIONS,
-    "parquet.enable.dictionary#new.value": "false",
-    "parquet.enable.dictionary#old.value": "false",
-    **{f"parquet.column.statistics.enabled#{leaf}": "false" for leaf in _PAYLOAD_LEAVES},
-}
-# Hadoop options of step 1's write only (the batch's staging folder), for its
-# fixed cost: without Hadoop's native library, the local file system forks a
-# ``chmod`` process for every folder and file it creates (docs/performance.md,
-# "The fixed cost of a batch"). 19 forks per 4-collection batch became none:
-# - the plain local file system writes no ``.crc`` file beside each staged
-#   file (the daemon fsyncs and renames the staged files itself, and never
-#   publishes a ``.crc``). Uncached, so that the session's shared ``file:``
-#   file system (whatever Hadoop's defaults or ``[spark.conf]`` made it)
-#   stays as it is for everything else;
-# - no ``_SUCCESS`` marker: a staged batch is complete when Spark's write
-#   returns, and ``_staged_files`` skipped the marker anyway.
-# - ``NIO_LOCAL_FS`` instead of Hadoop's plain file system where the JVM can
-#   load it (``staging_write_options``): it sets permissions without a fork,
-#   and the 9 left became none.
-STAGING_WRITE_OPTIONS = {
-    "fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
-    "fs.file.impl.disable.cache": "true",
-    "mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
-}
-# Hadoop's plain local file system, setting permissions through java.nio
-# instead of a forked ``chmod`` (jvm/src). In the jar make builds when javac
-# exists (``session.HADOOP_JAR``), which a local master's driver JVM gets on
-# its class path.
-NIO_LOCAL_FS = "eventplane.hadoop.NioLocalFileSystem"
-_staging_options: tuple[Any, dict[str, str]] | None = None
-_staging_fallback_logged = False
-# Step 1 without a Spark job (``RawInbox``): in the jar with the raw
-# inbox's reader, whose rows it writes.
-DIRECT_WRITE = "eventplane.inbox.DirectWrite"
-_direct_usable: tuple[Any, str | None] | None = None  # (session, why not)
-# The folders Hadoop's file committer (algorithm 1, application attempt 0)
-# creates under a job's output before its tasks write: made by the daemon
-# beforehand (``os.makedirs``, no fork), Hadoop finds them and creates none.
-# Where a cluster names them otherwise, they stay empty and go with the
-# staging folder.
-STAGING_JOB_DIRS = Path("_temporary") / "0" / "_temporary"
-# The table's schema for readers that infer it: Spark (without ``mergeSchema``)
-# reads this file's footer first and only falls back to one data file's.
-SUMMARY_FILE = "_common_metadata"
-# Footer key under which Spark records the schema it wrote (and reads back).
-SPARK_SCHEMA_KEY = b"org.apache.spark.sql.parquet.row.metadata"
-
-# --------------------------------------------------------------------------
-# Crash points
-
-ENV_CRASH_AT = "EVENTPLANE_CRASH_AT"
-COMMIT_CRASH_POINTS = (
-    "cdc.before_stage",  # nothing of the batch written
-    "cdc.after_stage",  # staged files exist, no intent
-    "cdc.after_quarantine",  # set-aside rows durable, no intent, not committed
-    "cdc.after_intent",  # intent durable, nothing published
-    "cdc.mid_publish",  # first file renamed, others still staged
-    "cdc.after_publish",  # all files visible, ledger not updated
-    "cdc.after_ledger",  # committed, intent and staging not cleaned
-    "executor.after_commit",  # every sink and stage done, execute() not returned
-)
-# Retention of one partition (daemon/spark/retention.py):
-RETENTION_CRASH_POINTS = (
-    "cdc.retention.before_rename",  # partition visible, nothing done
-    "cdc.retention.after_rename",  # partition hidden (.expired-*), not logged
-    "cdc.retention.after_log",  # hidden and logged, files not deleted
-    "cdc.retention.mid_delete",  # hidden, logged, first file deleted
-)
-# A compaction's steps (daemon/spark/compact.py): rolled back up to the swap,
-# forward after it.
-COMPACT_CRASH_POINTS = (
-    "cdc.compact.after_write",  # merged files staged, no intent
-    "cdc.compact.after_intent",  # intent durable, partition untouched
-    "cdc.compact.mid_build",  # new folder partly built (hidden)
-    "cdc.compact.before_swap",  # new folder complete and durable, not swapped
-    "cdc.compact.after_swap",  # merged files visible, ledger not updated
-    "cdc.compact.after_ledger",  # recorded; old folder, intent not removed
-    "cdc.compact.mid_clean",  # old folder removed, intent not yet
-)
-# A replay of quarantined rows (CdcSink.replay_quarantine): rolled back before
-# its intent, forward after it.
-REPLAY_CRASH_POINTS = (
-    "cdc.replay_after_intent",  # rows staged and listed, nothing published
-    "cdc.replay_after_publish",  # rows visible, still in the quarantine file
-)
-CRASH_POINTS = (
-    COMMIT_CRASH_POINTS + RETENTION_CRASH_POINTS + COMPACT_CRASH_POINTS + REPLAY_CRASH_POINTS
-)
-_crash_hits: dict[str, int] = {}
-_crash_lock = threading.Lock()
-
-
-def crash_point(name: str) -> None:
-    """SIGKILL this process here if ``$EVENTPLANE_CRASH_AT`` names this point.
-
-    ``name@n`` fires at the n-th arrival, so a full-daemon test can let some
-    batches commit first. Costs one environment lookup when unset.
-    """
-    wanted = os.environ.get(ENV_CRASH_AT)
-    if not wanted:
-        return
-    target, _, nth = wanted.partition("@")
-    if target != name:
-        return
-    with _crash_lock:
-        _crash_hits[name] = hits = _crash_hits.get(name, 0) + 1
-    if hits < (int(nth) if nth.isdigit() else 1):
-        return
-    # os.write: unbuffered, so the line survives the kill; tests look for it.
-    os.write(2, f"eventplane: crash point {name} reached (hit {hits}); SIGKILL\n".encode())
-    os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(10)  # SIGKILL is asynchronous only in theory; never run past it
-
-
-# --------------------------------------------------------------------------
-# Errors
-
-
-class CdcError(DaemonError):
-    """Base error of CDC streams."""
-
-
-class CdcLedgerMismatchError(CdcError):
-    """A committed batch id came back with different LSN ranges."""
-
-
-class CdcRecoveryError(CdcError):
-    """An interrupted commit cannot be completed from what is on disk."""
-
-
-class CdcStreamLockedError(CdcError):
-    """Another process writes this stream."""
-
-
-class CdcQuarantineLimitError(CdcError):
-    """More rows of a batch fail alone than ``quarantine_max_rows``."""
-
-
-class CdcLayoutError(CdcError):
-    """The stream's partition_by differs from the layout its table was written with."""
-
-
-def _ranges_to_json(ranges: Mapping[int, tuple[int, int]]) -> dict[str, list[int]]:
-    return {str(c): [a, b] for c, (a, b) in sorted(ranges.items())}
-
-
-def _ranges_from_json(raw: Mapping[str, Any]) -> dict[int, tuple[int, int]]:
-    return {int(c): (int(v[0]), int(v[1])) for c, v in raw.items()}
-
-
-# --------------------------------------------------------------------------
-# Ledger
-
-
-@dataclass(slots=True)
-class LedgerEntry:
-    batch_id: int
-    ranges: dict[int, tuple[int, int]]
-    rows: int
-    files: list[str]
-    committed_at: float
-    quarantined: int = 0  # rows the batch set aside (quarantine.py); not in ``rows``
-
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "batch_id": self.batch_id,
-            "ranges": _ranges_to_json(self.ranges),
-            "rows": self.rows,
-            "files": self.files,
-            "committed_at": self.committed_at,
-        }
-        if self.quarantined:
-            out["quarantined"] = self.quarantined
-        return out
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> LedgerEntry:
-        return cls(
-            int(raw["batch_id"]),
-            _ranges_from_json(raw["ranges"]),
-            int(raw["rows"]),
-            [str(f) for f in raw["files"]],
-            float(raw["committed_at"]),
-            int(raw.get("quarantined", 0)),
-        )
-
-
-@dataclass(slots=True)
-class Ledger:
-    """The commit record of one stream. Lives in ``_eventplane/ledger.json``."""
-
-    stream: str
-    wal_id: str
-    cores: int
-    last_batch_id: int = 0
-    high_lsn: dict[int, int] = field(default_factory=dict)  # core -> last committed LSN
-    rows_total: int = 0
-    batches: list[LedgerEntry] = field(default_factory=list)  # newest last, bounded
-    # The table's partition columns ([[cdc.streams]] partition_by) when it was
-    # created; ledgers from before the key existed were ["collection"].
-    partition_by: list[str] = field(default_factory=lambda: ["collection"])
-    # Compactions (daemon/spark/compact.py): the last id, and the newest
-    # records (id, partition, inputs, outputs, batch range), bounded.
-    last_compaction_id: int = 0
-    compactions: list[dict[str, Any]] = field(default_factory=list)
-
-    def copy(self) -> Ledger:
-        return replace(
-            self,
-            high_lsn=dict(self.high_lsn),
-            batches=list(self.batches),
-            compactions=list(self.compactions),
-            partition_by=list(self.partition_by),
-        )
-
-    def add_compaction(self, record: dict[str, Any], keep: int = KEEP_COMPACTIONS) -> None:
-        self.compactions.append(record)
-        del self.compactions[:-keep]
-        self.last_compaction_id = max(self.last_compaction_id, int(record["id"]))
-
-    def entry(self, batch_id: int) -> LedgerEntry | None:
-        for e in reversed(self.batches):
-            if e.batch_id == batch_id:
-                return e
-            if e.batch_id < batch_id:
-                return None
-        return None
-
-    def append(self, entry: LedgerEntry, keep: int = KEEP_BATCHES) -> None:
-        self.batches.append(entry)
-        del self.batches[:-keep]
-        self.last_batch_id = entry.batch_id
-        self.rows_total += entry.rows
-        for core, (_, last) in entry.ranges.items():
-            self.high_lsn[core] = max(self.high_lsn.get(core, 0), last)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": LEDGER_FORMAT,
-            "stream": self.stream,
-            "wal_id": self.wal_id,
-            "cores": self.cores,
-            "last_batch_id": self.last_batch_id,
-            "high_lsn": {str(c): v for c, v in sorted(self.high_lsn.items())},
-            "rows_total": self.rows_total,
-            "batches": [e.to_json() for e in self.batches],
-            "partition_by": self.partition_by,
-            "last_compaction_id": self.last_compaction_id,
-            "compactions": self.compactions,
-        }
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> Ledger:
-        if raw.get("format") != LEDGER_FORMAT:
-            raise CdcError(f"ledger format {raw.get('format')!r} is not {LEDGER_FORMAT}")
-        return cls(
-            stream=str(raw["stream"]),
-            wal_id=str(raw["wal_id"]),
-            cores=int(raw["cores"]),
-            last_batch_id=int(raw["last_batch_id"]),
-            high_lsn={int(c): int(v) for c, v in raw["high_lsn"].items()},
-            rows_total=int(raw.get("rows_total", 0)),
-            batches=[LedgerEntry.from_json(e) for e in raw["batches"]],
-            partition_by=[str(c) for c in raw.get("partition_by", ["collection"])],
-            last_compaction_id=int(raw.get("last_compaction_id", 0)),
-            compactions=[dict(c) for c in raw.get("compactions", [])],
-        )
-
-
-def read_ledger(path: Path) -> Ledger | None:
-    """The stream's ledger, or None when nothing was ever committed there."""
-    file = path / META_DIR / "ledger.json"
-    try:
-        raw = json.loads(file.read_bytes())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise CdcError(f"{file}: unreadable ledger ({exc}); restore it from backup") from exc
-    try:
-        return Ledger.from_json(raw)
-    except (KeyError, TypeError, ValueError, CdcError) as exc:
-        raise CdcError(f"{file}: malformed ledger ({exc}); restore it from backup") from exc
-
-
-# --------------------------------------------------------------------------
-# The sink
-
-
-@dataclass(frozen=True, slots=True)
-class CommitResult:
-    stream: str
-    batch_id: int
-    rows: int
-    files: int
-    noop: bool  # the batch was committed before (a re-run)
-    seconds: float
-    quarantined: int = 0  # rows set aside in the stream's quarantine
-
-
-@dataclass(slots=True)
-class RecoveryReport:
-    rolled_forward: list[int] = field(default_factory=list)
-    intents_removed: list[int] = field(default_factory=list)
-    staging_removed: list[str] = field(default_factory=list)
-    orphans_removed: list[str] = field(default_factory=list)
-    compactions_rolled_forward: list[int] = field(default_factory=list)
-    compactions_rolled_back: list[int] = field(default_factory=list)
 
 
 class CdcSink:
@@ -514,7 +175,7 @@ class CdcSink:
         # partition_by as Java String arrays) (_write_direct).
         self._direct_args: tuple[Any, ...] | None = None
         self.commit_lock = threading.RLock()
-        # Leaf partitions a compaction claimed (daemon/spark/compact.py), by
+        # Leaf partitions a compaction claimed (daemon/table/compact.py), by
         # relative path; retention leaves them alone. Under commit_lock.
         self.compacting: set[str] = set()
         # Rows in the stream's quarantine (quarantine.py), counted at open.
@@ -554,12 +215,8 @@ class CdcSink:
             self._complete_replays()
             self.quarantined = quarantine.count(self.meta)
             self._remove_staging(report)
-            from daemon.spark import compact
-
             compact.recover(self, report)
             self._remove_orphans(report)
-            from daemon.spark import retention  # it imports this module
-
             retention.recover(self.path, self.name)
         except BaseException:
             self.close()
@@ -1253,252 +910,6 @@ class CdcSink:
                 report.orphans_removed.append(str(f.relative_to(self.path)))
 
 
-def _py4j_jvm(spark: Any) -> Any:
-    """The py4j view of ``spark``'s JVM; None under Spark Connect (no JVM here)."""
-    return getattr(getattr(spark, "_sc", None), "_jvm", None)
-
-
-@dataclass(frozen=True, slots=True)
-class SelectList:
-    """A select list built once per session, for a select per batch that
-    costs one py4j command.
-
-    ``DataFrame.select(*columns)`` hands the JVM a new Java list per call,
-    built with one command per element (py4j's list conversion): 14 for the
-    write's list, 12 for the batch's contract columns. Here the JVM's
-    ``Seq`` of the Columns is made once and passed as it is. A Spark Connect
-    session has no JVM here: its selects go the usual way.
-    """
-
-    columns: tuple[Any, ...]
-    jseq: Any  # the JVM Seq of the Columns; None under Spark Connect
-
-    @classmethod
-    def build(cls, spark: Any, columns: list[Any]) -> SelectList:
-        jvm = _py4j_jvm(spark)
-        jseq = None if jvm is None else jvm.PythonUtils.toSeq([c._jc for c in columns])
-        return cls(tuple(columns), jseq)
-
-    def select(self, df: Any) -> Any:
-        """``df.select(*columns)``."""
-        if self.jseq is None:
-            return df.select(*self.columns)
-        from pyspark.sql.classic.dataframe import DataFrame
-
-        return DataFrame(df._jdf.select(self.jseq), df.sparkSession)
-
-
-@dataclass(frozen=True, slots=True)
-class WriteOptions:
-    """A writer's options built once per session, set with one py4j command.
-
-    ``DataFrameWriter.options(**options)`` sends one command per option (9
-    for step 1's write); here a Java map of them is made once and handed to
-    the JVM writer's ``options(Map)``. Under Spark Connect (no JVM here)
-    they are set the usual way.
-    """
-
-    options: dict[str, str]
-    jmap: Any  # a java.util.HashMap of ``options``; None under Spark Connect
-
-    @classmethod
-    def build(cls, spark: Any, options: dict[str, str]) -> WriteOptions:
-        jvm = _py4j_jvm(spark)
-        jmap = None
-        if jvm is not None:
-            jmap = jvm.java.util.HashMap()
-            for key, value in options.items():
-                jmap.put(key, value)
-        return cls(dict(options), jmap)
-
-    def set_on(self, writer: Any) -> Any:
-        """``writer.options(**options)``; returns ``writer``."""
-        if self.jmap is None or not hasattr(writer, "_jwrite"):
-            return writer.options(**self.options)
-        writer._jwrite = writer._jwrite.options(self.jmap)
-        return writer
-
-
-def staging_write_options(spark: Any) -> dict[str, str]:
-    """The Hadoop options of a staging write (step 1, and a compaction's Spark
-    write) in ``spark``'s session: ``STAGING_WRITE_OPTIONS``, with
-    ``NIO_LOCAL_FS`` as the file system when the session's JVM runs the tasks
-    and can load it. Decided once per session (a few py4j calls); without it
-    the writes fork ``chmod`` as before, and the first session says why, once
-    per process."""
-    global _staging_options, _staging_fallback_logged
-    cached = _staging_options
-    if cached is not None and cached[0] is spark:
-        return cached[1]
-    options = dict(STAGING_WRITE_OPTIONS)
-    reason = _nio_fs_missing(spark)
-    if reason is None:
-        options["fs.file.impl"] = NIO_LOCAL_FS
-        _drop_yarn_defaults(spark)
-    elif not _staging_fallback_logged:
-        _staging_fallback_logged = True
-        log.info("cdc_staging_forks_chmod", reason=reason)
-    _staging_options = (spark, options)
-    return options
-
-
-def _drop_yarn_defaults(spark: Any) -> None:
-    """Unset the session's Hadoop keys that only ``yarn-default.xml`` set (527
-    of 1,100; the daemon's jar does it in one call). A local master never reads
-    them, and every job serialises the whole configuration to its tasks, where
-    every Parquet writer scans it (docs/performance.md, "The fixed cost of a
-    batch"). Called with a local master only; a key a site file or
-    ``spark.hadoop.*`` set stays."""
-    from py4j.protocol import Py4JError
-
-    conf = spark.sparkContext._jsc.hadoopConfiguration()
-    try:
-        drop = spark.sparkContext._jvm.eventplane.hadoop.HadoopDefaults.drop
-        dropped = drop(conf, "yarn-default.xml")
-    except Py4JError as exc:  # a jar built before the class existed: a cost only
-        log.info("cdc_hadoop_defaults_kept", error=str(exc)[:200])
-        return
-    log.debug("cdc_hadoop_defaults_dropped", resource="yarn-default.xml", keys=dropped)
-
-
-@dataclass(frozen=True, slots=True)
-class RawInbox:
-    """A batch's raw inbox file (``daemon.spark.rawinbox``) in ``spark``'s
-    session, for step 1 (:meth:`CdcSink.commit`).
-
-    ``rows``: what the write must write (``commit`` sets the stream's).
-    ``direct``: step 1 writes the file's rows without a Spark job; else a
-    Spark job writes the batch DataFrame, and the file serves only to find
-    rows that fail alone. ``reread(collections, skip)``: a DataFrame of the
-    batch's rows of those collections (empty: all) but the LSNs of ``skip``,
-    whose reader parses only those rows' payloads. ``skip``: LSNs the
-    direct write leaves out.
-    """
-
-    spark: Any
-    path: Path
-    splits: str
-    batch_id: int
-    rows: int
-    direct: bool = True
-    reread: Callable[[tuple[str, ...], tuple[int, ...]], Any] | None = None
-    skip: tuple[int, ...] = ()
-
-
-def writer_errors(spark: Any, rows: list[quarantine.QuarantinedRow]) -> list[str | None]:
-    """For each row, None when the writer parses its payloads now, else why
-    not (``JsonCheck.checkMany``, with the session's parse_json settings)."""
-    from daemon.events import decode as decode_stored
-
-    docs: list[bytes] = []
-    for r in rows:
-        event = decode_stored(r.payload)
-        docs += [event.new or b"null", event.old or b"null"]
-    conf = spark.conf
-    verdicts = _py4j_jvm(spark).eventplane.inbox.JsonCheck.checkMany(
-        bytearray(b"".join(docs)),
-        ",".join(str(len(d)) for d in docs),
-        conf.get("spark.sql.variant.allowDuplicateKeys") == "true",
-        conf.get("spark.sql.variant.validateUnicodeInJsonParsing") == "true",
-    )
-    out: list[str | None] = []
-    for i in range(len(rows)):
-        new, old = verdicts[2 * i], verdicts[2 * i + 1]
-        out.append(f"new: {new}" if new else f"old: {old}" if old else None)
-    return out
-
-
-def _java_strings(spark: Any, values: tuple[str, ...]) -> Any:
-    """A Java ``String[]`` of ``values`` in ``spark``'s JVM."""
-    array = spark.sparkContext._gateway.new_array(_py4j_jvm(spark).java.lang.String, len(values))
-    for i, value in enumerate(values):
-        array[i] = value
-    return array
-
-
-def direct_write_missing(spark: Any) -> str | None:
-    """Why ``spark``'s session cannot write a batch without a Spark job (None:
-    it can). Decided once per session; the raw inbox needs the same jar, so a
-    session that reads one and lacks this class has a jar built before it."""
-    global _direct_usable
-    cached = _direct_usable
-    if cached is not None and cached[0] is spark:
-        return cached[1]
-    from daemon.spark.session import daemon_class_missing
-
-    reason = daemon_class_missing(spark, DIRECT_WRITE)
-    _direct_usable = (spark, reason)
-    return reason
-
-
-def _nio_fs_missing(spark: Any) -> str | None:
-    """Why ``NIO_LOCAL_FS`` cannot serve ``spark``'s writes (None: it can)."""
-    from daemon.spark.session import daemon_class_missing
-
-    return daemon_class_missing(spark, NIO_LOCAL_FS)
-
-
-def time_columns(partition_by: tuple[str, ...]) -> list[tuple[str, Any]]:
-    """The time partition columns of ``partition_by``, as ``(name, Column)``:
-    ``date``, the UTC day of ``ingest_ts`` as ``yyyy-MM-dd``, and ``hour``,
-    ``00``..``23``. Computed from epoch seconds, so Spark's session time zone
-    does not matter."""
-    if "date" not in partition_by and "hour" not in partition_by:
-        return []
-    from pyspark.sql import functions as F
-
-    secs = F.unix_seconds(F.col("ingest_ts"))
-    out = []
-    if "date" in partition_by:
-        day = F.floor(secs / 86_400).cast("int")
-        out.append(("date", F.date_add(F.lit("1970-01-01").cast("date"), day).cast("string")))
-    if "hour" in partition_by:
-        hour = F.pmod(F.floor(secs / 3_600), F.lit(24)).cast("string")
-        out.append(("hour", F.lpad(hour, 2, "0")))
-    return out
-
-
-def _published(path: Path) -> list[tuple[int, Path]]:
-    """(batch_id, file) of every ``part-b<id>-*`` file in the table's visible
-    partition folders, at any depth (``collection=x/date=d/hour=h``). Folders
-    whose names start with ``_`` or ``.`` are not read by readers and skipped
-    (``_eventplane``, a partition being expired)."""
-    out: list[tuple[int, Path]] = []
-    for root, dirs, names in os.walk(path):
-        dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]
-        if root == str(path):
-            continue  # files at the root are not data
-        for n in names:
-            m = _PUBLISHED.match(n)
-            if m:
-                out.append((int(m.group(1)), Path(root) / n))
-    return out
-
-
-def file_batch(name: str) -> int | None:
-    """The newest batch a published or compacted data file holds, from its name."""
-    m = _PUBLISHED.match(name)
-    if m:
-        return int(m.group(1))
-    m = _COMPACTED.match(name)
-    return int(m.group(3)) if m else None
-
-
-def committed_files(path: Path) -> list[tuple[int, Path]]:
-    """(batch_id, file) for every published file of a stream, newest batch first.
-
-    A compacted file counts as its newest batch: every row of a batch B is in a
-    file whose key is >= B, so the files keyed >= B hold all of B's rows.
-    """
-    out: list[tuple[int, Path]] = []
-    with contextlib.suppress(FileNotFoundError):
-        for root, dirs, names in os.walk(path):
-            dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]
-            if root == str(path):
-                continue  # files at the root are not data
-            for n in names:
-                b = file_batch(n)
-                if b is not None:
-                    out.append((b, Path(root) / n))
-    out.sort(key=lambda t: (-t[0], str(t[1])))
-    return out
+def _implements(sink: CdcSink) -> TableSink:
+    """mypy checks here that ``CdcSink`` is a ``TableSink``."""
+    return sink

@@ -32,16 +32,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from daemon.spark.cdc import (
+from daemon.table.durable import fsync_dir, fsync_file
+from daemon.table.errors import CdcError
+from daemon.table.layout import (
+    INBOX_SCHEMA,
     JSON_COLUMNS,
     PARQUET_OPTIONS,
     TABLE_COLUMNS,
-    CdcError,
-    CdcSink,
     committed_files,
 )
-from daemon.spark.durable import fsync_dir, fsync_file
-from daemon.spark.frame import INBOX_SCHEMA
+from daemon.table.parquet import CdcSink
 
 _SOURCE = "_file"
 # Spark types of the table's columns but new/old (the batch input file's).

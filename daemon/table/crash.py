@@ -1,0 +1,77 @@
+"""Crash points: named places where a test makes the process SIGKILL itself.
+
+``EVENTPLANE_CRASH_AT=<name>[@<n>]`` kills the process the n-th time (default:
+the first) it reaches ``crash_point(name)``. The names are in
+``CRASH_POINTS``; crash tests aim at each step of the table's protocols with
+them (docs/cdc.md, "Crash points").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+ENV_CRASH_AT = "EVENTPLANE_CRASH_AT"
+COMMIT_CRASH_POINTS = (
+    "cdc.before_stage",  # nothing of the batch written
+    "cdc.after_stage",  # staged files exist, no intent
+    "cdc.after_quarantine",  # set-aside rows durable, no intent, not committed
+    "cdc.after_intent",  # intent durable, nothing published
+    "cdc.mid_publish",  # first file renamed, others still staged
+    "cdc.after_publish",  # all files visible, ledger not updated
+    "cdc.after_ledger",  # committed, intent and staging not cleaned
+    "executor.after_commit",  # every sink and stage done, execute() not returned
+)
+# Retention of one partition (daemon/table/retention.py):
+RETENTION_CRASH_POINTS = (
+    "cdc.retention.before_rename",  # partition visible, nothing done
+    "cdc.retention.after_rename",  # partition hidden (.expired-*), not logged
+    "cdc.retention.after_log",  # hidden and logged, files not deleted
+    "cdc.retention.mid_delete",  # hidden, logged, first file deleted
+)
+# A compaction's steps (daemon/table/compact.py): rolled back up to the swap,
+# forward after it.
+COMPACT_CRASH_POINTS = (
+    "cdc.compact.after_write",  # merged files staged, no intent
+    "cdc.compact.after_intent",  # intent durable, partition untouched
+    "cdc.compact.mid_build",  # new folder partly built (hidden)
+    "cdc.compact.before_swap",  # new folder complete and durable, not swapped
+    "cdc.compact.after_swap",  # merged files visible, ledger not updated
+    "cdc.compact.after_ledger",  # recorded; old folder, intent not removed
+    "cdc.compact.mid_clean",  # old folder removed, intent not yet
+)
+# A replay of quarantined rows (CdcSink.replay_quarantine): rolled back before
+# its intent, forward after it.
+REPLAY_CRASH_POINTS = (
+    "cdc.replay_after_intent",  # rows staged and listed, nothing published
+    "cdc.replay_after_publish",  # rows visible, still in the quarantine file
+)
+CRASH_POINTS = (
+    COMMIT_CRASH_POINTS + RETENTION_CRASH_POINTS + COMPACT_CRASH_POINTS + REPLAY_CRASH_POINTS
+)
+_crash_hits: dict[str, int] = {}
+_crash_lock = threading.Lock()
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process here if ``$EVENTPLANE_CRASH_AT`` names this point.
+
+    ``name@n`` fires at the n-th arrival, so a full-daemon test can let some
+    batches commit first. Costs one environment lookup when unset.
+    """
+    wanted = os.environ.get(ENV_CRASH_AT)
+    if not wanted:
+        return
+    target, _, nth = wanted.partition("@")
+    if target != name:
+        return
+    with _crash_lock:
+        _crash_hits[name] = hits = _crash_hits.get(name, 0) + 1
+    if hits < (int(nth) if nth.isdigit() else 1):
+        return
+    # os.write: unbuffered, so the line survives the kill; tests look for it.
+    os.write(2, f"eventplane: crash point {name} reached (hit {hits}); SIGKILL\n".encode())
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(10)  # SIGKILL is asynchronous only in theory; never run past it

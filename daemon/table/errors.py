@@ -1,0 +1,29 @@
+"""Typed errors of CDC tables."""
+
+from __future__ import annotations
+
+from daemon.errors import DaemonError
+
+
+class CdcError(DaemonError):
+    """Base error of CDC streams."""
+
+
+class CdcLedgerMismatchError(CdcError):
+    """A committed batch id came back with different LSN ranges."""
+
+
+class CdcRecoveryError(CdcError):
+    """An interrupted commit cannot be completed from what is on disk."""
+
+
+class CdcStreamLockedError(CdcError):
+    """Another process writes this stream."""
+
+
+class CdcQuarantineLimitError(CdcError):
+    """More rows of a batch fail alone than ``quarantine_max_rows``."""
+
+
+class CdcLayoutError(CdcError):
+    """The stream's partition_by differs from the layout its table was written with."""
