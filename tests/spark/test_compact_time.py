@@ -18,8 +18,8 @@ import pytest
 
 from daemon.cli.compact import describe_plan
 from daemon.config import CdcStream
-from daemon.spark import compact, retention
 from daemon.spark.executor import SparkExecutor
+from daemon.table import compact, retention
 from daemon.table.compact import compact_stream, plan_stream
 from daemon.table.durable import atomic_write_json
 from daemon.table.errors import CdcRecoveryError

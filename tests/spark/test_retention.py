@@ -282,7 +282,7 @@ def run_retention_child(stream: CdcStream, crash_at: str) -> subprocess.Complete
         "import sys\n"
         "from pathlib import Path\n"
         "from daemon.config import CdcStream\n"
-        "from daemon.spark import retention\n"
+        "from daemon.table import retention\n"
         f"s = CdcStream('all', ('*',), Path({str(stream.path)!r}), "
         f"partition_by={stream.partition_by!r}, retention_s={stream.retention_s!r})\n"
         f"retention.apply(s, {NOW!r})\n"
