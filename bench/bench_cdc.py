@@ -303,11 +303,10 @@ def start_daemon(
     # on its data_dir does (docs/performance.md, "The daemon's JVM"); the
     # first one records it when its JVM exits. One folder per interpreter: a
     # daemon removes the archives of another PySpark from its folder, so two
-    # sides on two PySpark versions would never map one.
-    name = "eventplane-bench-spark-cds"
-    if python != sys.executable:
-        name += "-" + hashlib.sha256(python.encode()).hexdigest()[:8]
-    cds = Path(tempfile.gettempdir()) / name
+    # venvs on two PySpark versions (a --baseline-python side, another
+    # checkout's bench) would keep removing each other's.
+    venv = hashlib.sha256(python.encode()).hexdigest()[:8]
+    cds = Path(tempfile.gettempdir()) / f"eventplane-bench-spark-cds-{venv}"
     cds.mkdir(exist_ok=True)
     (root / "data").mkdir()
     (root / "data" / "spark-cds").symlink_to(cds, target_is_directory=True)
