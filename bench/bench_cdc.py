@@ -287,10 +287,13 @@ def start_daemon(
     max_rows: int,
     extra: str = "",
     src: Path | None = None,
+    python: str = sys.executable,
 ) -> Daemon:
     """Start ``eventplane run`` on a config of its own under ``root``; ``src``: run
     the daemon package of that source tree (its folder is the process's working
-    directory, which comes first on ``sys.path``) instead of this one's."""
+    directory, which comes first on ``sys.path``) instead of this one's;
+    ``python``: the interpreter (and so the PySpark) the daemon runs with."""
+    import hashlib
     import subprocess
     import urllib.request
 
@@ -298,8 +301,12 @@ def start_daemon(
     # Every daemon a benchmark starts has a data_dir of its own, but they all
     # share the driver JVM's class data sharing archive, as a daemon restarted
     # on its data_dir does (docs/performance.md, "The daemon's JVM"); the
-    # first one records it when its JVM exits.
-    cds = Path(tempfile.gettempdir()) / "eventplane-bench-spark-cds"
+    # first one records it when its JVM exits. One folder per interpreter: a
+    # daemon removes the archives of another PySpark from its folder, so two
+    # venvs on two PySpark versions (a --baseline-python side, another
+    # checkout's bench) would keep removing each other's.
+    venv = hashlib.sha256(python.encode()).hexdigest()[:8]
+    cds = Path(tempfile.gettempdir()) / f"eventplane-bench-spark-cds-{venv}"
     cds.mkdir(exist_ok=True)
     (root / "data").mkdir()
     (root / "data" / "spark-cds").symlink_to(cds, target_is_directory=True)
@@ -334,10 +341,10 @@ path = "cdc"
 {extra}
 """)
     log = root / "daemon.log"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    env = {**os.environ, "PYSPARK_PYTHON": python}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli.main", "run", "--config", str(config)],
+            [python, "-m", "daemon.cli.main", "run", "--config", str(config)],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,

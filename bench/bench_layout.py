@@ -8,7 +8,7 @@ Each layout writes the same batches the way ``CdcSink`` stages them
 ``new``/``old`` parsed to VARIANT), in one SparkSession whose confs are
 switched per layout:
 
-- **previous default**: Spark 4.3's defaults, the daemon's layout until
+- **previous default**: Spark's defaults, the daemon's layout until
   2026-11-25: VARIANT shredded per file, annotated as Parquet VARIANT, no
   JSON columns;
 - **unshredded VARIANT**: ``spark.sql.variant.writeShredding.enabled=false``

@@ -938,10 +938,18 @@ class Side:
 class EventplaneSide(Side):
     name = "eventplane"
 
-    def __init__(self, root: Path, master: str, interval_ms: int, src: Path | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        master: str,
+        interval_ms: int,
+        src: Path | None = None,
+        python: str = sys.executable,
+    ) -> None:
         self.root, self.master, self.interval_ms = root, master, interval_ms
-        # ``--baseline``: the daemon runs from this source tree instead of ours.
-        self.src = src
+        # ``--baseline``: the daemon runs from this source tree instead of ours,
+        # with ``--baseline-python``'s interpreter.
+        self.src, self.python = src, python
         if src is not None:
             self.name = "baseline"
         self.d: Any = None
@@ -949,7 +957,9 @@ class EventplaneSide(Side):
     def start(self) -> None:
         from bench.bench_cdc import start_daemon
 
-        self.d = start_daemon(self.root, self.master, self.interval_ms, 100_000, src=self.src)
+        self.d = start_daemon(
+            self.root, self.master, self.interval_ms, 100_000, src=self.src, python=self.python
+        )
         self.url, self.table = self.d.ingest, self.d.table
 
     def cpu(self) -> dict[str, float]:
@@ -1532,6 +1542,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "a before/after comparison in one run",
     )
     p.add_argument(
+        "--baseline-python",
+        default=sys.executable,
+        help="the interpreter the baseline's daemon runs with, for example the baseline "
+        "tree's own .venv/bin/python to compare another PySpark (default: this one)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -1613,7 +1629,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.baseline is not None:
                 sides.append(
                     EventplaneSide(
-                        where / "baseline", args.master, args.interval_ms, args.baseline.resolve()
+                        where / "baseline",
+                        args.master,
+                        args.interval_ms,
+                        args.baseline.resolve(),
+                        # The daemon starts in the baseline's folder: a relative path
+                        # is taken from here.
+                        os.path.abspath(args.baseline_python)
+                        if os.sep in args.baseline_python
+                        else args.baseline_python,
                     )
                 )
             if "landing" in peers:

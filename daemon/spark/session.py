@@ -71,7 +71,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-# PySpark 4.3 warns (FutureWarning) that it does not fully support pandas 3; the
+# PySpark 4.2 warns (FutureWarning) that it does not fully support pandas 3; the
 # daemon never hands pandas objects to Spark (batches travel as Arrow), so the
 # warning says nothing about our paths. Filtered narrowly, by message.
 _PANDAS3_WARNING = "PySpark does not yet fully support pandas"

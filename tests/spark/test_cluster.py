@@ -1,8 +1,10 @@
 """Beyond one machine, on loopback: a standalone master + worker, and Spark Connect.
 
-Both start from the installed pyspark distribution (its ``bin/spark-class`` and
-``sbin/start-connect-server.sh``); the executor runs in a subprocess (one
-SparkContext per process) and the shared test session reads the CDC table.
+Both start from the installed pyspark distribution: ``bin/spark-class`` for the
+master and worker, ``bin/spark-submit`` of Spark Connect's server class (the
+wheel ships its jar in ``jars/`` but no ``sbin/start-connect-server.sh``). The
+executor runs in a subprocess (one SparkContext per process) and the shared
+test session reads the CDC table.
 """
 
 from __future__ import annotations
@@ -46,10 +48,16 @@ def _env(tmp: Path) -> dict[str, str]:
     }
 
 
-def _start(cmd: list[str], tmp: Path, name: str) -> subprocess.Popen[bytes]:
+def _start(
+    cmd: list[str], tmp: Path, name: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(
-        cmd, env=_env(tmp), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        env={**_env(tmp), **(env or {})},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 
@@ -167,12 +175,24 @@ def _connect_client_missing() -> str:
     return ""
 
 
+# The server's main class, what Spark's sbin/start-connect-server.sh submits (the
+# pyspark wheel has the class, in jars/spark-connect_2.13-*.jar, not the script).
+CONNECT_SERVER = "org.apache.spark.sql.connect.service.SparkConnectServer"
+
+
 def _start_connect(home: Path, port: int, name: str = "connect") -> subprocess.Popen[bytes]:
+    """The server in the foreground, as ``start-connect-server.sh --wait`` runs it:
+    ``spark-submit`` knows the class and needs no application jar; Spark's
+    daemon scripts set ``SPARK_CONNECT_MODE=0`` so that a value inherited from
+    the environment cannot make the server's own session a Connect client."""
     (home / "logs").mkdir(parents=True, exist_ok=True)
     server = _start(
         [
-            str(spark_home() / "sbin" / "start-connect-server.sh"),
-            "--wait",
+            str(spark_home() / "bin" / "spark-submit"),
+            "--class",
+            CONNECT_SERVER,
+            "--name",
+            "Spark Connect server",
             "--master",
             "local[1]",
             "--conf",
@@ -186,6 +206,7 @@ def _start_connect(home: Path, port: int, name: str = "connect") -> subprocess.P
         ],
         home,
         name,
+        {"SPARK_CONNECT_MODE": "0"},
     )
     _wait(lambda: _port_open(port), 180, "Spark Connect server", home)
     return server
@@ -193,7 +214,7 @@ def _start_connect(home: Path, port: int, name: str = "connect") -> subprocess.P
 
 @pytest.fixture
 def connect_server(tmp_path: Path) -> Iterator[str]:
-    """The distribution's Spark Connect server (local[1]) on 127.0.0.1."""
+    """The distribution's Spark Connect server (local[1]) on 127.0.0.1 only."""
     port = free_port()
     server = _start_connect(tmp_path / "connect", port)
     try:

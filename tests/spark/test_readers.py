@@ -321,7 +321,7 @@ PREVIOUS_COLUMNS = tuple(c for c in CDC_COLUMNS if c not in ("event_id", "event_
 
 
 async def write_mixed_table(spark: Any, ex: Any, batches: Sequence[MicroBatch]) -> None:
-    """The first half of ``batches`` in the previous layout (Spark 4.3's defaults:
+    """The first half of ``batches`` in the previous layout (Spark's defaults:
     shredded, annotated, no JSON columns, no event_id/event_time), the rest in
     the current one."""
     previous = {

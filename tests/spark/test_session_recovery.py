@@ -97,7 +97,7 @@ class _Connect:
     def version(self) -> str:
         if self.error is not None:
             raise self.error
-        return "4.3.0"
+        return "4.2.0"
 
 
 class _Stage:
