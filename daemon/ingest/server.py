@@ -10,9 +10,11 @@ WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
 2. Read the body in chunks under the body deadline, counting bytes (413 as
    soon as the count passes the limit, 408 at the deadline), holding a share
    of the ingest memory budget.
-3. Parse and validate whole: 400 malformed (line, column, byte position), 413
-   too many events, 422 per-item errors (index, field, reason); the decoders
-   and the slow path that explains a refusal are :mod:`daemon.ingest.validate`.
+3. Parse and validate whole: 400 malformed (line, column, byte position),
+   invalid UTF-8 included, 413 too many events, 422 per-item errors (index,
+   field, reason), a ``new``/``old`` that a CDC writer would refuse included
+   (:mod:`daemon.ingest.payload`); the decoders and the slow path that
+   explains a refusal are :mod:`daemon.ingest.validate`.
    With an ``Idempotency-Key``, first :meth:`IngestServer._claim`: a key the
    de-duplication window knows, with the same body, is answered from the
    original append (200, ``"replayed": true``) without parsing; with another
@@ -35,6 +37,7 @@ get a canned 503 and are closed. ``docs/ingest.md`` is the user-facing page.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import re
 import struct
@@ -45,7 +48,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol, cast
 from zlib import crc32
 
-import msgspec
 import structlog
 from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
@@ -53,8 +55,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from daemon.config import Config
 from daemon.errors import DaemonError
+from daemon.ingest.payload import min_length, problem
 from daemon.ingest.validate import (
     _LBRACE,
+    DECODE_ERRORS,
     InEvent,
     Rejection,
     _decode_many,
@@ -269,6 +273,9 @@ class IngestServer:
         self._max_event = c.max_event_bytes
         self._max_events = c.max_events_per_request
         self._max_event_id = c.max_event_id_chars
+        self._max_depth = c.max_json_depth
+        # Payloads shorter than this cannot break a CDC writer's limit (min_length).
+        self._check_from = min_length(c.max_json_depth)
         # Bodies being read or parsed hold at most max_buffered_bytes; parsed
         # events and payloads add about 2x on top, so ingest stays within ~3x.
         self._budget = ByteBudget(c.max_buffered_bytes)
@@ -778,6 +785,12 @@ class IngestServer:
     def _parse(self, body: bytes, ndjson: bool) -> CoreSections:
         if not body or body.isspace():
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
+        # UTF-8, once per body: msgspec checks the strings it decodes, not the text of
+        # new/old that it keeps raw, and Jackson takes overlong forms that would put
+        # invalid UTF-8 into the new_json column. Python's codec refuses all of it.
+        if not body.isascii() and not _valid_utf8(body):
+            self._explain(body, ndjson)
+            raise _disagreement(None)
         if ndjson:
             lines = body.split(b"\n")
             if len(lines) > self._max_events:
@@ -788,27 +801,31 @@ class IngestServer:
                 for line in lines:
                     if line:
                         append(_decode_one(line))
-            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            except DECODE_ERRORS:
                 # Raises unless the culprit was a blank line.
-                explain_body(body, ndjson, self._check_count, self._max_event_id)
+                self._explain(body, ndjson)
                 try:
                     events = [_decode_one(x) for x in lines if x.strip()]
-                except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+                except DECODE_ERRORS as exc:
                     raise _disagreement(exc) from exc
         else:
             try:
                 events = _decode_many(body)
-            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-                explain_body(body, ndjson, self._check_count, self._max_event_id)
+            except DECODE_ERRORS as exc:
+                self._explain(body, ndjson)
                 raise _disagreement(exc) from exc
             self._check_count(len(events))
         if not events:
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
         items = self._encode(events)
         if items is None:
-            explain_body(body, ndjson, self._check_count, self._max_event_id)
+            self._explain(body, ndjson)
             raise _disagreement(None)
         return items
+
+    def _explain(self, body: bytes, ndjson: bool) -> None:
+        """The slow path behind a refusal: raises the 400/413/422 that says what is wrong."""
+        explain_body(body, ndjson, self._check_count, self._max_event_id, self._max_depth)
 
     def _check_count(self, n: int) -> None:
         if n > self._max_events:
@@ -822,7 +839,8 @@ class IngestServer:
 
     def _encode(self, events: list[InEvent]) -> CoreSections | None:
         """Step 4. ``(core, payload)`` per event, split by core (``CoreSections``);
-        None when an op/new/old, ``id`` length or ``time`` range rule is broken.
+        None when an op/new/old, ``id`` length or ``time`` range rule is broken, or
+        a CDC writer would refuse ``new`` or ``old`` (:mod:`daemon.ingest.payload`).
 
         The hot loop of ingest: keep it free of calls that are not needed. The
         payload is ``validate._stored_payload`` inlined (``encode`` instead of
@@ -833,6 +851,9 @@ class IngestServer:
         seeds = self._seeds
         max_event = self._max_event
         max_id = self._max_event_id
+        check_from = self._check_from
+        max_depth = self._max_depth
+        refused = problem
         null = b"null"
         encode = _msgpack_encode
         # Per core: the events' positions in the request and their payloads. The
@@ -851,6 +872,8 @@ class IngestServer:
                 text = bytes(ev.new)
                 if text[0] == _LBRACE:
                     new: bytes | None = text
+                    if len(text) >= check_from and refused(text, max_depth) is not None:
+                        return None
                 elif text == null:
                     new = None
                 else:
@@ -858,6 +881,8 @@ class IngestServer:
                 text = bytes(ev.old)
                 if text[0] == _LBRACE:
                     old: bytes | None = text
+                    if len(text) >= check_from and refused(text, max_depth) is not None:
+                        return None
                 elif text == null:
                     old = None
                 else:
@@ -923,3 +948,27 @@ class IngestServer:
             index=index,
             limit=self._max_event,
         )
+
+
+# A body over this is checked for UTF-8 in slices of it: never one str of its size.
+_UTF8_SLICE = 1 << 20
+
+
+def _valid_utf8(body: bytes) -> bool:
+    """Whether ``body`` is UTF-8 by Python's strict codec (no overlong forms, surrogates,
+    code points past U+10FFFF or cut sequences)."""
+    if len(body) <= _UTF8_SLICE:
+        try:
+            body.decode()
+        except UnicodeDecodeError:
+            return False
+        return True
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(body)
+    try:
+        for at in range(0, len(body), _UTF8_SLICE):
+            decoder.decode(view[at : at + _UTF8_SLICE])
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True
