@@ -43,6 +43,9 @@ MAX_JSON_DEPTH = 512
 # string of more than 20,000,000 characters; an event of at most this many bytes
 # cannot hold one (daemon/ingest/payload.py, MAX_STRING_CHARS).
 MAX_EVENT_BYTES = 20_000_000
+# Spark's parse_json setting that the daemon sets to true (daemon/spark/session.py) and a
+# user's [spark.conf] may not turn off (_cross_checks).
+ALLOW_DUPLICATE_KEYS = "spark.sql.variant.allowDuplicateKeys"
 
 
 @dataclass(frozen=True, slots=True)
@@ -782,6 +785,14 @@ def _cross_checks(cfg: Config, errors: list[str]) -> None:
         errors.append(f"admin.listen: same address as ingest.listen ({cfg.ingest.listen})")
     if cfg.spark.remote and "master" in cfg.spark.conf:
         errors.append("spark.conf.master: use spark.master or spark.remote, not conf")
+    duplicates = cfg.spark.conf.get(ALLOW_DUPLICATE_KEYS)
+    if duplicates is not None and duplicates.strip().lower() != "true":
+        errors.append(
+            f"spark.conf.{ALLOW_DUPLICATE_KEYS}: must stay true (the daemon's default), got "
+            f"{_show(duplicates)}: ingest accepts a JSON object that repeats a key (the last "
+            "one wins), and with false the CDC writers refuse it, so one such event would "
+            "fail every batch of its stream"
+        )
     for t in cfg.triggers:
         if t.retry.max_backoff_ms < t.retry.initial_backoff_ms:
             errors.append(f"triggers.{t.name}.retry.max_backoff_ms: must be >= initial_backoff_ms")

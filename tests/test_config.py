@@ -141,6 +141,20 @@ def test_max_event_bytes_stops_at_the_writers_longest_string() -> None:
     ]
 
 
+@pytest.mark.parametrize("value", ["false", "FALSE", " False ", False, "no"])
+def test_a_spark_conf_that_turns_duplicate_keys_off_is_refused_saying_why(value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.parse({"spark": {"conf": {"spark.sql.variant.allowDuplicateKeys": value}}})
+    [error] = info.value.errors
+    assert error.startswith("spark.conf.spark.sql.variant.allowDuplicateKeys: must stay true")
+    assert "the CDC writers refuse it, so one such event would fail every batch" in error
+
+
+def test_a_spark_conf_that_keeps_duplicate_keys_on_is_accepted() -> None:
+    conf = {"spark.sql.variant.allowDuplicateKeys": "true"}
+    assert config.parse({"spark": {"conf": conf}}).spark.conf == conf
+
+
 def test_build_max_bytes_is_a_checked_microbatch_key() -> None:
     assert config.load(ROOT / "config.toml").microbatch.build_max_bytes == 16 * 1024 * 1024
     with pytest.raises(ConfigError) as info:
