@@ -5,11 +5,12 @@ consecutive LSNs in request order) and the 200 is sent only after the group
 commit's fdatasync covered them (invariant 1). A rejected request leaves the
 WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
 
-1. Admission: 503 while draining, 429 over the lag limit, 415 content type,
-   413 when ``Content-Length`` is over ``ingest.max_body_bytes``.
-2. Read the body in chunks under the body deadline, counting bytes (413 as
-   soon as the count passes the limit, 408 at the deadline), holding a share
-   of the ingest memory budget.
+1. Admission: 503 while draining, 429 over the lag limit, 415 content type
+   or content coding, 413 when ``Content-Length`` is over ``ingest.max_body_bytes``.
+2. Read the body in chunks under the body deadline, its content coding undone
+   (:mod:`daemon.ingest.coding`), counting bytes (413 as soon as the count
+   passes the limit, 408 at the deadline), holding a share of the ingest
+   memory budget.
 3. Parse and validate whole: 400 malformed (line, column, byte position),
    invalid UTF-8 included, 413 too many events, 422 per-item errors (index,
    field, reason), a ``new``/``old`` that a CDC writer would refuse included
@@ -52,9 +53,11 @@ import structlog
 from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from daemon.config import Config
 from daemon.errors import DaemonError
+from daemon.ingest.coding import BodyDecoder, CodingError, content_coding
 from daemon.ingest.payload import min_length, problem
 from daemon.ingest.validate import (
     _LBRACE,
@@ -333,6 +336,8 @@ class IngestServer:
             # that has not sent a full request head: it is the header deadline.
             keepalive_timeout=self._cfg.header_timeout_s,
             lingering_time=LINGER_S,
+            # Ingest undoes Content-Encoding itself (daemon.ingest.coding says why).
+            auto_decompress=False,
         )
         await runner.setup()
         server = runner.server
@@ -493,8 +498,9 @@ class IngestServer:
             404, "not_found", f"no such endpoint {request.path}; use POST {PATH}"
         ).response()
 
-    def _admit(self, request: web.BaseRequest) -> bool:
-        """Step 1. Cheap checks before reading a byte of body; returns True for NDJSON."""
+    def _admit(self, request: web.BaseRequest) -> tuple[bool, str | None]:
+        """Step 1. Cheap checks before reading a byte of body; returns whether the body
+        is NDJSON, and the content coding to undo (None for none)."""
         c = self._cfg
         if self._draining:
             raise self._draining_rejection()
@@ -525,6 +531,17 @@ class IngestServer:
             raise Rejection(
                 415, "unsupported_media_type", f'charset "{charset}" is not accepted: use utf-8'
             )
+        coding = None
+        if hdrs.CONTENT_ENCODING in request.headers:
+            try:
+                coding = content_coding(request.headers.getall(hdrs.CONTENT_ENCODING))
+            except ValueError as exc:
+                raise Rejection(
+                    415,
+                    "unsupported_content_encoding",
+                    f"Content-Encoding: {exc} is not accepted: send the body as it is, "
+                    "or in gzip or deflate; nothing was stored",
+                ) from None
         length = request.content_length
         if length is not None and length > self._max_body:
             raise Rejection(
@@ -535,19 +552,19 @@ class IngestServer:
                 close=True,
                 limit=self._max_body,
             )
-        return ndjson
+        return ndjson, coding
 
     async def _post_events(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         nbytes = 0
         try:
             # Step 1. Admission.
-            ndjson = self._admit(request)
+            ndjson, coding = self._admit(request)
             key = self._request_key(request)
             # Step 2. Read the body within the deadline and the memory budget.
             # A compressed body's Content-Length says nothing of its decoded size.
             need = request.content_length
-            if need is None or hdrs.CONTENT_ENCODING in request.headers:
+            if need is None or coding is not None:
                 need = self._max_body
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self._cfg.body_timeout_s
@@ -559,7 +576,7 @@ class IngestServer:
             try:
                 try:
                     async with asyncio.timeout_at(deadline):
-                        body = await self._read_body(request)
+                        body = await self._read_body(request, coding)
                 except TimeoutError:
                     raise self._body_timeout() from None
                 nbytes = len(body)
@@ -744,38 +761,55 @@ class IngestServer:
             close=True,
         )
 
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
-        """Step 2. Chunks until EOF; never takes more than ``max_body_bytes`` + 1 bytes."""
+    async def _read_body(self, request: web.BaseRequest, coding: str | None) -> bytes:
+        """Step 2. Chunks until EOF, ``coding`` undone; never takes more than
+        ``max_body_bytes`` + 1 bytes (decoded)."""
         content = request.content
         limit = self._max_body
+        decoder = None if coding is None else BodyDecoder(coding)
         chunks: list[bytes] = []
         total = 0
         try:
             while True:
                 # Whatever is buffered, but never past limit + 1: the extra byte
                 # tells "exactly at the limit" from "over it".
-                chunk = await content.read(limit - total + 1)
-                if not chunk:
-                    break
+                if decoder is None:
+                    chunk = await content.read(limit - total + 1)
+                    if not chunk:
+                        break
+                else:
+                    data = await content.readany()
+                    if not data:
+                        decoder.finish()
+                        break
+                    chunk = decoder.feed(data, limit - total + 1)
+                    if not chunk:
+                        continue
                 total += len(chunk)
                 if total > limit:
                     self._m_bytes.inc(total)
+                    decoded = f" decoded from {coding}" if coding is not None else ""
                     raise Rejection(
                         413,
                         "too_large",
-                        f"body is over ingest.max_body_bytes ({limit}) after {total} bytes; "
-                        "split it into smaller requests",
+                        f"body is over ingest.max_body_bytes ({limit}) after {total} bytes"
+                        f"{decoded}; split it into smaller requests",
                         close=True,
                         limit=limit,
                     )
                 chunks.append(chunk)
-        except HttpProcessingError as exc:
+        except (HttpProcessingError, RequestPayloadError) as exc:
+            # aiohttp wraps what its parser found in the body (bad chunk framing) in
+            # RequestPayloadError; the message is the parser's.
+            message = getattr(exc, "message", None) or str(exc)
             raise Rejection(
                 400,
                 "malformed",
-                f"the request body is incomplete or badly framed: {exc.message}",
+                f"the request body is incomplete or badly framed: {message}; nothing was stored",
                 close=True,
             ) from exc
+        except CodingError as exc:
+            raise Rejection(400, "malformed", f"{exc}; nothing was stored", close=True) from exc
         if len(chunks) == 1:
             return chunks[0]
         return b"".join(chunks)
