@@ -194,15 +194,32 @@ class Rejection(Exception):
 
     def response(self) -> web.Response:
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        try:
+            body = _json(self.body)
+        except UnicodeEncodeError:
+            # A message quotes a header whose bytes were not UTF-8: aiohttp decodes them
+            # to lone surrogates, which JSON cannot hold. Show them as escapes instead.
+            body = _json(_escape_surrogates(self.body))
         resp = web.Response(
             status=self.status,
-            body=_json(self.body),
+            body=body,
             content_type="application/json",
             headers=headers,
         )
         if self.close:
             resp.force_close()
         return resp
+
+
+def _escape_surrogates(value: Any) -> Any:
+    """``value`` with every lone surrogate in its strings written as ``\\udcff``."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {k: _escape_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape_surrogates(v) for v in value]
+    return value
 
 
 def _kind(value: Any) -> str:
