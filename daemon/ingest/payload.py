@@ -9,8 +9,8 @@ module holds the rest: nesting depth, the digits of a number and the bytes of
 an object key (docs/ingest.md, "What the CDC writers accept").
 
 :func:`problem` is the hot path's check of one payload that msgspec accepted:
-C-speed filters first (one ``translate`` and one ``count``), a precise scan
-only when a filter says a limit may be broken. Payloads shorter than
+C-speed filters first (one ``translate`` that keeps the bytes of brackets and
+numbers), a precise scan only when a filter says a limit may be broken. Payloads shorter than
 :func:`min_length` cannot break any limit and are not looked at.
 """
 
@@ -54,12 +54,15 @@ def min_length(max_depth: int) -> int:
 
 # -- the filters (C speed) -----------------------------------------------------------
 
-# One pass classifies every byte: "[" an opening bracket, "0" a byte of a number
-# (a digit, ".", "e", "E", "+", "-"), " " anything else.
-_MARKS = bytes(
-    ord("[") if b in b"[{" else ord("0") if b in b"0123456789.eE+-" else ord(" ")
-    for b in range(256)
-)
+# The one pass every checked payload gets: a translate that only deletes (CPython's
+# fastest), keeping the opening brackets, whose count bounds the depth, and in a
+# payload long enough to hold a long number also the bytes numbers are made of
+# (digits, ".", "e", "E", "+", "-"), whose count bounds the digits of any one number.
+_NUMBER_BYTES = b"0123456789.eE+-"
+_NOT_OPENING = bytes(b for b in range(256) if b not in b"{[")
+_NOT_COUNTED = bytes(b for b in range(256) if b not in b"{[" + _NUMBER_BYTES)
+# Every byte classified in place: "0" a byte of a number, " " anything else.
+_MARKS = bytes(ord("0") if b in _NUMBER_BYTES else ord(" ") for b in range(256))
 # A number of more than MAX_NUMBER_DIGITS digits is a run of at least this many number bytes.
 _NUMBER_RUN = b"0" * (MAX_NUMBER_DIGITS + 1)
 # Brackets and quotes only, "{}" mapped to "[]" (the depth scan).
@@ -77,15 +80,22 @@ _KEY_RUN = b"." * (MAX_KEY_BYTES + 1)
 def problem(text: bytes, max_depth: int) -> Problem | None:
     """None when the writers take ``text``, a JSON object msgspec accepted, in valid UTF-8,
     and it is nested at most ``max_depth`` levels; else the first problem found."""
-    marks = text.translate(_MARKS)
-    if marks.count(b"[") > max_depth and depth(text) > max_depth:
+    if len(text) <= MAX_NUMBER_DIGITS:
+        opens = len(text.translate(None, _NOT_OPENING))
+        numbers = 0
+    else:
+        counted = text.translate(None, _NOT_COUNTED)
+        opens = counted.count(b"{") + counted.count(b"[")
+        numbers = len(counted) - opens
+    if opens > max_depth and depth(text) > max_depth:
         return _depth_problem(text, max_depth)
-    n = len(text)
-    if n > MAX_NUMBER_DIGITS and _NUMBER_RUN in marks:
+    if numbers > MAX_NUMBER_DIGITS and _NUMBER_RUN in text.translate(_MARKS):
         found = long_number(text)
         if found is not None:
             return found
-    if n > MAX_KEY_BYTES + 3 and _KEY_RUN in _unescaped_quotes(text).translate(_QUOTE_MARKS):
+    if len(text) > MAX_KEY_BYTES + 3 and _KEY_RUN in _unescaped_quotes(text).translate(
+        _QUOTE_MARKS
+    ):
         return _long_key(text)
     return None
 

@@ -886,8 +886,6 @@ class IngestServer:
         max_event = self._max_event
         max_id = self._max_event_id
         check_from = self._check_from
-        max_depth = self._max_depth
-        refused = problem
         null = b"null"
         encode = _msgpack_encode
         # Per core: the events' positions in the request and their payloads. The
@@ -906,8 +904,6 @@ class IngestServer:
                 text = bytes(ev.new)
                 if text[0] == _LBRACE:
                     new: bytes | None = text
-                    if len(text) >= check_from and refused(text, max_depth) is not None:
-                        return None
                 elif text == null:
                     new = None
                 else:
@@ -915,8 +911,6 @@ class IngestServer:
                 text = bytes(ev.old)
                 if text[0] == _LBRACE:
                     old: bytes | None = text
-                    if len(text) >= check_from and refused(text, max_depth) is not None:
-                        return None
                 elif text == null:
                     old = None
                 else:
@@ -942,8 +936,12 @@ class IngestServer:
                     if etime is not None and (etime := event_time_us(etime)) is None:
                         return None
                     payload = encode((collection, op, key, new, old, ts, 0, "", eid, etime))
-                if len(payload) > max_event:
-                    self._event_too_large(i, len(payload))
+                size = len(payload)
+                if size > max_event:
+                    self._event_too_large(i, size)
+                # The stored event holds new and old: a short one cannot break a limit.
+                if size >= check_from and self._refused(new, old):
+                    return None
                 seed = seeds.get(collection)
                 if seed is None:
                     seed = seeds[collection] = collection_seed(collection)
@@ -972,6 +970,19 @@ class IngestServer:
                 positions[c].clear()
                 payloads[c].clear()
         return CoreSections(sections, len(events))
+
+    def _refused(self, new: bytes | None, old: bytes | None) -> bool:
+        """Whether a CDC writer would refuse ``new`` or ``old`` (or either is nested deeper
+        than ``ingest.max_json_depth``): :func:`daemon.ingest.payload.problem` on each
+        long enough to break a limit."""
+        for text in (new, old):
+            if (
+                text is not None
+                and len(text) >= self._check_from
+                and problem(text, self._max_depth) is not None
+            ):
+                return True
+        return False
 
     def _event_too_large(self, index: int, size: int) -> None:
         raise Rejection(
