@@ -141,7 +141,7 @@ CT = b"Content-Type: application/x-ndjson"
 TE_CHUNKED = b"Transfer-Encoding: chunked"
 PREFIX = b'{"collection":"c","op":"insert","key":"k","new":'
 DEEP = PREFIX + b'{"a":' + b"[" * 20000 + b"]" * 20000 + b"}}\n"
-HUGE_NUMBER = PREFIX + b'{"n":' + b"9" * 200_000 + b"}}\n"
+HUGE_NUMBER = PREFIX + b'{"n":' + b"9" * 6_000 + b"}}\n"  # past Python's 4,300 digits
 BAD_UTF8 = PREFIX + b'{"s":"\xc0\xaf"}}\n'
 GZIP = gzip.compress(EVENTS)
 STORED = (200, None, 3)
@@ -224,6 +224,10 @@ CASES: dict[str, tuple[bytes, tuple[int, str | None, int]]] = {
         INVALID,
     ),
     "huge number": (request(HUGE_NUMBER, CT), INVALID),
+    "huge number past max_event_bytes": (
+        request(PREFIX + b'{"n":' + b"9" * 200_000 + b"}}\n", CT),
+        (413, "event_too_large", 0),
+    ),
     "invalid UTF-8": (request(BAD_UTF8, CT), MALFORMED),
     "gzip of invalid UTF-8": (request(gzip.compress(BAD_UTF8), CT, coded(b"gzip")), MALFORMED),
 }
