@@ -547,6 +547,7 @@ def test_generated_documents_are_refused_by_ingest_or_taken_by_both(
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(1800)
 def test_many_more_generated_documents_are_refused_by_ingest_or_taken_by_both(
     ingest: ThreadedIngest, writer: Writer
 ) -> None:
