@@ -214,8 +214,9 @@ def serve(kind: str, directory: Path, port_file: Path, cores: int) -> int:
 # -- the client (benchmark side) -----------------------------------------------------
 
 
-def make_bodies(count: int, per_request: int, seed: int = 7) -> list[bytes]:
-    """Deterministic CDC-like events of about 150 bytes as NDJSON request bodies."""
+def make_bodies(count: int, per_request: int, seed: int = 7, payload_bytes: int = 0) -> list[bytes]:
+    """Deterministic CDC-like events of about 150 bytes as NDJSON request bodies;
+    with ``payload_bytes``, ``new`` holds line items up to about that many bytes."""
     rng = random.Random(seed)
     collections = ["orders", "customers", "payments", "shipments"]
     bodies = []
@@ -223,11 +224,25 @@ def make_bodies(count: int, per_request: int, seed: int = 7) -> list[bytes]:
     for _ in range(count):
         lines = []
         for _ in range(per_request):
+            key = f"k{rng.randrange(1_000_000):07d}"  # drawn first, as it always was
+            new: dict[str, Any] = {
+                "amount": round(rng.random() * 1000, 2),
+                "status": "paid",
+                "n": n,
+            }
+            if payload_bytes:
+                items: list[dict[str, Any]] = []
+                new["items"] = items
+                while len(json.dumps(new, separators=(",", ":"))) < payload_bytes - 40:
+                    items.append(
+                        {"sku": f"s{rng.randrange(10**5)}", "qty": rng.randrange(1, 9),
+                         "price": round(rng.random() * 100, 2)}
+                    )  # fmt: skip
             e = {
                 "collection": collections[n % 4],
                 "op": "update",
-                "key": f"k{rng.randrange(1_000_000):07d}",
-                "new": {"amount": round(rng.random() * 1000, 2), "status": "paid", "n": n},
+                "key": key,
+                "new": new,
                 "old": {"status": "open"},
             }
             lines.append(json.dumps(e, separators=(",", ":")))
@@ -403,7 +418,7 @@ async def open_loop(
 
 async def run_peer(kind: str, args: argparse.Namespace, workdir: Path) -> Result:
     result = Result(kind)
-    bodies = make_bodies(64, args.batch)
+    bodies = make_bodies(64, args.batch, payload_bytes=args.payload_bytes)
     server = Server(kind, workdir, args.cores)
     try:
         # Best of --repeat runs: on a shared machine the best run is the one
@@ -437,7 +452,7 @@ LABELS = {
 
 async def run_keys(args: argparse.Namespace, workdir: Path) -> list[Result]:
     """Unkeyed and keyed eventplane ingest, closed-loop runs alternating; medians."""
-    bodies = make_bodies(64, args.batch)
+    bodies = make_bodies(64, args.batch, payload_bytes=args.payload_bytes)
     servers = [Server("eventplane", workdir, args.cores), Server(KEYED, workdir, args.cores)]
     runs: dict[str, list[tuple[float, float]]] = {s.kind: [] for s in servers}
     try:
@@ -462,7 +477,7 @@ async def run_keys(args: argparse.Namespace, workdir: Path) -> list[Result]:
 async def run_baseline(args: argparse.Namespace, workdir: Path) -> list[Result]:
     """Each peer from this tree and from ``--baseline``, closed-loop runs alternating
     (the first side alternating too); medians per side."""
-    bodies = make_bodies(64, args.batch)
+    bodies = make_bodies(64, args.batch, payload_bytes=args.payload_bytes)
     results: list[Result] = []
     for peer in args.peer_list:
         servers = [
@@ -591,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1000, help="events per request")
+    parser.add_argument(
+        "--payload-bytes",
+        type=int,
+        default=0,
+        help="make each event's new about this many bytes (line items); 0: about 50",
+    )
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per measurement")
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--cores", type=int, default=4, help="daemon.cores for eventplane")

@@ -34,6 +34,19 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 Op = Literal["insert", "update", "delete"]
 OPS: tuple[Op, ...] = ("insert", "update", "delete")
 
+# ingest.max_json_depth's ceiling: msgspec recurses once per level and raises
+# RecursionError near 1000 levels (Python's recursion limit, less its caller's
+# frames); well below that, every payload too deep is one msgspec can decode and
+# ingest can answer with its position (daemon/ingest/payload.py).
+MAX_JSON_DEPTH = 512
+# ingest.max_event_bytes's ceiling: the CDC writers' JSON parser (Jackson) refuses a
+# string of more than 20,000,000 characters; an event of at most this many bytes
+# cannot hold one (daemon/ingest/payload.py, MAX_STRING_CHARS).
+MAX_EVENT_BYTES = 20_000_000
+# Spark's parse_json setting that the daemon sets to true (daemon/spark/session.py) and a
+# user's [spark.conf] may not turn off (_cross_checks).
+ALLOW_DUPLICATE_KEYS = "spark.sql.variant.allowDuplicateKeys"
+
 
 @dataclass(frozen=True, slots=True)
 class Listen:
@@ -58,6 +71,9 @@ class IngestConfig:
     max_body_bytes: int = 16 * MiB
     max_event_bytes: int = 1 * MiB
     max_events_per_request: int = 10_000
+    # Deepest nesting of a new/old payload accepted (its outermost object is level 1);
+    # deeper gets 422. The CDC writers take 1000; at most MAX_JSON_DEPTH.
+    max_json_depth: int = 128
     # Longest producer event id ("id") accepted, in characters; longer gets 422.
     max_event_id_chars: int = 256
     header_timeout_s: float = 10.0
@@ -279,7 +295,11 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
-def _int(minimum: int | None = None, maximum: int | None = None, unit: str = "") -> Checker:
+def _int(
+    minimum: int | None = None, maximum: int | None = None, unit: str = "", why: str = ""
+) -> Checker:
+    """An integer within bounds; ``why`` says why the maximum is what it is."""
+
     def describe() -> str:
         bound = ""
         if minimum is not None:
@@ -287,6 +307,8 @@ def _int(minimum: int | None = None, maximum: int | None = None, unit: str = "")
             bound = f" >= {shown}"
         if maximum is not None:
             bound += f" <= {maximum}" if not bound else f" and <= {maximum}"
+            if why:
+                bound += f" ({why})"
         return f"an integer{bound}"
 
     def check(value: Any, path: str, errors: list[str]) -> Any:
@@ -441,8 +463,17 @@ _DAEMON: dict[str, Checker] = {
 _INGEST: dict[str, Checker] = {
     "listen": _listen,
     "max_body_bytes": _int(1 * KiB),
-    "max_event_bytes": _int(64),
+    "max_event_bytes": _int(
+        64,
+        MAX_EVENT_BYTES,
+        why="the CDC writers refuse a JSON string longer than 20,000,000 characters",
+    ),
     "max_events_per_request": _int(1),
+    "max_json_depth": _int(
+        1,
+        MAX_JSON_DEPTH,
+        why="deeper JSON nears the JSON decoder's recursion limit, about 1000 levels",
+    ),
     "max_event_id_chars": _int(1, 65_536),
     "header_timeout_s": _float(0.0),
     "body_timeout_s": _float(0.0),
@@ -760,6 +791,14 @@ def _cross_checks(cfg: Config, errors: list[str]) -> None:
         errors.append(f"admin.listen: same address as ingest.listen ({cfg.ingest.listen})")
     if cfg.spark.remote and "master" in cfg.spark.conf:
         errors.append("spark.conf.master: use spark.master or spark.remote, not conf")
+    duplicates = cfg.spark.conf.get(ALLOW_DUPLICATE_KEYS)
+    if duplicates is not None and duplicates.strip().lower() != "true":
+        errors.append(
+            f"spark.conf.{ALLOW_DUPLICATE_KEYS}: must stay true (the daemon's default), got "
+            f"{_show(duplicates)}: ingest accepts a JSON object that repeats a key (the last "
+            "one wins), and with false the CDC writers refuse it, so one such event would "
+            "fail every batch of its stream"
+        )
     for t in cfg.triggers:
         if t.retry.max_backoff_ms < t.retry.initial_backoff_ms:
             errors.append(f"triggers.{t.name}.retry.max_backoff_ms: must be >= initial_backoff_ms")

@@ -116,6 +116,45 @@ def test_ingest_buffer_smaller_than_one_body_is_rejected_with_both_limits() -> N
     ]
 
 
+def test_max_json_depth_defaults_to_128_and_stops_at_512_saying_why() -> None:
+    assert config.load(ROOT / "config.toml").ingest.max_json_depth == 128
+    assert config.parse({"ingest": {"max_json_depth": 512}}).ingest.max_json_depth == 512
+    with pytest.raises(ConfigError) as info:
+        config.parse({"ingest": {"max_json_depth": 513}})
+    assert info.value.errors == [
+        "ingest.max_json_depth: expected an integer >= 1 and <= 512 (deeper JSON nears the "
+        "JSON decoder's recursion limit, about 1000 levels), got 513"
+    ]
+    with pytest.raises(ConfigError, match=r"ingest.max_json_depth: expected an integer >= 1"):
+        config.parse({"ingest": {"max_json_depth": 0}})
+
+
+def test_max_event_bytes_stops_at_the_writers_longest_string() -> None:
+    raw = {"ingest": {"max_body_bytes": 64 << 20, "max_buffered_bytes": 64 << 20}}
+    ok = {"ingest": {**raw["ingest"], "max_event_bytes": 20_000_000}}
+    assert config.parse(ok).ingest.max_event_bytes == 20_000_000
+    with pytest.raises(ConfigError) as info:
+        config.parse({"ingest": {**raw["ingest"], "max_event_bytes": 20_000_001}})
+    assert info.value.errors == [
+        "ingest.max_event_bytes: expected an integer >= 64 and <= 20000000 (the CDC writers "
+        "refuse a JSON string longer than 20,000,000 characters), got 20000001"
+    ]
+
+
+@pytest.mark.parametrize("value", ["false", "FALSE", " False ", False, "no"])
+def test_a_spark_conf_that_turns_duplicate_keys_off_is_refused_saying_why(value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.parse({"spark": {"conf": {"spark.sql.variant.allowDuplicateKeys": value}}})
+    [error] = info.value.errors
+    assert error.startswith("spark.conf.spark.sql.variant.allowDuplicateKeys: must stay true")
+    assert "the CDC writers refuse it, so one such event would fail every batch" in error
+
+
+def test_a_spark_conf_that_keeps_duplicate_keys_on_is_accepted() -> None:
+    conf = {"spark.sql.variant.allowDuplicateKeys": "true"}
+    assert config.parse({"spark": {"conf": conf}}).spark.conf == conf
+
+
 def test_build_max_bytes_is_a_checked_microbatch_key() -> None:
     assert config.load(ROOT / "config.toml").microbatch.build_max_bytes == 16 * 1024 * 1024
     with pytest.raises(ConfigError) as info:

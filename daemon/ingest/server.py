@@ -5,14 +5,17 @@ consecutive LSNs in request order) and the 200 is sent only after the group
 commit's fdatasync covered them (invariant 1). A rejected request leaves the
 WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
 
-1. Admission: 503 while draining, 429 over the lag limit, 415 content type,
-   413 when ``Content-Length`` is over ``ingest.max_body_bytes``.
-2. Read the body in chunks under the body deadline, counting bytes (413 as
-   soon as the count passes the limit, 408 at the deadline), holding a share
-   of the ingest memory budget.
-3. Parse and validate whole: 400 malformed (line, column, byte position), 413
-   too many events, 422 per-item errors (index, field, reason); the decoders
-   and the slow path that explains a refusal are :mod:`daemon.ingest.validate`.
+1. Admission: 503 while draining, 429 over the lag limit, 415 content type
+   or content coding, 413 when ``Content-Length`` is over ``ingest.max_body_bytes``.
+2. Read the body in chunks under the body deadline, its content coding undone
+   (:mod:`daemon.ingest.coding`), counting bytes (413 as soon as the count
+   passes the limit, 408 at the deadline), holding a share of the ingest
+   memory budget.
+3. Parse and validate whole: 400 malformed (line, column, byte position),
+   invalid UTF-8 included, 413 too many events, 422 per-item errors (index,
+   field, reason), a ``new``/``old`` that a CDC writer would refuse included
+   (:mod:`daemon.ingest.payload`); the decoders and the slow path that
+   explains a refusal are :mod:`daemon.ingest.validate`.
    With an ``Idempotency-Key``, first :meth:`IngestServer._claim`: a key the
    de-duplication window knows, with the same body, is answered from the
    original append (200, ``"replayed": true``) without parsing; with another
@@ -35,6 +38,7 @@ get a canned 503 and are closed. ``docs/ingest.md`` is the user-facing page.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import re
 import struct
@@ -45,16 +49,19 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol, cast
 from zlib import crc32
 
-import msgspec
 import structlog
 from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from daemon.config import Config
 from daemon.errors import DaemonError
+from daemon.ingest.coding import BodyDecoder, CodingError, content_coding
+from daemon.ingest.payload import min_length, problem
 from daemon.ingest.validate import (
     _LBRACE,
+    DECODE_ERRORS,
     InEvent,
     Rejection,
     _decode_many,
@@ -269,6 +276,9 @@ class IngestServer:
         self._max_event = c.max_event_bytes
         self._max_events = c.max_events_per_request
         self._max_event_id = c.max_event_id_chars
+        self._max_depth = c.max_json_depth
+        # Payloads shorter than this cannot break a CDC writer's limit (min_length).
+        self._check_from = min_length(c.max_json_depth)
         # Bodies being read or parsed hold at most max_buffered_bytes; parsed
         # events and payloads add about 2x on top, so ingest stays within ~3x.
         self._budget = ByteBudget(c.max_buffered_bytes)
@@ -326,6 +336,8 @@ class IngestServer:
             # that has not sent a full request head: it is the header deadline.
             keepalive_timeout=self._cfg.header_timeout_s,
             lingering_time=LINGER_S,
+            # Ingest undoes Content-Encoding itself (daemon.ingest.coding says why).
+            auto_decompress=False,
         )
         await runner.setup()
         server = runner.server
@@ -486,8 +498,9 @@ class IngestServer:
             404, "not_found", f"no such endpoint {request.path}; use POST {PATH}"
         ).response()
 
-    def _admit(self, request: web.BaseRequest) -> bool:
-        """Step 1. Cheap checks before reading a byte of body; returns True for NDJSON."""
+    def _admit(self, request: web.BaseRequest) -> tuple[bool, str | None]:
+        """Step 1. Cheap checks before reading a byte of body; returns whether the body
+        is NDJSON, and the content coding to undo (None for none)."""
         c = self._cfg
         if self._draining:
             raise self._draining_rejection()
@@ -518,6 +531,17 @@ class IngestServer:
             raise Rejection(
                 415, "unsupported_media_type", f'charset "{charset}" is not accepted: use utf-8'
             )
+        coding = None
+        if hdrs.CONTENT_ENCODING in request.headers:
+            try:
+                coding = content_coding(request.headers.getall(hdrs.CONTENT_ENCODING))
+            except ValueError as exc:
+                raise Rejection(
+                    415,
+                    "unsupported_content_encoding",
+                    f"Content-Encoding: {exc} is not accepted: send the body as it is, "
+                    "or in gzip or deflate; nothing was stored",
+                ) from None
         length = request.content_length
         if length is not None and length > self._max_body:
             raise Rejection(
@@ -528,19 +552,19 @@ class IngestServer:
                 close=True,
                 limit=self._max_body,
             )
-        return ndjson
+        return ndjson, coding
 
     async def _post_events(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         nbytes = 0
         try:
             # Step 1. Admission.
-            ndjson = self._admit(request)
+            ndjson, coding = self._admit(request)
             key = self._request_key(request)
             # Step 2. Read the body within the deadline and the memory budget.
             # A compressed body's Content-Length says nothing of its decoded size.
             need = request.content_length
-            if need is None or hdrs.CONTENT_ENCODING in request.headers:
+            if need is None or coding is not None:
                 need = self._max_body
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self._cfg.body_timeout_s
@@ -552,7 +576,7 @@ class IngestServer:
             try:
                 try:
                     async with asyncio.timeout_at(deadline):
-                        body = await self._read_body(request)
+                        body = await self._read_body(request, coding)
                 except TimeoutError:
                     raise self._body_timeout() from None
                 nbytes = len(body)
@@ -737,38 +761,55 @@ class IngestServer:
             close=True,
         )
 
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
-        """Step 2. Chunks until EOF; never takes more than ``max_body_bytes`` + 1 bytes."""
+    async def _read_body(self, request: web.BaseRequest, coding: str | None) -> bytes:
+        """Step 2. Chunks until EOF, ``coding`` undone; never takes more than
+        ``max_body_bytes`` + 1 bytes (decoded)."""
         content = request.content
         limit = self._max_body
+        decoder = None if coding is None else BodyDecoder(coding)
         chunks: list[bytes] = []
         total = 0
         try:
             while True:
                 # Whatever is buffered, but never past limit + 1: the extra byte
                 # tells "exactly at the limit" from "over it".
-                chunk = await content.read(limit - total + 1)
-                if not chunk:
-                    break
+                if decoder is None:
+                    chunk = await content.read(limit - total + 1)
+                    if not chunk:
+                        break
+                else:
+                    data = await content.readany()
+                    if not data:
+                        decoder.finish()
+                        break
+                    chunk = decoder.feed(data, limit - total + 1)
+                    if not chunk:
+                        continue
                 total += len(chunk)
                 if total > limit:
                     self._m_bytes.inc(total)
+                    decoded = f" decoded from {coding}" if coding is not None else ""
                     raise Rejection(
                         413,
                         "too_large",
-                        f"body is over ingest.max_body_bytes ({limit}) after {total} bytes; "
-                        "split it into smaller requests",
+                        f"body is over ingest.max_body_bytes ({limit}) after {total} bytes"
+                        f"{decoded}; split it into smaller requests",
                         close=True,
                         limit=limit,
                     )
                 chunks.append(chunk)
-        except HttpProcessingError as exc:
+        except (HttpProcessingError, RequestPayloadError) as exc:
+            # aiohttp wraps what its parser found in the body (bad chunk framing) in
+            # RequestPayloadError; the message is the parser's.
+            message = getattr(exc, "message", None) or str(exc)
             raise Rejection(
                 400,
                 "malformed",
-                f"the request body is incomplete or badly framed: {exc.message}",
+                f"the request body is incomplete or badly framed: {message}; nothing was stored",
                 close=True,
             ) from exc
+        except CodingError as exc:
+            raise Rejection(400, "malformed", f"{exc}; nothing was stored", close=True) from exc
         if len(chunks) == 1:
             return chunks[0]
         return b"".join(chunks)
@@ -778,6 +819,12 @@ class IngestServer:
     def _parse(self, body: bytes, ndjson: bool) -> CoreSections:
         if not body or body.isspace():
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
+        # UTF-8, once per body: msgspec checks the strings it decodes, not the text of
+        # new/old that it keeps raw, and Jackson takes overlong forms that would put
+        # invalid UTF-8 into the new_json column. Python's codec refuses all of it.
+        if not body.isascii() and not _valid_utf8(body):
+            self._explain(body, ndjson)
+            raise _disagreement(None)
         if ndjson:
             lines = body.split(b"\n")
             if len(lines) > self._max_events:
@@ -788,27 +835,31 @@ class IngestServer:
                 for line in lines:
                     if line:
                         append(_decode_one(line))
-            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            except DECODE_ERRORS:
                 # Raises unless the culprit was a blank line.
-                explain_body(body, ndjson, self._check_count, self._max_event_id)
+                self._explain(body, ndjson)
                 try:
                     events = [_decode_one(x) for x in lines if x.strip()]
-                except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+                except DECODE_ERRORS as exc:
                     raise _disagreement(exc) from exc
         else:
             try:
                 events = _decode_many(body)
-            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-                explain_body(body, ndjson, self._check_count, self._max_event_id)
+            except DECODE_ERRORS as exc:
+                self._explain(body, ndjson)
                 raise _disagreement(exc) from exc
             self._check_count(len(events))
         if not events:
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
         items = self._encode(events)
         if items is None:
-            explain_body(body, ndjson, self._check_count, self._max_event_id)
+            self._explain(body, ndjson)
             raise _disagreement(None)
         return items
+
+    def _explain(self, body: bytes, ndjson: bool) -> None:
+        """The slow path behind a refusal: raises the 400/413/422 that says what is wrong."""
+        explain_body(body, ndjson, self._check_count, self._max_event_id, self._max_depth)
 
     def _check_count(self, n: int) -> None:
         if n > self._max_events:
@@ -822,7 +873,8 @@ class IngestServer:
 
     def _encode(self, events: list[InEvent]) -> CoreSections | None:
         """Step 4. ``(core, payload)`` per event, split by core (``CoreSections``);
-        None when an op/new/old, ``id`` length or ``time`` range rule is broken.
+        None when an op/new/old, ``id`` length or ``time`` range rule is broken, or
+        a CDC writer would refuse ``new`` or ``old`` (:mod:`daemon.ingest.payload`).
 
         The hot loop of ingest: keep it free of calls that are not needed. The
         payload is ``validate._stored_payload`` inlined (``encode`` instead of
@@ -833,6 +885,7 @@ class IngestServer:
         seeds = self._seeds
         max_event = self._max_event
         max_id = self._max_event_id
+        check_from = self._check_from
         null = b"null"
         encode = _msgpack_encode
         # Per core: the events' positions in the request and their payloads. The
@@ -883,8 +936,12 @@ class IngestServer:
                     if etime is not None and (etime := event_time_us(etime)) is None:
                         return None
                     payload = encode((collection, op, key, new, old, ts, 0, "", eid, etime))
-                if len(payload) > max_event:
-                    self._event_too_large(i, len(payload))
+                size = len(payload)
+                if size > max_event:
+                    self._event_too_large(i, size)
+                # The stored event holds new and old: a short one cannot break a limit.
+                if size >= check_from and self._refused(new, old):
+                    return None
                 seed = seeds.get(collection)
                 if seed is None:
                     seed = seeds[collection] = collection_seed(collection)
@@ -914,6 +971,19 @@ class IngestServer:
                 payloads[c].clear()
         return CoreSections(sections, len(events))
 
+    def _refused(self, new: bytes | None, old: bytes | None) -> bool:
+        """Whether a CDC writer would refuse ``new`` or ``old`` (or either is nested deeper
+        than ``ingest.max_json_depth``): :func:`daemon.ingest.payload.problem` on each
+        long enough to break a limit."""
+        for text in (new, old):
+            if (
+                text is not None
+                and len(text) >= self._check_from
+                and problem(text, self._max_depth) is not None
+            ):
+                return True
+        return False
+
     def _event_too_large(self, index: int, size: int) -> None:
         raise Rejection(
             413,
@@ -923,3 +993,27 @@ class IngestServer:
             index=index,
             limit=self._max_event,
         )
+
+
+# A body over this is checked for UTF-8 in slices of it: never one str of its size.
+_UTF8_SLICE = 1 << 20
+
+
+def _valid_utf8(body: bytes) -> bool:
+    """Whether ``body`` is UTF-8 by Python's strict codec (no overlong forms, surrogates,
+    code points past U+10FFFF or cut sequences)."""
+    if len(body) <= _UTF8_SLICE:
+        try:
+            body.decode()
+        except UnicodeDecodeError:
+            return False
+        return True
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(body)
+    try:
+        for at in range(0, len(body), _UTF8_SLICE):
+            decoder.decode(view[at : at + _UTF8_SLICE])
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -6,12 +6,15 @@ that refuse a request.
 slow path behind a 400/413/422, run only when the hot path refused a body,
 and say every problem with its line, column or index and field.
 ``_stored_payload`` is the stored form (step 4), checked against
-:class:`daemon.events.StoredEvent` at import time.
+:class:`daemon.events.StoredEvent` at import time. The CDC writers' limits on
+``new``/``old`` are :mod:`daemon.ingest.payload`'s; the slow path reports
+them with the payload's byte position in the body.
 """
 
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
@@ -25,6 +28,7 @@ from daemon.errors import DaemonError
 from daemon.events import StoredEvent
 from daemon.events import decode as decode_stored
 from daemon.events import encode as encode_stored
+from daemon.ingest import payload
 
 log = structlog.get_logger("eventplane.ingest")
 
@@ -34,6 +38,8 @@ COLLECTION_MAX_CHARS = 256
 MAX_REPORTED_ERRORS = 100
 # ``ingest.max_event_id_chars``'s default, for callers without a config.
 EVENT_ID_MAX_CHARS = IngestConfig().max_event_id_chars
+# ``ingest.max_json_depth``'s default, likewise.
+JSON_DEPTH_MAX = IngestConfig().max_json_depth
 
 # The producer's event time ("time"): an RFC 3339 date-time with an offset, or
 # integer epoch milliseconds. Stored as UTC epoch microseconds (Spark's
@@ -92,7 +98,14 @@ class InEvent(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 _FIELDS = ("collection", "op", "key", "new", "old", "id", "time")
 _decode_one = msgspec.json.Decoder(InEvent).decode
 _decode_many = msgspec.json.Decoder(list[InEvent]).decode
-_decode_any = msgspec.json.Decoder().decode
+# Any JSON into Python objects; a float Python cannot hold (1e400, which the CDC
+# writers take as Infinity) becomes inf rather than msgspec's "Number out of range".
+_decode_any = msgspec.json.Decoder(float_hook=float).decode
+# The slow path's view of a body's structure: raw items of an array, raw members of an object.
+_decode_raw_items = msgspec.json.Decoder(list[msgspec.Raw]).decode
+_decode_raw_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+# What msgspec raises for a body it cannot take; RecursionError for one nested ~1000 deep.
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
 _json = msgspec.json.Encoder().encode
 # msgspec's encode() hands back its growing buffer as the bytes object: up to
 # 1.5x the payload's length allocated (tracemalloc, msgspec 0.22: 1.0-1.85x from
@@ -181,15 +194,32 @@ class Rejection(Exception):
 
     def response(self) -> web.Response:
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        try:
+            body = _json(self.body)
+        except UnicodeEncodeError:
+            # A message quotes a header whose bytes were not UTF-8: aiohttp decodes them
+            # to lone surrogates, which JSON cannot hold. Show them as escapes instead.
+            body = _json(_escape_surrogates(self.body))
         resp = web.Response(
             status=self.status,
-            body=_json(self.body),
+            body=body,
             content_type="application/json",
             headers=headers,
         )
         if self.close:
             resp.force_close()
         return resp
+
+
+def _escape_surrogates(value: Any) -> Any:
+    """``value`` with every lone surrogate in its strings written as ``\\udcff``."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {k: _escape_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape_surrogates(v) for v in value]
+    return value
 
 
 def _kind(value: Any) -> str:
@@ -303,10 +333,166 @@ def explain_event(
     return problems
 
 
+# -- where a byte is: the slow path's walk over a body's structure -------------------------
+
+_WS = re.compile(rb"[ \t\r\n]*")
+
+
+def _ws(doc: bytes, pos: int = 0) -> int:
+    """``pos`` moved past JSON whitespace."""
+    m = _WS.match(doc, pos)
+    return pos if m is None else m.end()
+
+
+_STRING_AT = re.compile(payload.STRING, re.S)
+# A value that is neither a string nor a container: a number, true, false, null.
+_SCALAR_AT = re.compile(rb"[^ \t\r\n,\]}]+")
+# The tokens of a walk that may stop inside a string (a prefix, or malformed text):
+# strings (the closing quote optional), brackets, commas and colons; scalars are skipped.
+_WALK = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{},:]', re.S)
+_OPEN = frozenset(b"[{")
+_CLOSE = frozenset(b"]}")
+
+
+def _skip_value(doc: bytes, pos: int) -> int:
+    """The end of the JSON value that starts at ``doc[pos]`` (text msgspec accepted)."""
+    c = doc[pos]
+    if c not in _OPEN:
+        m = (_STRING_AT if c == 0x22 else _SCALAR_AT).match(doc, pos)
+        return pos + 1 if m is None else m.end()
+    level = 0
+    for m in _WALK.finditer(doc, pos):
+        c = doc[m.start()]
+        if c in _OPEN:
+            level += 1
+        elif c in _CLOSE:
+            level -= 1
+            if level == 0:
+                return m.end()
+    return len(doc)
+
+
+def _member_values(doc: bytes, start: int, end: int) -> dict[str, int]:
+    """Where the value of each member of the JSON object ``doc[start:end]`` (text msgspec
+    accepted) starts in ``doc``; of a repeated name, the last (the one decoders keep)."""
+    raws = _decode_raw_members(memoryview(doc)[start:end])
+    found: dict[str, int] = {}
+    pos = _ws(doc, start) + 1  # past "{"
+    while True:
+        pos = _ws(doc, pos)
+        m = _STRING_AT.match(doc, pos)
+        if m is None:  # "}" of an empty object
+            return found
+        name = msgspec.json.decode(m.group(), type=str)
+        pos = _ws(doc, _ws(doc, m.end()) + 1)  # past ":"
+        found[name] = pos
+        raw = raws[name]
+        # A container that starts with the kept value's text is that value; anything
+        # else (a scalar, an earlier value of a repeated name) is skipped token by token.
+        if doc[pos] in _OPEN and doc.startswith(raw, pos):
+            pos += len(raw)
+        else:
+            pos = _skip_value(doc, pos)
+        pos = _ws(doc, pos)
+        if doc[pos : pos + 1] != b",":
+            return found
+        pos += 1
+
+
+def _item_spans(body: bytes) -> list[tuple[int, int]] | None:
+    """Where each item of the JSON array ``body`` starts and ends; None when msgspec
+    cannot decode it as an array."""
+    try:
+        items = _decode_raw_items(body)
+    except DECODE_ERRORS:
+        return None
+    spans: list[tuple[int, int]] = []
+    pos = _ws(body) + 1  # past "["
+    for raw in items:
+        pos = _ws(body, pos)
+        if body[pos] == 0x2C:  # ","
+            pos = _ws(body, pos + 1)
+        spans.append((pos, pos + len(raw)))
+        pos += len(raw)
+    return spans
+
+
+def _walk(doc: bytes, start: int, stop: int, level: int) -> tuple[int | None, str | None]:
+    """Walk ``doc[start:stop]``, whose events are objects at nesting ``level``: how many
+    items the enclosing array had before the one at ``stop`` (None outside an array),
+    and the event's member whose value holds ``doc[stop]`` (None when not inside one)."""
+    depth = 0
+    items = 0
+    key: str | None = None
+    pending = b""  # the last string at the event's level: a member's name once ":" follows
+    last = 0  # the last token at the event's level
+    for m in _WALK.finditer(doc, start, stop):
+        c = doc[m.start()]
+        if c == 0x22:  # a string
+            if depth == level and last != 0x3A:  # a name: the member before it has ended
+                key = None
+                pending = m.group()
+        elif c == 0x3A:  # ":"
+            if depth == level:
+                try:
+                    key = msgspec.json.decode(pending, type=str)
+                except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+                    key = None
+        elif c == 0x2C:  # ","
+            if depth == level:
+                key = None
+            elif depth == level - 1:
+                items += 1
+        elif c in _OPEN:
+            depth += 1
+        else:
+            depth -= 1
+            if depth < level:
+                key = None
+        if depth == level:
+            last = c
+    index = items if level > 1 and depth >= level - 1 else None
+    return index, (key if depth >= level else None)
+
+
+def _locate(body: bytes, ndjson: bool, position: int) -> tuple[int | None, str | None]:
+    """The event (its index in the request) and the field of it that hold ``body[position]``;
+    None for either when the byte is not inside one."""
+    if ndjson:
+        start = body.rfind(b"\n", 0, position) + 1
+        index = sum(1 for line in body[:start].split(b"\n") if line.strip())
+        return index, _walk(body, start, position, 1)[1]
+    spans = _item_spans(body)
+    if spans is None:  # malformed or too deep: walk from the start
+        return _walk(body, 0, position, 2)
+    i = bisect_right(spans, (position, len(body))) - 1
+    if i < 0 or position >= spans[i][1]:
+        return None, None
+    return i, _walk(body, spans[i][0], position, 1)[1]
+
+
+# -- the answers of the slow path --------------------------------------------------------
+
 _BYTE_AT = re.compile(r"\s*\(byte (\d+)\)$")
+# What msgspec says of a high surrogate escape without a low one after it: "truncated"
+# when fewer than six bytes follow it, else "unexpected end" of a pair.
+_LONE_HIGH_SURROGATE_SAID = (
+    "Input data was truncated",
+    "JSON is malformed: unexpected end of escaped utf-16 surrogate pair",
+)
+_LONE_HIGH_SURROGATE = re.compile(
+    rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+)
 
 
-def _malformed(body: bytes, base: int, chunk: bytes, exc: Exception, where: str) -> Rejection:
+def _where(index: int | None, field: str | None) -> str:
+    event = f", event {index}" if index is not None else ""
+    return event + (f', field "{field}"' if field is not None else "")
+
+
+def _malformed(
+    body: bytes, ndjson: bool, base: int, chunk: bytes, exc: Exception, where: str
+) -> Rejection:
     """A 400 for ``exc`` raised while decoding ``chunk`` found at ``body[base:]``."""
     if isinstance(exc, UnicodeDecodeError):
         try:
@@ -320,20 +506,80 @@ def _malformed(body: bytes, base: int, chunk: bytes, exc: Exception, where: str)
         m = _BYTE_AT.search(text)
         offset = int(m.group(1)) if m else len(chunk)
         reason = _BYTE_AT.sub("", text)
-        if reason == "Input data was truncated":
-            reason = "JSON is truncated (the value does not end)"
+        if reason in _LONE_HIGH_SURROGATE_SAID:
+            lone = _LONE_HIGH_SURROGATE.search(chunk)
+            if lone is not None:
+                offset = lone.start(1)
+                escape = lone.group(1).decode()
+                reason = (
+                    f"a lone UTF-16 surrogate escape {escape}: a high surrogate "
+                    "(\\ud800-\\udbff) must be followed by a low one (\\udc00-\\udfff)"
+                )
+            elif reason == "Input data was truncated":
+                reason = "JSON is truncated (the value does not end)"
     position = base + offset
     line = body.count(b"\n", 0, position) + 1
     column = position - (body.rfind(b"\n", 0, position) + 1) + 1
+    index, field = _locate(body, ndjson, position)
     return Rejection(
         400,
         "malformed",
-        f"malformed JSON at line {line}, column {column} (byte {position}{where}): "
-        f"{reason}; nothing was stored",
+        f"malformed JSON at line {line}, column {column} (byte {position}{where}"
+        f"{_where(index, field)}): {reason}; nothing was stored",
         line=line,
         column=column,
         position=position,
+        index=index,
+        field=field,
     )
+
+
+def _too_deep(body: bytes, ndjson: bool, base: int, chunk: bytes, max_depth: int) -> Rejection:
+    """A 422 for a chunk that msgspec cannot decode for its depth (RecursionError)."""
+    # An event's payload nests from level 2 of a line (the event is level 1), 3 of an array.
+    level = 1 if ndjson else 2
+    at = payload.first_too_deep(chunk, max_depth + level)
+    return _undecodable(body, ndjson, base + (at or 0), payload.too_deep(max_depth))
+
+
+def _huge_number(
+    body: bytes, ndjson: bool, base: int, chunk: bytes, exc: msgspec.ValidationError
+) -> Rejection:
+    """A 422 for a chunk that msgspec cannot decode for an integer Python will not hold
+    (more than ``sys.get_int_max_str_digits()``, 4300, digits)."""
+    found = payload.long_number(chunk)
+    if found is None:  # not a long number after all: say what msgspec said
+        return _malformed(body, ndjson, base, chunk, exc, "" if ndjson else " of the array")
+    return _undecodable(body, ndjson, base + found.offset, found.reason)
+
+
+def _undecodable(body: bytes, ndjson: bool, position: int, reason: str) -> Rejection:
+    """The 422 for a problem that stops the slow path's decoding: it is reported alone."""
+    index, field = _locate(body, ndjson, position)
+    entry: dict[str, Any] = {"index": index, "field": field, "reason": reason}
+    if ndjson:
+        entry["line"] = body.count(b"\n", 0, position) + 1
+    entry["position"] = position
+    return Rejection(
+        422,
+        "invalid_events",
+        f"an event is invalid ({_describe(entry)}); the rest of the request was not "
+        "checked; nothing was stored",
+        errors=[entry],
+        truncated=False,
+    )
+
+
+def _describe(entry: dict[str, Any]) -> str:
+    """One 422 error entry as words: ``event 3 at line 4, field "new" (byte 97): why``."""
+    where = "event" if entry["index"] is None else f"event {entry['index']}"
+    if "line" in entry:
+        where += f" at line {entry['line']}"
+    if entry["field"]:
+        where += f', field "{entry["field"]}"'
+    if "position" in entry:
+        where += f" (byte {entry['position']})"
+    return f"{where}: {entry['reason']}"
 
 
 def _disagreement(exc: Exception | None) -> Rejection:
@@ -349,32 +595,72 @@ def _disagreement(exc: Exception | None) -> Rejection:
     )
 
 
+def _payload_problems(
+    body: bytes, start: int, end: int, item: Any, max_depth: int
+) -> list[tuple[str, str, int]]:
+    """``(field, reason, position in the body)`` of each of the event ``body[start:end]``'s
+    payloads that :func:`daemon.ingest.payload.problem` refuses."""
+    if not isinstance(item, dict) or start < 0:
+        return []
+    gate = payload.min_length(max_depth)
+    raws: dict[str, msgspec.Raw] | None = None
+    offsets: dict[str, int] | None = None
+    found: list[tuple[str, str, int]] = []
+    for field in ("new", "old"):
+        if not isinstance(item.get(field), dict):
+            continue
+        if raws is None:
+            raws = _decode_raw_members(memoryview(body)[start:end])
+        text = bytes(raws[field])
+        if len(text) < gate:
+            continue
+        problem = payload.problem(text, max_depth)
+        if problem is None:
+            continue
+        if offsets is None:
+            offsets = _member_values(body, start, end)
+        found.append((field, problem.reason, offsets[field] + problem.offset))
+    return found
+
+
 def explain_body(
     body: bytes,
     ndjson: bool,
     check_count: Callable[[int], None],
     max_id_chars: int = EVENT_ID_MAX_CHARS,
+    max_depth: int = JSON_DEPTH_MAX,
 ) -> None:
     """The slow path: find every problem and raise the 400/413/422 that says so.
 
     ``check_count`` raises the 413 for too many events (the server's limit);
-    ``max_id_chars`` is ``ingest.max_event_id_chars``.
+    ``max_id_chars`` is ``ingest.max_event_id_chars``, ``max_depth``
+    ``ingest.max_json_depth``.
     """
-    located: list[tuple[int | None, Any]] = []  # (line, decoded item)
+    # (line, where the event starts and ends in the body, the decoded item)
+    located: list[tuple[int | None, int, int, Any]] = []
     if ndjson:
         base = 0
         for lineno, line in enumerate(body.split(b"\n"), start=1):
             if line.strip():
                 try:
-                    located.append((lineno, _decode_any(line)))
+                    item = _decode_any(line)
+                except msgspec.ValidationError as exc:
+                    raise _huge_number(body, True, base, line, exc) from None
                 except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-                    raise _malformed(body, base, line, exc, "") from None
+                    raise _malformed(body, True, base, line, exc, "") from None
+                except RecursionError:
+                    raise _too_deep(body, True, base, line, max_depth) from None
+                located.append((lineno, base, base + len(line), item))
             base += len(line) + 1
     else:
         try:
             doc = _decode_any(body)
+        except msgspec.ValidationError as exc:
+            raise _huge_number(body, False, 0, body, exc) from None
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-            raise _malformed(body, 0, body, exc, " of the array") from None
+            raise _malformed(body, False, 0, body, exc, " of the array") from None
+        except RecursionError:
+            raise _too_deep(body, False, 0, body, max_depth) from None
         if not isinstance(doc, list):
             raise Rejection(
                 400,
@@ -382,30 +668,35 @@ def explain_body(
                 f"an application/json body must be an array of events, got {_kind(doc)}; "
                 "nothing was stored",
             )
-        located = [(None, item) for item in doc]
+        spans = _item_spans(body)
+        if spans is None or len(spans) != len(doc):  # cannot be: it decoded above
+            spans = [(-1, -1)] * len(doc)
+        located = [(None, a, b, item) for (a, b), item in zip(spans, doc, strict=True)]
     check_count(len(located))
     errors: list[dict[str, Any]] = []
     bad_items = 0
-    for index, (at_line, item) in enumerate(located):
-        problems = explain_event(item, max_id_chars)
+    for index, (at_line, start, end, item) in enumerate(located):
+        problems: list[tuple[str | None, str, int | None]] = [
+            (field, reason, None) for field, reason in explain_event(item, max_id_chars)
+        ]
+        problems.extend(_payload_problems(body, start, end, item, max_depth))
         if problems:
             bad_items += 1
-        for field, reason in problems:
+        for field, reason, position in problems:
             if len(errors) < MAX_REPORTED_ERRORS:
                 entry: dict[str, Any] = {"index": index, "field": field, "reason": reason}
                 if at_line is not None:
                     entry["line"] = at_line
+                if position is not None:
+                    entry["position"] = position
                 errors.append(entry)
     if not errors:
         return
-    first = errors[0]
-    where = f"event {first['index']}" + (f" at line {first['line']}" if "line" in first else "")
-    field = f', field "{first["field"]}"' if first["field"] else ""
     raise Rejection(
         422,
         "invalid_events",
-        f"{bad_items} of {len(located)} events are invalid (first: {where}{field}: "
-        f"{first['reason']}); nothing was stored",
+        f"{bad_items} of {len(located)} events are invalid (first: {_describe(errors[0])}); "
+        "nothing was stored",
         errors=errors,
         truncated=bad_items > MAX_REPORTED_ERRORS or len(errors) >= MAX_REPORTED_ERRORS,
     )
