@@ -14,6 +14,8 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -156,3 +158,87 @@ def test_events_no_table_can_hold_go_to_the_quarantine_and_every_other_event_lan
     assert not set(table_all) & set(poison)
     table_orders = _lsns(spark, streams["orders"])
     assert max(table_orders.values()) == 1 and not set(table_orders) & set(poison)
+
+
+# Hostile request bodies, one event each, by what is wrong with them: ingest
+# refuses each with a 4xx (docs/ingest.md).
+HOSTILE: dict[str, tuple[bytes, dict[str, str]]] = {
+    "invalid UTF-8 in a value": (b'{"a":"\xff\xfe"}', {}),
+    "invalid UTF-8 in a key": (b'{"\xff":1}', {}),
+    "an encoded surrogate": (b'{"a":"\xed\xa0\x80"}', {}),
+    "an overlong encoding": (b'{"a":"\xc0\xaf"}', {}),
+    "an escaped lone surrogate": (b'{"a":"\\ud800"}', {}),
+    "a raw control character": (b'{"a":"\x01"}', {}),
+    "nesting 2,000 deep": (b'{"a":' * 2000 + b"1" + b"}" * 2000, {}),
+    "a number of 1,001 digits": (b'{"a":' + b"9" * 1001 + b"}", {}),
+    "a key of 50,001 characters": (b'{"' + b"k" * 50_001 + b'":1}', {}),
+    "NaN": (b'{"a":NaN}', {}),
+    "a gzip body that is not gzip": (b"{}", {"Content-Encoding": "gzip"}),
+}
+
+
+def _post_raw(url: str, new: bytes, headers: dict[str, str]) -> int:
+    line = b'{"collection":"orders","op":"insert","key":"h","new":' + new + b"}\n"
+    req = urllib.request.Request(
+        url + "/v1/events",
+        data=line,
+        method="POST",
+        headers={"Content-Type": "application/x-ndjson", **headers},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return int(exc.code)
+
+
+@pytest.mark.timeout(600)
+def test_hostile_payloads_under_load_are_refused_and_clean_events_land_as_fast(
+    tmp_path: Path, spark: Any
+) -> None:
+    """1. Clean load for 3 s; how long after the last ack the table holds
+       every acknowledged event (the clean drain).
+    2. The same load with every hostile class posted among it, many times:
+       each one is answered with a 4xx, never a 2xx or a 5xx.
+    3. The table holds every acknowledged event within twice the clean
+       drain (plus a batch interval), each once, and nothing else: no
+       hostile row, nothing quarantined; /healthz is 200 with no notice.
+    """
+    table = tmp_path / "cdc" / "all"
+    daemon = DaemonProcess.production(spark_config(tmp_path)).start(timeout_s=120)
+    acked: set[int] = set()
+
+    def drain(loader: Loader) -> float:
+        loader.stop()
+        acked.update(loader.acked_lsns())
+        stopped = time.monotonic()
+        wait_for("the table holds every ack", lambda: set(_lsns(spark, table)) >= acked, 60, daemon)
+        return time.monotonic() - stopped
+
+    try:
+        wait_for("spark ready", lambda: daemon.status()["spark"]["ready"], 180, daemon)
+        loader = Loader(daemon.ingest_url, batch=100, producers=2, pause_s=0.02)
+        loader.start()
+        time.sleep(3.0)
+        clean = drain(loader)  # Step 1
+
+        loader = Loader(daemon.ingest_url, batch=100, producers=2, pause_s=0.02)
+        loader.start()
+        answers: dict[str, set[int]] = {kind: set() for kind in HOSTILE}
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:  # Step 2
+            for kind, (new, headers) in HOSTILE.items():
+                answers[kind].add(_post_raw(daemon.ingest_url, new, headers))
+        dirty = drain(loader)
+
+        wrong = {k: v for k, v in answers.items() if not all(400 <= s < 500 for s in v)}
+        assert not wrong, wrong
+        assert dirty <= 2 * clean + 0.2, (dirty, clean)  # Step 3
+        code, body = healthz(daemon)
+        assert code == 200 and "notices" not in body, body
+        assert daemon.status()["spark"]["streams"]["all"]["quarantined"] == 0
+    finally:
+        assert daemon.stop() == 0
+    rows = _lsns(spark, table)
+    assert set(rows) == acked and max(rows.values()) == 1
