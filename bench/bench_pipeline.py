@@ -115,7 +115,8 @@ PG_USER = "bench"
 PG_TABLE = "outbox"
 LABELS = {
     "eventplane": "eventplane: HTTP -> WAL -> Spark -> CDC table",
-    "baseline": "eventplane from --baseline's source tree (the same pipeline, older code)",
+    "baseline": "eventplane from --baseline's tree (older code, or another PySpark: "
+    "--baseline-python)",
     "landing": "landing files + Structured Streaming",
     "outbox": "PostgreSQL outbox + Spark JDBC",
     "reference": "reference: Structured Streaming over landed files (bench_cdc's peer)",
