@@ -1,7 +1,7 @@
 """daemon.ingest.payload: each CDC writer limit, exactly at it and one past it.
 
 The figures are the writers' (Jackson 2.21.2's StreamReadConstraints under
-Spark 4.2.0's VariantBuilder (Jackson 2.21.2, as in 4.3.0), measured with JsonCheck.checkMany);
+Spark 4.2.0's VariantBuilder, as under 4.3.0's, measured with JsonCheck.checkMany);
 tests/ingest/test_payload_differential.py asks the writer itself.
 """
 
