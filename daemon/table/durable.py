@@ -12,13 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from wal.files import fsync_dir
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = ["append_line", "atomic_write_json", "fsync_dir", "fsync_file"]
 
 
 def fsync_file(path: Path) -> None:
