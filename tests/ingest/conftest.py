@@ -131,6 +131,19 @@ async def post(
 
 
 @pytest.fixture
+async def baseline(
+    server: IngestServer, http: aiohttp.ClientSession, wal: Any
+) -> AsyncIterator[list[Any]]:
+    """One accepted request before the test; after it, the WAL must hold exactly that."""
+    status, _, body = await post(http, server, ndjson([event(0), event(1)]))
+    assert status == 200 and body["last_lsn"] == 2
+    before = stored(wal)
+    yield before
+    assert wal.head_lsn() == 2
+    assert stored(wal) == before
+
+
+@pytest.fixture
 async def start_admin(tmp_path: Path, metrics: Metrics) -> AsyncIterator[Callable[..., Any]]:
     servers: list[AdminServer] = []
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import tracemalloc
-from collections.abc import AsyncIterator
 from typing import Any
 from unittest import mock
 
@@ -32,19 +31,6 @@ LIMITS = {
 @pytest.fixture
 async def server(start_ingest: StartIngest) -> IngestServer:
     return await start_ingest(**LIMITS)
-
-
-@pytest.fixture
-async def baseline(
-    server: IngestServer, http: aiohttp.ClientSession, wal: Any
-) -> AsyncIterator[list[Any]]:
-    """One accepted request before the test; after it, the WAL must hold exactly that."""
-    status, _, body = await post(http, server, ndjson([event(0), event(1)]))
-    assert status == 200 and body["last_lsn"] == 2
-    before = stored(wal)
-    yield before
-    assert wal.head_lsn() == 2
-    assert stored(wal) == before
 
 
 def check(

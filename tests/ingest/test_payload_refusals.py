@@ -6,7 +6,6 @@ what that request stored.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -14,7 +13,7 @@ import msgspec
 import pytest
 
 from daemon.ingest.server import IngestServer
-from tests.ingest.conftest import JSON, StartIngest, event, ndjson, post, stored
+from tests.ingest.conftest import JSON, StartIngest, event, post, stored
 
 PREFIX = b'{"collection":"c","op":"update","key":"k","new":'
 
@@ -26,18 +25,6 @@ def line(new: bytes, *, old: bytes = b"null") -> bytes:
 @pytest.fixture
 async def server(start_ingest: StartIngest) -> IngestServer:
     return await start_ingest()
-
-
-@pytest.fixture
-async def baseline(
-    server: IngestServer, http: aiohttp.ClientSession, wal: Any
-) -> AsyncIterator[list[Any]]:
-    status, _, body = await post(http, server, ndjson([event(0), event(1)]))
-    assert status == 200 and body["last_lsn"] == 2
-    before = stored(wal)
-    yield before
-    assert wal.head_lsn() == 2
-    assert stored(wal) == before
 
 
 GOOD = msgspec.json.encode(event(7)) + b"\n"
