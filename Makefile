@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= config.toml
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck unit bench soak java jar clean
+.PHONY: run test lint typecheck unit bench soak java jar delta-jars clean
 # Optional: the Hadoop file system class of the CDC staging writes (jvm/src;
 # scripts/build-jar.sh skips it when javac is missing).
 JAR := daemon/spark/jars/eventplane-hadoop.jar
@@ -25,10 +25,15 @@ jar: $(STAMP)
 	@if [ ! -f $(JAR) ] || [ -n "$$(find jvm/src -name '*.java' -newer $(JAR))" ]; then \
 		bash scripts/build-jar.sh $(BIN)/python; fi
 
+# Delta Lake's jars for format = "delta" streams, fetched with mvn once
+# (daemon/spark/deltajars.py); offline it says so and the rest works.
+delta-jars: $(STAMP)
+	@$(BIN)/python -m daemon.spark.deltajars
+
 java:
 	@bash scripts/check-java.sh
 
-run: $(STAMP) java jar
+run: $(STAMP) java jar delta-jars
 	$(BIN)/eventplane run --config $(CONFIG)
 
 lint: $(STAMP)
@@ -38,13 +43,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: $(STAMP) java jar lint typecheck
+test: $(STAMP) java jar delta-jars lint typecheck
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-bench: $(STAMP) java jar
+bench: $(STAMP) java jar delta-jars
 	$(BIN)/python -m bench
 
-soak: $(STAMP) java jar
+soak: $(STAMP) java jar delta-jars
 	$(BIN)/pytest --soak -m soak $(PYTEST_ARGS)
 
 clean:

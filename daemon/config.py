@@ -189,6 +189,17 @@ class CdcStream:
     # "Quarantine"). More rows failing alone means the writer, not the rows, is
     # broken: the batch then fails and is retried, and health says why.
     quarantine_max_rows: int = 1000
+    # The table's format (docs/cdc.md, "Table formats"): "parquet" (folders of
+    # Parquet files with the daemon's own ledger; needs nothing but pyspark) or
+    # "delta" (a Delta Lake table: snapshot reads for every reader, time
+    # travel; needs Delta's jars, daemon/spark/deltajars.py).
+    format: str = "parquet"
+    # Delta only: add the VARIANT columns new and old next to the JSON text.
+    # Spark reads them; delta-rs, Polars and DuckDB then cannot open the table.
+    variant: bool = False
+    # Delta only: VACUUM keeps the files a snapshot of the last this many
+    # hours still reads (a reader that runs longer than that can fail).
+    vacuum_retain_hours: float = 168.0
 
     def wants(self, collection: str) -> bool:
         return self.collections == ("*",) or collection in self.collections
@@ -599,6 +610,9 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
             "retention": _retention,
             "retention_check_s": _float(0.0),
             "quarantine_max_rows": _int(0),
+            "format": _choice("parquet", "delta"),
+            "variant": _bool,
+            "vacuum_retain_hours": _float(0.0, exclusive=False),
             **_COMPACTION,
         }
         got = _section(table, where, spec, errors)
@@ -613,6 +627,13 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
                 f'["collection", "date"] (or ["collection", "date", "hour"]). Retention '
                 f"removes whole date/hour folders; removing rows from inside files would "
                 f"not be atomic for readers"
+            )
+            continue
+        delta_only = [k for k in ("variant", "vacuum_retain_hours") if k in got]
+        if delta_only and got.get("format", "parquet") != "delta":
+            errors.append(
+                f"{where}.{delta_only[0]}: applies to Delta tables only; set "
+                f'format = "delta" or remove it (a Parquet table always has VARIANT columns)'
             )
             continue
         if got["name"] in seen:
@@ -632,7 +653,7 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
                 got.get("retention"),
                 got.get("retention_check_s", 300.0),
                 **{k: got[k] for k in _COMPACTION if k in got},
-                **{k: got[k] for k in ("quarantine_max_rows",) if k in got},
+                **{k: got[k] for k in _STREAM_KEYS if k in got},
             )
         )
     handlers: list[CdcHandler] = []
@@ -644,6 +665,7 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
     return CdcConfig(tuple(streams), tuple(handlers))
 
 
+_STREAM_KEYS = ("quarantine_max_rows", "format", "variant", "vacuum_retain_hours")
 _COMPACTION: dict[str, Checker] = {
     "compaction": _bool,
     "target_file_bytes": _int(1 * KiB, unit="bytes"),

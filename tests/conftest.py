@@ -33,6 +33,7 @@ def free_port() -> int:
 def spark() -> Iterator[Any]:
     """One real local SparkSession for the whole test session (slow to start)."""
     os.environ.setdefault("PYSPARK_PYTHON", os.sys.executable)  # type: ignore[attr-defined]
+    from daemon.spark import deltajars
     from daemon.spark.session import build_session  # only Spark tests pay for it
 
     session = build_session(
@@ -41,6 +42,8 @@ def spark() -> Iterator[Any]:
         ui=False,
         log_level="ERROR",
         conf={"spark.sql.shuffle.partitions": "2"},
+        # Delta Lake when its jars were fetched (tests/spark/test_delta.py skips otherwise).
+        delta=not deltajars.missing(),
     )
     yield session
     session.stop()

@@ -213,6 +213,38 @@ def test_retention_without_a_time_partition_is_refused_saying_why() -> None:
     assert 'partition_by = ["collection", "date"]' in error
 
 
+def test_stream_format_defaults_to_parquet_and_delta_keys_need_delta() -> None:
+    plain = config.parse(_stream()).cdc.streams[0]
+    assert (plain.format, plain.variant, plain.vacuum_retain_hours) == ("parquet", False, 168.0)
+    delta = config.parse(_stream(format="delta", variant=True, vacuum_retain_hours=2)).cdc.streams[
+        0
+    ]
+    assert (delta.format, delta.variant, delta.vacuum_retain_hours) == ("delta", True, 2.0)
+    with pytest.raises(ConfigError) as info:
+        config.parse(_stream(variant=True))
+    assert info.value.errors == [
+        'cdc.streams[0].variant: applies to Delta tables only; set format = "delta" or '
+        "remove it (a Parquet table always has VARIANT columns)"
+    ]
+    with pytest.raises(ConfigError) as info:
+        config.parse(_stream(format="iceberg"))
+    assert info.value.errors[0].startswith("cdc.streams[0].format: expected one of")
+
+
+def test_a_delta_stream_without_delta_jars_names_the_artifact_and_the_fix(
+    tmp_path: Path,
+) -> None:
+    from daemon.spark import deltajars
+
+    jars = tmp_path / "jars"
+    why = deltajars.missing_message(deltajars.missing(jars), jars)
+    assert why.startswith(f"Delta Lake's jar {deltajars.PACKAGE} is not in {jars}")
+    assert "make delta-jars" in why and "spark.jars.packages" in why
+    assert deltajars.unavailable(False, {}, "") is None
+    assert deltajars.unavailable(True, {"spark.jars.packages": deltajars.PACKAGE}, "") is None
+    assert deltajars.unavailable(True, {}, "sc://localhost:15002") is None
+
+
 def test_bad_partition_by_and_retention_values_name_what_is_allowed() -> None:
     with pytest.raises(ConfigError) as info:
         config.parse(_stream(partition_by=["date", "collection"], retention="90m"))

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from daemon.config import CdcStream, Config
+from daemon.table.delta import table_exists as delta_table_exists
 from daemon.table.errors import CdcStreamLockedError
 from daemon.table.layout import committed_files
 from daemon.table.ledger import read_ledger
@@ -37,6 +38,13 @@ COLUMNS = ("lsn", "batch_id", "core", "collection", "op", "key", "new", "old", "
 PRODUCER_COLUMNS = ("event_id", "event_time")
 _TIMESTAMP = "date_format({0}, \"yyyy-MM-dd'T'HH:mm:ss.SSSSSS'Z'\") AS {0}"
 MAX_CELL = 60  # characters per cell before "..."; JSON documents can be long
+
+
+# What the Parquet-only verbs answer for a Delta stream.
+DELTA_ANSWERS = {
+    "files": "its files are those its log lists: deltalake.DeltaTable('{path}').file_uris()",
+    "rewrite": "a Delta table has one layout; there is nothing to rewrite",
+}
 
 
 def newest_files(stream: CdcStream, limit: int) -> list[Path]:
@@ -65,6 +73,9 @@ def latest_rows(spark: Any, stream: CdcStream, limit: int) -> list[dict[str, Any
     (docs/cdc.md, "Reading while compaction runs")."""
     from daemon.table.snapshot import consistent
 
+    if stream.format == "delta":  # a Delta read is a snapshot already
+        df = spark.read.format("delta").load(str(stream.path))
+        return _project(df, limit, payloads="json")
     return consistent(stream.path, lambda: _newest_rows(spark, stream, limit))
 
 
@@ -78,6 +89,17 @@ def _newest_rows(spark: Any, stream: CdcStream, limit: int) -> list[dict[str, An
         spark.read.option("basePath", str(stream.path))
         .option("mergeSchema", "true")
         .parquet(*map(str, files))
+    )
+    return _project(df, limit, payloads="variant")
+
+
+def _project(df: Any, limit: int, *, payloads: str) -> list[dict[str, Any]]:
+    """The newest ``limit`` rows of ``df`` as ``show`` prints them; the
+    payloads from the VARIANT columns or the JSON text (a Delta table)."""
+    new, old = (
+        ("to_json(new) AS new", "to_json(old) AS old")
+        if payloads == "variant"
+        else ("new_json AS new", "old_json AS old")
     )
     producer = [
         _TIMESTAMP.format(c) if c == "event_time" else c
@@ -93,8 +115,8 @@ def _newest_rows(spark: Any, stream: CdcStream, limit: int) -> list[dict[str, An
             "op",
             "key",
             *producer,
-            "to_json(new) AS new",
-            "to_json(old) AS old",
+            new,
+            old,
             _TIMESTAMP.format("ingest_ts"),
         )
         .orderBy("lsn", ascending=False)
@@ -151,18 +173,26 @@ def main(
             file=sys.stderr,
         )
         return 1
+    if stream.format == "delta" and args.cdc_command in DELTA_ANSWERS:
+        print(
+            f"eventplane cdc {args.cdc_command}: stream {stream.name!r} is a Delta table: "
+            f"{DELTA_ANSWERS[args.cdc_command].format(path=stream.path)}",
+            file=sys.stderr,
+        )
+        return 1
     if args.cdc_command == "rewrite":
         return rewrite(stream, session=session, out=out)
     if args.cdc_command == "files":
         return files(stream, as_json=args.json, out=out)
-    if not newest_files(stream, 1):
+    delta = stream.format == "delta"
+    if not (delta_table_exists(stream.path) if delta else newest_files(stream, 1)):
         print(f"stream {stream.name!r} ({stream.path}): no committed rows yet", file=out)
         return 0
     owned = session is None
     if owned:
         from daemon.spark.session import build_session
 
-        session = build_session("local[1]", "eventplane-cdc-show", False, "ERROR", {})
+        session = build_session("local[1]", "eventplane-cdc-show", False, "ERROR", {}, delta=delta)
     try:
         rows = latest_rows(session, stream, args.limit)
     finally:
@@ -301,6 +331,21 @@ def retention_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
             file=sys.stderr,
         )
         return 1
+    if stream.format == "delta":
+        # A Delta table's partitions are what its log says: the daemon's
+        # Spark runs the DELETE and VACUUM (DeltaSink.apply_retention).
+        if not args.apply:
+            print(
+                f"stream {stream.name!r} ({stream.path}): a Delta table; retention deletes "
+                f"rows ingested more than {stream.retention_s // 3600} h ago (whole date "
+                f"partitions), VACUUM removes their files {stream.vacuum_retain_hours:g} h "
+                f"later; --apply asks the daemon to run it now",
+                file=out,
+            )
+            return 0
+        return _retention_through_daemon(
+            args, cfg, stream.name, "Delta tables are maintained by the daemon", out
+        )
     plan = retention.plan(stream)
     verb = "removing" if args.apply else "would remove"
     print(

@@ -58,12 +58,20 @@ def main(
     err: TextIO | None = None,
     session_factory: Callable[[Config], Any] = build_check_session,
 ) -> int:
-    """Exit code: 0 OK, 2 a trigger Spark rejects, 1 Spark could not start.
+    """Exit code: 0 OK, 2 a trigger Spark rejects (or a Delta stream without
+    Delta's jars), 1 Spark could not start.
 
     ``out``/``err`` default to ``sys.stdout``/``sys.stderr`` at call time.
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    from daemon.spark import deltajars
+
+    delta = any(s.format == "delta" for s in cfg.cdc.streams)
+    why = deltajars.unavailable(delta, cfg.spark.conf, cfg.spark.remote)
+    if why is not None:
+        print(f"eventplane: invalid configuration: {cfg.source}: cdc.streams: {why}", file=err)
+        return 2
     if spark and cfg.triggers:
         n = len(cfg.triggers)
         print(

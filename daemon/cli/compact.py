@@ -154,14 +154,14 @@ def locally(
 ) -> int:
     """No daemon answered: lock the stream and compact with our own Spark."""
     from daemon.table import compact
+    from daemon.table.delta import sink_class
     from daemon.table.errors import CdcStreamLockedError
     from daemon.table.ledger import read_ledger
-    from daemon.table.parquet import CdcSink
 
     if read_ledger(stream.path) is None:
         print(f"stream {stream.name!r} ({stream.path}): no committed rows yet", file=out)
         return 0
-    sink = CdcSink(stream, wal_id="", cores=cfg.daemon.cores)
+    sink = sink_class(stream)(stream, wal_id="", cores=cfg.daemon.cores)
     try:
         sink.open()  # the stream's lock, and its recovery
     except CdcStreamLockedError as exc:
@@ -184,7 +184,14 @@ def locally(
 
             master = cfg.spark.master if cfg.spark.master.startswith("local") else "local[*]"
             conf = {k: v for k, v in cfg.spark.conf.items() if k != "spark.master"}
-            session = build_session(master, "eventplane-cdc-compact", False, "ERROR", conf)
+            session = build_session(
+                master,
+                "eventplane-cdc-compact",
+                False,
+                "ERROR",
+                conf,
+                delta=stream.format == "delta",
+            )
             owned = True
         print(f"stream {stream.name!r}: no daemon at {base}; compacting here", file=out)
 

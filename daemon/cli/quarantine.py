@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from daemon.config import CdcStream, Config
 from daemon.table import quarantine
+from daemon.table.delta import sink_class
 from daemon.table.errors import CdcStreamLockedError
 from daemon.table.layout import META_DIR
 from daemon.table.ledger import read_ledger
@@ -78,7 +79,9 @@ def _act(
     if ledger is None:
         _err(f"stream {stream.name!r}: {stream.path} holds no table yet")
         return 1
-    sink = CdcSink(stream, wal_id=ledger.wal_id, cores=ledger.cores, data_dir=cfg.data_dir)
+    sink = sink_class(stream)(
+        stream, wal_id=ledger.wal_id, cores=ledger.cores, data_dir=cfg.data_dir
+    )
     try:
         sink.open()
     except CdcStreamLockedError:

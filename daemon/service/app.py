@@ -314,7 +314,7 @@ class Daemon:
         if not (cfg.cdc.streams or cfg.cdc.handlers or stages):
             return NullExecutor()
         from daemon.spark import session as sparkmod
-        from daemon.spark.executor import SparkExecutor
+        from daemon.spark.executor import SparkExecutor, uses_delta
 
         # The WAL id goes into every CDC ledger: a table of another WAL refuses to start.
         wal_id = self.wal.wal_id if self.wal is not None else ""
@@ -331,6 +331,7 @@ class Daemon:
             log_format=logs.current_format(),
             # The driver JVM's class data sharing archive (session.class_sharing).
             cds_dir=cfg.data_dir / "spark-cds" if s.class_sharing and not s.remote else None,
+            delta=uses_delta(cfg),
         )
         return SparkExecutor(cfg, self.metrics, stages, wal_id=wal_id, session_factory=factory)
 

@@ -87,11 +87,12 @@ from daemon.errors import (
 )
 from daemon.plane.batch import BatchStage, MicroBatch, SessionAware
 from daemon.service.metrics import Metrics
-from daemon.spark import frame, rawinbox
+from daemon.spark import deltajars, frame, rawinbox
 from daemon.spark import session as sparkmod
 from daemon.table import sparkio
 from daemon.table.compact import CompactionService
 from daemon.table.crash import crash_point
+from daemon.table.delta import DeltaSink, sink_class
 from daemon.table.layout import CDC_COLUMNS
 from daemon.table.parquet import CdcSink
 from daemon.table.sink import CommitResult
@@ -117,6 +118,11 @@ class State(enum.Enum):
 def uses_inbox(cfg: Config) -> bool:
     """Local masters read the driver's files; remote ones may not share its disk."""
     return not cfg.spark.remote and cfg.spark.master.startswith("local")
+
+
+def uses_delta(cfg: Config) -> bool:
+    """A stream writes a Delta table: the session needs Delta Lake."""
+    return any(s.format == "delta" for s in cfg.cdc.streams)
 
 
 def load_handler(ref: str) -> Handler:
@@ -280,7 +286,9 @@ class SparkExecutor:
 
     def _default_factory(self) -> Any:
         s = self.cfg.spark
-        return sparkmod.build_session(s.master, s.app_name, s.ui, s.log_level, s.conf, s.remote)
+        return sparkmod.build_session(
+            s.master, s.app_name, s.ui, s.log_level, s.conf, s.remote, delta=uses_delta(self.cfg)
+        )
 
     # -- Executor protocol -------------------------------------------------
 
@@ -288,6 +296,11 @@ class SparkExecutor:
         """Check configuration now (raises ConfigError); build Spark in the background."""
         self._handlers = self._load_handlers()
         self._check_stream_paths()
+        why = deltajars.unavailable(
+            uses_delta(self.cfg), self.cfg.spark.conf, self.cfg.spark.remote
+        )
+        if why is not None:
+            raise ConfigError([f"cdc.streams: {why}"], str(self.cfg.source or "config"))
         if self._inbox is not None:
             # Batch files of a previous process: their batches re-run from the plan.
             shutil.rmtree(self._inbox, ignore_errors=True)
@@ -507,7 +520,14 @@ class SparkExecutor:
         entry = self._retention.setdefault(stream, {"partitions_removed": 0})
         try:
             async with self._retention_lock:
-                result = await asyncio.to_thread(retention.apply, sink.stream, sink=sink)
+                if isinstance(sink, DeltaSink):
+                    spark = self._session if self.ready() else None
+                    if spark is None:
+                        raise ExecutorError("Spark is not ready: retention runs once it is")
+                    out = await asyncio.to_thread(sink.apply_retention, spark)
+                    result = retention.RunResult(stream, out["removed"], None, out["seconds"])
+                else:
+                    result = await asyncio.to_thread(retention.apply, sink.stream, sink=sink)
         except Exception as exc:
             self.metrics.cdc_retention_runs.labels(stream, "failed").inc()
             entry.update(last_run_at=time.time(), last_error=f"{type(exc).__name__}: {exc}")
@@ -590,7 +610,7 @@ class SparkExecutor:
         sinks: list[CdcSink] = []
         try:
             for s in self.cfg.cdc.streams:
-                sink = CdcSink(
+                sink = sink_class(s)(
                     s, wal_id=self.wal_id, cores=self.cfg.daemon.cores, data_dir=self.cfg.data_dir
                 )
                 sink.open()
@@ -931,7 +951,7 @@ class SparkExecutor:
             pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
             # With a raw inbox file the streams write its rows without a Spark
             # job (CdcSink.commit): they need no DataFrame.
-            readers = set() if direct else {sink.name for sink, _rows in pending}
+            readers = {s.name for s, _rows in pending if not (direct and s.writes_direct)}
             # Steps 3-5: each stage on its own; one failing holds back only itself.
             # Step 3. Stages first: their finish (webhook calls) runs on the loop
             # while this thread writes the CDC tables. They read the batch before

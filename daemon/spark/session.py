@@ -180,11 +180,13 @@ def effective_conf(
     ui: bool,
     remote: str = "",
     log_format: str = "console",
+    delta: bool = False,
 ) -> dict[str, str]:
     """The conf the builder gets: daemon defaults, then the user's ``[spark.conf]``.
 
     ``log_format`` (``json`` or ``console``, the daemon's resolved ``[log]
-    format``) picks the JVM log's layout.
+    format``) picks the JVM log's layout. ``delta``: a Delta stream is
+    configured (``_add_delta``).
     """
     out = dict(_DAEMON_DEFAULTS)
     if not remote:
@@ -209,7 +211,39 @@ def effective_conf(
     out.update({k: v for k, v in conf.items() if k != "spark.driver.extraJavaOptions" or remote})
     if not remote and master.startswith("local"):
         _add_daemon_jar(out)
+    if delta and not remote:
+        _add_delta(out, master)
     return out
+
+
+def _add_delta(out: dict[str, str], master: str) -> None:
+    """Delta Lake's jars and SQL extension, for ``format = "delta"`` streams.
+
+    The jars (``deltajars``) go on the driver's class path with a local
+    master, as the daemon's own jar does, and into ``spark.jars`` for a
+    cluster's executors; nothing when the user's ``spark.jars.packages``
+    resolves Delta. The extension and catalog are what Delta's SQL (OPTIMIZE,
+    VACUUM, DELETE) needs; a user's own extensions are kept.
+    """
+    from daemon.spark import deltajars
+
+    if not deltajars.resolved_by_spark(out) and not deltajars.missing():
+        files = [str(p) for p in deltajars.jars()]
+        key = "spark.driver.extraClassPath" if master.startswith("local") else "spark.jars"
+        sep = os.pathsep if key == "spark.driver.extraClassPath" else ","
+        current = [p for p in out.get(key, "").split(sep) if p]
+        out[key] = sep.join([*current, *(f for f in files if f not in current)])
+    extensions = [e for e in out.get("spark.sql.extensions", "").split(",") if e.strip()]
+    if deltajars.EXTENSION not in extensions:
+        out["spark.sql.extensions"] = ",".join([*extensions, deltajars.EXTENSION])
+    out.setdefault("spark.sql.catalog.spark_catalog", deltajars.CATALOG)
+    # Delta rebuilds the table's state (to find the batch's txnVersion) on
+    # every commit, in this many tasks: its default of 50 made a commit of
+    # 1,000 rows take 3.5 s here, 1 took 1.0 s (docs/cdc.md, "Table formats").
+    out.setdefault("spark.databricks.delta.snapshotPartitions", "1")
+    # VACUUM lists the table's folders in a job of this many tasks: Spark's
+    # default, 10,000, kept a small table's VACUUM busy for a minute here.
+    out.setdefault("spark.sql.sources.parallelPartitionDiscovery.parallelism", "8")
 
 
 def _flag(option: str) -> str:
@@ -297,6 +331,7 @@ def build_session(
     remote: str = "",
     log_format: str = "console",
     cds_dir: Path | None = None,
+    delta: bool = False,
 ) -> Any:
     """Create (or join) the process's SparkSession. Blocking; call off the event loop.
 
@@ -304,7 +339,7 @@ def build_session(
     the client then needs ``pyspark[connect]``'s gRPC packages. ``log_format``:
     the JVM log's layout (``json`` lines or ``console`` text, on stderr).
     ``cds_dir``: the folder of the driver JVM's class data sharing archive
-    (``class_sharing``); None: none.
+    (``class_sharing``); None: none. ``delta``: with Delta Lake (``_add_delta``).
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_PANDAS3_WARNING, category=FutureWarning)
@@ -314,11 +349,11 @@ def build_session(
         user = conf.get("spark.driver.extraJavaOptions", "")
         # The heap's size decides the archive's layout (compressed pointers):
         # an archive is kept per driver memory and per user JVM options.
-        salt = f"{conf.get('spark.driver.memory', '')} {user}"
+        salt = f"{conf.get('spark.driver.memory', '')} {user} {'delta' if delta else ''}"
         cds = driver_class_sharing(cds_dir, remote, user, salt)
         if cds is not None and cds.options:
             conf["spark.driver.extraJavaOptions"] = " ".join([*cds.options, user]).strip()
-        settings = effective_conf(master, log_level, conf, ui, remote, log_format)
+        settings = effective_conf(master, log_level, conf, ui, remote, log_format, delta)
         if log_format == "json" and not remote:
             _launch_jvm_with_json_stderr(master, app_name, settings)
         builder = SparkSession.builder.appName(app_name)

@@ -388,6 +388,8 @@ def plan_stream(sink: MaintainedTable, *, full: bool = False) -> list[Plan]:
     partition retention would remove now is skipped: merging it is wasted
     work, and retention should not have to wait for it.
     """
+    if getattr(sink, "compact", None) is not None:
+        return []  # the format plans its own compaction (Delta's OPTIMIZE)
     s = sink.stream
     last = sink.ledger.last_batch_id
     expired: set[str] = set()
@@ -416,7 +418,10 @@ def plan_stream(sink: MaintainedTable, *, full: bool = False) -> list[Plan]:
 
 
 def file_counts(sink: MaintainedTable) -> dict[str, int]:
-    """Data files per leaf partition folder, by its relative path."""
+    """Data files per leaf partition folder, by its relative path (none for a
+    table format whose log, not its folders, says which files count)."""
+    if getattr(sink, "compact", None) is not None:
+        return {}
     out = {}
     for d in partitions(sink.path, sink.stream.partition_by):
         with contextlib.suppress(FileNotFoundError):
@@ -1055,6 +1060,13 @@ def compact_stream(
 ) -> list[Progress]:
     """Every compaction the stream's policy asks for now, one partition at a time;
     the finished ones (also appended to ``done`` as they finish)."""
+    own = getattr(sink, "compact", None)
+    if own is not None:  # a table format that compacts itself (Delta's OPTIMIZE)
+        progress = own(spark, full=full, on_progress=on_progress)
+        done = [] if done is None else done
+        if progress is not None:
+            done.append(progress)
+        return done
     recover(sink)  # an earlier attempt that failed after its swap rolls forward first
     done = [] if done is None else done
     for plan in plan_stream(sink, full=full):

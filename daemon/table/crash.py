@@ -48,8 +48,23 @@ REPLAY_CRASH_POINTS = (
     "cdc.replay_after_intent",  # rows staged and listed, nothing published
     "cdc.replay_after_publish",  # rows visible, still in the quarantine file
 )
-CRASH_POINTS = (
-    COMMIT_CRASH_POINTS + RETENTION_CRASH_POINTS + COMPACT_CRASH_POINTS + REPLAY_CRASH_POINTS
+# A Delta stream's commit (daemon/table/delta.py): the points of the
+# Parquet commit it passes, and its own.
+DELTA_CRASH_POINTS = (
+    "cdc.before_stage",  # nothing of the batch written
+    "cdc.after_quarantine",  # set-aside rows durable, nothing committed
+    "delta.after_commit",  # Delta committed the batch, the ledger does not know
+    "cdc.after_ledger",  # committed and recorded
+    "executor.after_commit",  # every sink and stage done, execute() not returned
+)
+CRASH_POINTS = tuple(
+    dict.fromkeys(
+        COMMIT_CRASH_POINTS
+        + RETENTION_CRASH_POINTS
+        + COMPACT_CRASH_POINTS
+        + REPLAY_CRASH_POINTS
+        + DELTA_CRASH_POINTS
+    )
 )
 _crash_hits: dict[str, int] = {}
 _crash_lock = threading.Lock()

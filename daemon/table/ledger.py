@@ -90,6 +90,10 @@ class Ledger:
     # records (id, partition, inputs, outputs, batch range), bounded.
     last_compaction_id: int = 0
     compactions: list[dict[str, Any]] = field(default_factory=list)
+    # The table's format ([[cdc.streams]] format); a Delta stream's ledger also
+    # holds the Delta table version of its last commit (daemon/table/delta.py).
+    table_format: str = "parquet"
+    delta_version: int = -1
 
     def copy(self) -> Ledger:
         return replace(
@@ -134,6 +138,11 @@ class Ledger:
             "partition_by": self.partition_by,
             "last_compaction_id": self.last_compaction_id,
             "compactions": self.compactions,
+            **(
+                {"table_format": self.table_format, "delta_version": self.delta_version}
+                if self.table_format != "parquet"
+                else {}
+            ),
         }
 
     @classmethod
@@ -151,6 +160,8 @@ class Ledger:
             partition_by=[str(c) for c in raw.get("partition_by", ["collection"])],
             last_compaction_id=int(raw.get("last_compaction_id", 0)),
             compactions=[dict(c) for c in raw.get("compactions", [])],
+            table_format=str(raw.get("table_format", "parquet")),
+            delta_version=int(raw.get("delta_version", -1)),
         )
 
 

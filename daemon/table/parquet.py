@@ -146,6 +146,9 @@ class CdcSink:
     two touch the same folders and the ledger (publish, ledger, swap).
     """
 
+    # Step 1 may write a raw inbox file without a Spark job (DirectWrite).
+    writes_direct = True
+
     def __init__(
         self,
         stream: CdcStream,
@@ -262,8 +265,7 @@ class CdcSink:
     def _load_or_create_ledger(self) -> Ledger:
         ledger = read_ledger(self.path)
         if ledger is None:
-            ledger = Ledger(self.name, self.wal_id, self.cores)
-            ledger.partition_by = list(self.stream.partition_by)
+            ledger = self._new_ledger()
             atomic_write_json(self.meta / "ledger.json", ledger.to_json())
             return ledger
         self._check_layout(ledger)
@@ -283,10 +285,22 @@ class CdcSink:
             atomic_write_json(self.meta / "ledger.json", ledger.to_json())
         return ledger
 
+    def _new_ledger(self) -> Ledger:
+        ledger = Ledger(self.name, self.wal_id, self.cores)
+        ledger.partition_by = list(self.stream.partition_by)
+        return ledger
+
     def _check_layout(self, ledger: Ledger) -> None:
         """Refuse a partition_by other than the table's: Spark's partition
         discovery fails on a folder that mixes ``collection=x/part-*`` and
-        ``collection=x/date=d/part-*``. An empty table takes the new layout."""
+        ``collection=x/date=d/part-*``. An empty table takes the new layout.
+        A Delta table's folder is refused too (daemon/table/delta.py)."""
+        if ledger.table_format != "parquet":
+            raise CdcLayoutError(
+                f'stream {self.name!r}: format = "parquet" but {self.path} holds a '
+                f"{ledger.table_format} table (batches up to {ledger.last_batch_id}). Set "
+                f'format = "{ledger.table_format}", or point the stream\'s path at a new folder.'
+            )
         wanted = list(self.stream.partition_by)
         if ledger.partition_by == wanted:
             return
@@ -387,7 +401,14 @@ class CdcSink:
         )
 
     def _stage(
-        self, df: Any, batch: MicroBatch, rows: int, raw: RawInbox | None, staging: Path
+        self,
+        df: Any,
+        batch: MicroBatch,
+        rows: int,
+        raw: RawInbox | None,
+        staging: Path,
+        set_aside_first: Callable[[MicroBatch, list[quarantine.QuarantinedRow]], None]
+        | None = None,
     ) -> list[quarantine.QuarantinedRow]:
         """Step 1: write the stream's rows of ``batch`` into ``staging``; the
         rows it set aside (none when the first write succeeds).
@@ -402,6 +423,8 @@ class CdcSink:
         4. Write again without them (a Spark job reads the stream's own rows
            of the inbox, so another stream's bad row cannot fail it). If that
            fails too, it fails the batch like any failed write.
+           ``set_aside_first`` makes the rows durable before that write, for a
+           format whose write is its commit (Delta).
         """
         direct = raw is not None and raw.direct
         try:
@@ -440,6 +463,8 @@ class CdcSink:
                 error=set_aside[0].error,
             )
         # Step 4. The write without them.
+        if set_aside and set_aside_first is not None:
+            set_aside_first(batch, set_aside)
         try:
             if direct:
                 self._write_staged(replace(raw, rows=rows - len(skip), skip=skip), staging)
@@ -492,7 +517,7 @@ class CdcSink:
         new ones. The table's column list is part of the key: tests that write
         an earlier layout put another one in place for some batches."""
         cached = self._columns
-        table = TABLE_COLUMNS
+        table = self._table_columns()
         if cached is None or cached[0] is not spark or cached[1] is not table:
             from pyspark.sql import functions as F
 
@@ -503,6 +528,11 @@ class CdcSink:
                 keep = F.col("collection").isin(list(self.stream.collections))
             cached = self._columns = (spark, table, SelectList.build(spark, columns), keep)
         return cached[2], cached[3]
+
+    def _table_columns(self) -> tuple[str, ...]:
+        """The columns of the table's files, in order (read at each write:
+        tests put an earlier layout in place for some batches)."""
+        return TABLE_COLUMNS
 
     def _write_staged(self, df: Any, staging: Path) -> None:
         """The write of step 1 (tests wrap this to inject write failures): a

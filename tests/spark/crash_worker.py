@@ -1,9 +1,10 @@
 """A stand-alone executor process for crash and cluster tests.
 
 ``python -m tests.spark.crash_worker ROOT --batches N --per-batch M [--master URL |
---remote sc://...] [--bad-every K]`` runs the deterministic batches 1..N of ``tests.spark.support``
-through a real ``SparkExecutor`` writing under ROOT, printing ``committed <id>``
-after each. With ``EVENTPLANE_CRASH_AT`` set it SIGKILLs itself at that point.
+--remote sc://...] [--bad-every K] [--format delta]`` runs the deterministic
+batches 1..N of ``tests.spark.support`` through a real ``SparkExecutor``
+writing under ROOT, printing ``committed <id>`` after each. With
+``EVENTPLANE_CRASH_AT`` set it SIGKILLs itself at that point.
 ``--pause-before B`` prints ``paused B`` and waits for a line on stdin before
 batch B; ``--retries N`` retries a failed batch (once the executor is ready again)
 like the planner does.
@@ -22,7 +23,10 @@ from tests.spark.support import make_batches, make_config, say
 
 
 async def run(args: argparse.Namespace) -> int:
-    cfg = make_config(Path(args.root), master=args.master, remote=args.remote)
+    options = {"format": args.format} if args.format != "parquet" else None
+    cfg = make_config(
+        Path(args.root), master=args.master, remote=args.remote, stream_options=options
+    )
     ex = SparkExecutor(cfg, Metrics(), wal_id=args.wal_id)
     await ex.start()
     try:
@@ -60,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-timeout", type=float, default=240.0)
     p.add_argument("--retries", type=int, default=0, help="failed attempts retried per batch")
     p.add_argument("--bad-every", type=int, default=0, help="every Nth LSN's payload is bad")
+    p.add_argument("--format", default="parquet", help="the stream's table format")
     p.add_argument("--pause-before", type=int, default=0, help="wait for a stdin line first")
     return asyncio.run(run(p.parse_args(argv)))
 

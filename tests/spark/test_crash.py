@@ -47,6 +47,7 @@ def run_worker(
     remote: str = "",
     timeout: float = 300,
     bad_every: int = 0,
+    table_format: str = "parquet",
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_PYTHON": sys.executable}
     env.pop(ENV_CRASH_AT, None)
@@ -68,6 +69,8 @@ def run_worker(
         cmd += ["--remote", remote]
     if bad_every:
         cmd += ["--bad-every", str(bad_every)]
+    if table_format != "parquet":
+        cmd += ["--format", table_format]
     return subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )

@@ -60,6 +60,28 @@ def test_other_user_keys_still_win_over_the_daemons_defaults() -> None:
     assert out["spark.sql.session.timeZone"] == "CET"
 
 
+def test_delta_adds_its_jars_extension_and_catalog_and_keeps_the_users_own(
+    tmp_path: Path,
+) -> None:
+    from daemon.spark import deltajars
+
+    plain = session.effective_conf("local[2]", "warn", {}, ui=False)
+    assert "spark.sql.extensions" not in plain
+    conf = {"spark.sql.extensions": "my.Ext"}
+    fetched = mock.patch.object(deltajars, "missing", return_value=[])
+    with fetched:
+        local = session.effective_conf("local[2]", "warn", conf, ui=False, delta=True)
+        cluster = session.effective_conf("spark://h:7077", "warn", conf, ui=False, delta=True)
+    assert local["spark.sql.extensions"] == f"my.Ext,{deltajars.EXTENSION}"
+    assert local["spark.sql.catalog.spark_catalog"] == deltajars.CATALOG
+    jars = [str(p) for p in deltajars.jars()]
+    assert local["spark.driver.extraClassPath"].split(":")[-2:] == jars
+    assert cluster["spark.jars"].split(",") == jars
+    resolved = {"spark.jars.packages": deltajars.PACKAGE}
+    out = session.effective_conf("local[2]", "warn", resolved, ui=False, delta=True)
+    assert not any(j in out.get("spark.driver.extraClassPath", "") for j in jars)
+
+
 @pytest.mark.spark
 def test_the_running_driver_jvm_has_the_daemons_jvm_defaults(spark: Any) -> None:
     jvm = spark.sparkContext._jvm

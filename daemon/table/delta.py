@@ -1,0 +1,456 @@
+"""Exactly-once CDC tables in Delta Lake: one Delta commit per batch and stream.
+
+Layout of a ``format = "delta"`` stream's ``path``::
+
+    <path>/_delta_log/                       Delta's transaction log: the table
+    <path>/collection=orders/part-*.parquet  data files (those the log lists)
+    <path>/_eventplane/ledger.json           identity, last batch, per-core LSNs
+    <path>/_eventplane/lock                  flock: one writer per stream
+    <path>/_eventplane/quarantine/           rows set aside (quarantine.py)
+
+Every reader that knows Delta (Spark, delta-rs and so pandas, Polars, DuckDB
+over a delta-rs dataset) reads a snapshot: a version of the log, whose files
+stay until VACUUM removes them after ``vacuum_retain_hours``.
+
+Commit protocol for batch B of stream S:
+
+0. **Idempotency.** B at or below the ledger's last batch: check that the
+   re-run has the recorded LSN ranges, write nothing.
+1. **Commit.** One Delta append of S's rows of B, with ``txnAppId`` =
+   ``eventplane/<WAL id>/<stream>`` and ``txnVersion`` = B: Delta commits
+   the files and that pair atomically, and skips a write whose version is not
+   above the stored one (a re-run after a crash). The commit's
+   ``userMetadata`` carries B, its per-core LSN ranges and row counts. Rows
+   that fail alone go to the quarantine file first (``cdc.after_quarantine``).
+2. **Ledger.** Append B (ranges, rows, Delta version) to the ledger (atomic
+   replace + fsync): the daemon's copy of what step 1 committed.
+
+Recovery when the stream opens: commits of the stream's app id above the
+ledger's last batch (a crash between steps 1 and 2, ``delta.after_commit``)
+are read from ``_delta_log`` and appended to the ledger from their
+``userMetadata``; quarantine files of batches above it are removed (their
+batch re-runs). The identity check (invariant 13) is the ledger's WAL id and
+``cores``, also in the table's properties (``eventplane.wal_id``,
+``eventplane.cores``) and in the app id.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from daemon.config import CdcStream
+from daemon.errors import IdentityMismatchError
+from daemon.plane.batch import MicroBatch
+from daemon.table import quarantine
+from daemon.table.crash import crash_point
+from daemon.table.durable import atomic_write_json
+from daemon.table.errors import CdcError, CdcLayoutError
+from daemon.table.layout import META_DIR, TABLE_COLUMNS
+from daemon.table.ledger import (
+    KEEP_BATCHES,
+    Ledger,
+    LedgerEntry,
+    _ranges_from_json,
+    read_ledger,
+)
+from daemon.table.parquet import CdcSink
+from daemon.table.sink import CommitResult, RecoveryReport
+from daemon.table.sparkio import RawInbox, _py4j_jvm
+
+log = structlog.get_logger("eventplane.cdc")
+
+LOG_DIR = "_delta_log"
+_COMMIT_FILE = re.compile(r"^(\d{20})\.json$")
+# The default layout: no VARIANT column (delta-rs, so Polars and DuckDB,
+# cannot open a table that has one); the payloads are JSON text.
+DELTA_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in ("new", "old"))
+# Statistics only on the columns a query filters by: not on the payloads'
+# text, whose min/max of 32 characters prunes nothing and costs CPU per row.
+STATS_COLUMNS = ("lsn", "core", "seq", "op", "key", "ingest_ts", "batch_id", "event_time")
+# Delta's properties of a table the daemon creates.
+DELTA_PROPERTIES = {
+    "delta.dataSkippingStatsColumns": ",".join(STATS_COLUMNS),
+    # Deletion vectors are recent in delta-rs and other readers: kept off.
+    "delta.enableDeletionVectors": "false",
+}
+
+
+def app_id(wal_id: str, stream: str) -> str:
+    """The Delta ``txnAppId`` of a stream's batch commits."""
+    return f"eventplane/{wal_id}/{stream}"
+
+
+def sink_class(stream: CdcStream) -> type[CdcSink]:
+    """The sink of the stream's ``format``."""
+    return DeltaSink if stream.format == "delta" else CdcSink
+
+
+def table_exists(path: Path) -> bool:
+    log_dir = path / LOG_DIR
+    return log_dir.is_dir() and any(_COMMIT_FILE.match(p.name) for p in log_dir.iterdir())
+
+
+def log_commits(path: Path, after: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(version, actions)`` of each commit file of the table above version
+    ``after``, in order; ``actions`` maps an action's kind (``txn``,
+    ``commitInfo``, ``metaData``) to its first occurrence."""
+    log_dir = path / LOG_DIR
+    if not log_dir.is_dir():
+        return
+    found = sorted(
+        (int(m.group(1)), p)
+        for p in log_dir.iterdir()
+        if (m := _COMMIT_FILE.match(p.name)) and int(m.group(1)) > after
+    )
+    for version, file in found:
+        actions: dict[str, Any] = {}
+        for line in file.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            for kind, body in json.loads(line).items():
+                if kind == "txn":
+                    actions.setdefault("txn", []).append(body)
+                else:
+                    actions.setdefault(kind, body)
+        yield version, actions
+
+
+class DeltaSink(CdcSink):
+    """One CDC stream as a Delta table. Shares with the Parquet sink its lock,
+    ledger, row selection and quarantine; commits through Delta (module doc)."""
+
+    writes_direct = False  # Delta commits through a Spark write, never DirectWrite
+
+    def __init__(
+        self,
+        stream: CdcStream,
+        *,
+        wal_id: str,
+        cores: int,
+        keep_batches: int = KEEP_BATCHES,
+        data_dir: Path | None = None,
+    ) -> None:
+        super().__init__(
+            stream, wal_id=wal_id, cores=cores, keep_batches=keep_batches, data_dir=data_dir
+        )
+        self.app_id = app_id(wal_id, stream.name)
+        self._created = False  # the Delta table exists (checked on the first commit)
+        self.commits_since_optimize = 0
+        self._pending: tuple[MicroBatch, int] | None = None  # the batch step 1 writes
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def open(self) -> RecoveryReport:
+        """Lock the stream, check its identity, take in commits the ledger missed."""
+        self.meta.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        try:
+            created = read_ledger(self.path) is None
+            self._ledger = self._load_or_create_ledger()
+            self._check_table_identity(created)
+            report = RecoveryReport()
+            self._roll_forward(report)
+            quarantine.recover(self.meta, self.ledger.last_batch_id, set())
+            self.quarantined = quarantine.count(self.meta)
+        except BaseException:
+            self.close()
+            raise
+        if report.rolled_forward:
+            log.warning("cdc_recovered", stream=self.name, rolled_forward=report.rolled_forward)
+        return report
+
+    def _check_layout(self, ledger: Ledger) -> None:
+        wanted = list(self.stream.partition_by)
+        if ledger.table_format != "delta":
+            raise CdcLayoutError(
+                f'stream {self.name!r}: format = "delta" but {self.path} holds a '
+                f"{ledger.table_format} table (batches up to {ledger.last_batch_id}). "
+                f'Point the stream\'s path at a new folder (start = "earliest" fills it from '
+                f'the retained WAL), or see docs/cdc.md, "Moving a stream to Delta".'
+            )
+        if ledger.partition_by == wanted:
+            return
+        if not table_exists(self.path):
+            ledger.partition_by = wanted
+            atomic_write_json(self.meta / "ledger.json", ledger.to_json())
+            return
+        raise CdcLayoutError(
+            f"stream {self.name!r}: partition_by = {wanted} but the Delta table at "
+            f"{self.path} is partitioned by {ledger.partition_by}. Set partition_by back, or "
+            f"point the stream's path at a new folder."
+        )
+
+    def _new_ledger(self) -> Ledger:
+        ledger = super()._new_ledger()
+        ledger.table_format = "delta"
+        return ledger
+
+    def _check_table_identity(self, created_ledger: bool) -> None:
+        """A table at the path that this stream's ledger does not know (the
+        ledger was just created) must hold this stream's commits only; another
+        daemon's (another WAL id) refuse in ``_roll_forward``."""
+        if not created_ledger or not table_exists(self.path):
+            return
+        apps = {
+            t.get("appId")
+            for _, actions in log_commits(self.path, -1)
+            for t in actions.get("txn", [])
+        }
+        if self.app_id not in apps and not any(str(a).startswith("eventplane/") for a in apps):
+            raise IdentityMismatchError(
+                f"stream {self.name!r}: {self.path} holds a Delta table without a ledger of "
+                f"this stream ({META_DIR}/ledger.json) nor any eventplane commit: eventplane "
+                f"did not write it. Point the stream's path at a new folder."
+            )
+
+    def _roll_forward(self, report: RecoveryReport) -> None:
+        """Step 2 for commits Delta holds and the ledger does not (a crash
+        between the two): appended from their ``userMetadata``."""
+        for version, actions in log_commits(self.path, self.ledger.delta_version):
+            apps = [
+                t for t in actions.get("txn", []) if str(t.get("appId")).startswith("eventplane/")
+            ]
+            other = next((t["appId"] for t in apps if t["appId"] != self.app_id), None)
+            if other is not None:
+                raise IdentityMismatchError(
+                    f"stream {self.name!r}: the Delta table at {self.path} holds commits of "
+                    f"another event plane (Delta app id {other}, version {version}; this one "
+                    f"writes as {self.app_id}). Its committed LSNs mean nothing to this WAL. "
+                    f"Point [[cdc.streams]] path at a new folder, or move the old one away."
+                )
+            mine = apps
+            info = actions.get("commitInfo", {})
+            meta = json.loads(info.get("userMetadata") or "{}").get("eventplane")
+            if not mine or meta is None:
+                continue
+            bid = int(mine[0]["version"])
+            if bid <= self.ledger.last_batch_id:
+                continue
+            ranges = _ranges_from_json(meta["ranges"])
+            self._append_ledger(
+                bid, ranges, int(meta["rows"]), [], int(meta.get("quarantined", 0)), version
+            )
+            report.rolled_forward.append(bid)
+
+    # -- commit ------------------------------------------------------------
+
+    def commit(
+        self, df: Any, batch: MicroBatch, rows: int, raw: RawInbox | None = None
+    ) -> CommitResult:
+        """Commit this stream's rows of ``batch`` exactly once (protocol: module doc)."""
+        started = time.monotonic()
+        bid = batch.batch_id
+        # Step 0. Idempotency.
+        if bid <= self.ledger.last_batch_id:
+            self._check_rerun(batch)
+            return CommitResult(self.name, bid, rows, 0, True, 0.0)
+        self._check_lsns(batch)
+        set_aside: list[quarantine.QuarantinedRow] = []
+        written = rows
+        version = self.ledger.delta_version
+        if rows:
+            crash_point("cdc.before_stage")
+            self._pending = (batch, rows)
+            if raw is not None and raw.direct:
+                raw = replace(raw, direct=False)
+            # Step 1. Commit (rows that fail alone are set aside first: _set_aside).
+            set_aside = self._stage(df, batch, rows, raw, self.meta, self._set_aside)
+            written = rows - len(set_aside)
+            version = self._table_version(df.sparkSession)
+            self.commits_since_optimize += 1
+            crash_point("delta.after_commit")
+        # Step 2. Ledger.
+        self._append_ledger(bid, batch.ranges(), written, [], len(set_aside), version)
+        self.quarantined += len(set_aside)
+        crash_point("cdc.after_ledger")
+        seconds = time.monotonic() - started
+        return CommitResult(self.name, bid, written, 0, False, seconds, len(set_aside))
+
+    def _set_aside(self, batch: MicroBatch, rows: list[quarantine.QuarantinedRow]) -> None:
+        """Before the write without them: the rows are durable in the quarantine."""
+        quarantine.write_batch(self.meta, self.name, batch.batch_id, rows)
+        crash_point("cdc.after_quarantine")
+
+    def _table_columns(self) -> tuple[str, ...]:
+        return TABLE_COLUMNS if self.stream.variant else DELTA_COLUMNS
+
+    def _write_staged(self, df: Any, staging: Path) -> None:
+        """Step 1's Delta append (``staging`` is not used: Delta's log is the
+        commit). Tests wrap this to inject write failures."""
+        assert self._pending is not None, "a Delta write outside commit()"
+        batch, rows = self._pending
+        spark = df.sparkSession
+        if not self._created:
+            self._create_table(spark, df)
+        meta = {
+            "eventplane": {
+                "batch_id": batch.batch_id,
+                "ranges": {str(c): [a, b] for c, (a, b) in sorted(batch.ranges().items())},
+                "rows": rows,
+            }
+        }
+        (
+            df.write.format("delta")
+            .mode("append")
+            .option("txnAppId", self.app_id)
+            .option("txnVersion", str(batch.batch_id))
+            .option("userMetadata", json.dumps(meta, separators=(",", ":")))
+            .save(str(self.path))
+        )
+
+    def _create_table(self, spark: Any, df: Any) -> None:
+        """Before the stream's first append in this process: create the table
+        if there is none (an empty write: version 0, with Delta's properties),
+        then make sure it names this daemon (``eventplane.*`` properties, which
+        Delta takes from ALTER TABLE only). Another daemon's table refuses."""
+        path = str(self.path)
+        if not table_exists(self.path):
+            writer = spark.createDataFrame([], df.schema).write.format("delta").mode("append")
+            writer = writer.partitionBy(*self.stream.partition_by)
+            for key, value in DELTA_PROPERTIES.items():
+                writer = writer.option(key, value)
+            writer.save(path)
+        props = {
+            r["key"]: r["value"] for r in spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()
+        }
+        ours = {
+            "eventplane.stream": self.name,
+            "eventplane.wal_id": self.wal_id,
+            "eventplane.cores": str(self.cores),
+        }
+        theirs = {k: props[k] for k in ours if k in props}
+        if theirs and theirs != ours:
+            raise IdentityMismatchError(
+                f"stream {self.name!r}: the Delta table at {self.path} was written by another "
+                f"event plane (table properties {theirs}; this one: {ours}). Point "
+                f"[[cdc.streams]] path at a new folder, or move the old one away."
+            )
+        if not theirs:
+            pairs = ", ".join(f"'{k}' = '{v}'" for k, v in ours.items())
+            spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({pairs})")
+        self._created = True
+
+    def _table_version(self, spark: Any) -> int:
+        """The table's version after this process's last commit (a compaction
+        may have committed since: the ledger's version is then later, never
+        earlier, than the batch's own commit)."""
+        jvm = _py4j_jvm(spark)
+        delta_log = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(
+            spark._jsparkSession, str(self.path)
+        )
+        return int(delta_log.unsafeVolatileSnapshot().version())
+
+    def _append_ledger(
+        self,
+        batch_id: int,
+        ranges: dict[int, tuple[int, int]],
+        rows: int,
+        files: list[str],
+        quarantined: int = 0,
+        version: int | None = None,
+    ) -> None:
+        entry = LedgerEntry(batch_id, ranges, rows, files, time.time(), quarantined)
+        with self.commit_lock:
+            candidate = self.ledger.copy()
+            candidate.append(entry, self.keep_batches)
+            if version is not None:
+                candidate.delta_version = max(candidate.delta_version, version)
+            atomic_write_json(self.meta / "ledger.json", candidate.to_json())
+            self._ledger = candidate
+
+    # -- maintenance ---------------------------------------------------------
+
+    def compact(self, spark: Any, *, full: bool, on_progress: Callable[[Any], None] | None) -> Any:
+        """Compaction is Delta's OPTIMIZE (bin-packing into files of about
+        ``target_file_bytes``), committed beside the appends: Delta's
+        concurrency control lets a blind append and a compaction both commit.
+        Then VACUUM removes the files no snapshot of the last
+        ``vacuum_retain_hours`` reads.
+        Due once ``compact_min_files`` batches committed since the last one
+        (``full``: now). Returns the :class:`~daemon.table.compact.Progress`
+        shown in status, or None when not due."""
+        from daemon.table.compact import Progress
+
+        if not full and self.commits_since_optimize < self.stream.compact_min_files:
+            return None
+        progress = Progress(self.name, "*", "optimize", 0, 0, 1, 0, self.ledger.last_batch_id)
+        progress.step = "writing"
+        if on_progress is not None:
+            on_progress(progress)
+        pending = self.commits_since_optimize
+        _activate(spark)
+        spark.conf.set(
+            "spark.databricks.delta.optimize.maxFileSize", str(self.stream.target_file_bytes)
+        )
+        metrics = spark.sql(f"OPTIMIZE delta.`{self.path}`").collect()[0]["metrics"]
+        self.commits_since_optimize = max(0, self.commits_since_optimize - pending)
+        # The merged-away files go once no snapshot of the window reads them.
+        self._vacuum(spark)
+        progress.inputs = int(metrics["numFilesRemoved"])
+        progress.outputs = [f"{int(metrics['numFilesAdded'])} files"]
+        progress.step = "done"
+        progress.finished_at = time.time()
+        log.info("cdc.compaction_done", stream=self.name, **progress.to_json())
+        return progress
+
+    def apply_retention(self, spark: Any, now: float | None = None) -> dict[str, Any]:
+        """Retention on a Delta table: a DELETE of the expired time partitions
+        (a metadata-only commit: whole files go), then VACUUM, which removes
+        the files no snapshot of the last ``vacuum_retain_hours`` reads."""
+        s = self.stream
+        assert s.retention_s is not None
+        started = time.monotonic()
+        cutoff = (time.time() if now is None else now) - s.retention_s
+        day = time.strftime("%Y-%m-%d", time.gmtime(cutoff))
+        where = f"date < '{day}'"
+        if "hour" in s.partition_by:
+            where = f"({where}) OR (date = '{day}' AND hour < '{time.gmtime(cutoff).tm_hour:02d}')"
+        _activate(spark)
+        deleted = spark.sql(f"DELETE FROM delta.`{self.path}` WHERE {where}").collect()
+        rows = int(deleted[0][0]) if deleted else 0
+        self._vacuum(spark)
+        removed = [{"partition": where, "files": 0, "bytes": 0, "rows": rows}] if rows else []
+        log.info("cdc.retention_removed", stream=self.name, where=where, rows=rows)
+        return {
+            "stream": self.name,
+            "removed": removed,
+            "deferred": [],
+            "partitions": len(removed),
+            "files": 0,
+            "bytes": 0,
+            "rows": rows,
+            "oldest_kept": None,
+            "seconds": time.monotonic() - started,
+        }
+
+    def _vacuum(self, spark: Any) -> None:
+        hours = self.stream.vacuum_retain_hours
+        # Delta refuses a window under its 7-day default unless told: the
+        # configured window is the user's decision (docs/cdc.md).
+        spark.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
+        spark.sql(f"VACUUM delta.`{self.path}` RETAIN {hours:g} HOURS").collect()
+
+    # -- quarantine ----------------------------------------------------------
+
+    def replay_quarantine(
+        self, spark: Any, frame_of: Callable[[MicroBatch], Any], lsns: set[int] | None = None
+    ) -> dict[str, Any]:
+        raise CdcError(
+            f"stream {self.name!r} is a Delta table: replaying its quarantine into it is not "
+            f"supported yet. `eventplane cdc quarantine list {self.name} --json` shows the "
+            f"rows; purge them once they are written elsewhere."
+        )
+
+
+def _activate(spark: Any) -> None:
+    """Make ``spark`` the active session of this thread's JVM thread: Delta's
+    commands (VACUUM) look it up, and a maintenance thread has none."""
+    _py4j_jvm(spark).org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)

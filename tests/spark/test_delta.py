@@ -1,0 +1,318 @@
+"""Delta Lake streams (``format = "delta"``): exactly once through Delta's own
+``txnAppId``/``txnVersion``, a layout every reader opens, recovery from a crash
+between the Delta commit and the ledger, quarantine, maintenance."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.errors import IdentityMismatchError
+from daemon.table import quarantine
+from daemon.table.crash import DELTA_CRASH_POINTS
+from daemon.table.delta import DELTA_COLUMNS, app_id, log_commits
+from daemon.table.errors import CdcLayoutError
+from daemon.table.layout import META_DIR
+from daemon.table.ledger import read_ledger
+from tests.spark.support import batch_lsns, make_batches, say
+from tests.spark.test_crash import run_worker
+
+pytestmark = pytest.mark.spark
+
+DELTA = {"format": "delta"}
+# Seconds of the reader stress test; --soak (make soak) runs it for ten minutes.
+STRESS_S = 30.0
+SOAK_STRESS_S = 600.0
+
+
+@pytest.fixture(autouse=True)
+def _needs_delta(spark: Any) -> None:
+    from daemon.spark import deltajars
+
+    if deltajars.missing():
+        pytest.skip("needs Delta Lake's jars (make delta-jars)")
+
+
+def delta_lsns(spark: Any, table: Path) -> list[int]:
+    return sorted(r.lsn for r in spark.read.format("delta").load(str(table)).collect())
+
+
+def txn_versions(table: Path, app: str) -> list[int]:
+    """The ``txnVersion`` of every commit of ``app`` in the table's log, in order."""
+    return [
+        int(t["version"])
+        for _, actions in log_commits(table, -1)
+        for t in actions.get("txn", [])
+        if t["appId"] == app
+    ]
+
+
+async def test_each_batch_is_one_delta_commit_and_a_rerun_writes_nothing(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """1. Three batches of 300 events into a Delta stream: one Delta commit
+       each, carrying the stream's app id and the batch id as ``txnVersion``.
+    2. Batch 2 again (a re-run): no commit, no row twice.
+    3. The layout has the JSON text and no VARIANT column; the table's
+       properties name the WAL and ``cores``."""
+    ex = await executor_factory(stream_options=DELTA)
+    batches = make_batches(3, 300)
+    table = tmp_path / "cdc" / "all"
+    for b in batches:
+        assert not await ex.execute(b)
+    assert not await ex.execute(batches[1])
+
+    assert delta_lsns(spark, table) == batch_lsns(batches)
+    assert txn_versions(table, app_id("wal-1", "all")) == [1, 2, 3]
+    df = spark.read.format("delta").load(str(table))
+    assert tuple(df.columns) == DELTA_COLUMNS
+    amount = df.selectExpr("parse_json(new_json):amount::int AS a", "lsn").collect()
+    assert {r.lsn: r.a for r in amount}[7] == 70
+    props = {r.key: r.value for r in spark.sql(f"SHOW TBLPROPERTIES delta.`{table}`").collect()}
+    assert props["eventplane.wal_id"] == "wal-1" and props["eventplane.cores"] == "4"
+    ledger = read_ledger(table)
+    assert ledger is not None and ledger.table_format == "delta"
+    assert ledger.last_batch_id == 3 and ledger.rows_total == 900
+
+
+async def test_every_reader_reads_the_same_rows_without_a_jvm(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """delta-rs (pyarrow, pandas), Polars and DuckDB read what Spark reads,
+    and query a payload field with their own JSON functions."""
+    deltalake = pytest.importorskip("deltalake")
+    pl = pytest.importorskip("polars")
+    duckdb = pytest.importorskip("duckdb")
+    ex = await executor_factory(stream_options=DELTA, partition_by=("collection", "date"))
+    batches = make_batches(2, 200)
+    for b in batches:
+        assert not await ex.execute(b)
+    table = tmp_path / "cdc" / "all"
+    want = batch_lsns(batches)
+
+    dt = deltalake.DeltaTable(str(table))
+    assert sorted(dt.to_pyarrow_table(columns=["lsn"])["lsn"].to_pylist()) == want
+    assert sorted(dt.to_pandas(columns=["lsn"])["lsn"]) == want
+    assert sorted(pl.read_delta(str(table)).get_column("lsn").to_list()) == want
+    dataset = dt.to_pyarrow_dataset()  # noqa: F841 (DuckDB finds it by name)
+    got = duckdb.sql(
+        "SELECT lsn, CAST(json_extract(new_json, '$.amount') AS INT) AS a FROM dataset"
+    ).fetchall()
+    assert sorted(lsn for lsn, _ in got) == want
+    assert dict(got)[7] == 70
+
+
+async def test_a_table_of_another_wal_or_format_refuses_to_open(
+    executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory(stream_options=DELTA)
+    assert not await ex.execute(make_batches(1, 50)[0])
+    await ex.stop()
+    with pytest.raises(IdentityMismatchError, match="another event plane"):
+        await executor_factory(wal_id="wal-2", stream_options=DELTA)
+    with pytest.raises(CdcLayoutError, match=r'format = "parquet" but .* holds a delta table'):
+        await executor_factory()
+
+
+async def test_rows_that_fail_alone_go_to_the_quarantine_before_the_delta_commit(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    ex = await executor_factory(stream_options=DELTA)
+    batches = make_batches(2, 150, bad_every=50)
+    for b in batches:
+        assert not await ex.execute(b)
+    table = tmp_path / "cdc" / "all"
+    everything = batch_lsns(batches)
+    assert delta_lsns(spark, table) == [n for n in everything if n % 50]
+    assert [r.lsn for r in quarantine.load(table / META_DIR)] == [50, 100, 150, 200, 250, 300]
+    assert ex.status()["streams"]["all"]["quarantined"] == 6
+    with pytest.raises(Exception, match="Delta table: replaying its quarantine"):
+        await ex.quarantine_action("all", "replay", None)
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("point", DELTA_CRASH_POINTS)
+async def test_sigkill_at_a_delta_commit_step_recovers_to_exactly_once(
+    spark: Any, executor_factory: Any, tmp_path: Path, point: str
+) -> None:
+    """1. A real executor process commits batches 1-2 into a Delta stream and
+       SIGKILLs itself at ``point`` in batch 3 (three bad rows per batch).
+    2. A new executor opens the stream: a commit Delta holds and the ledger
+       missed (``delta.after_commit``) is taken from the log.
+    3. Batches 3 and 4 run (3 is a no-op if it was committed): every event is
+       in the table or the quarantine, once."""
+    batches = make_batches(4, 150, bad_every=50)
+    table = tmp_path / "cdc" / "all"
+    proc = run_worker(
+        tmp_path, batches=4, crash_at=f"{point}@3", bad_every=50, table_format="delta"
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert "committed 2" in proc.stdout and "committed 3" not in proc.stdout
+
+    ex = await executor_factory(stream_options=DELTA)
+    ledger = read_ledger(table)
+    assert ledger is not None
+    committed = point in ("delta.after_commit", "cdc.after_ledger", "executor.after_commit")
+    assert ledger.last_batch_id == (3 if committed else 2)
+    done = batch_lsns(batches[: ledger.last_batch_id])
+    assert delta_lsns(spark, table) == [n for n in done if n % 50]
+
+    await ex.execute(batches[2])
+    await ex.execute(batches[3])
+    everything = batch_lsns(batches)
+    assert delta_lsns(spark, table) == [n for n in everything if n % 50]
+    held = [r.lsn for r in quarantine.load(table / META_DIR)]
+    assert held == [n for n in everything if n % 50 == 0]
+    assert txn_versions(table, app_id("wal-1", "all")) == [1, 2, 3, 4]
+
+
+async def test_compaction_is_optimize_and_readers_keep_every_row(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """Twelve batches, then a compaction request: Delta's OPTIMIZE merges the
+    small files into one per partition, in a commit of its own; the rows are
+    the same, once, for Spark and delta-rs."""
+    deltalake = pytest.importorskip("deltalake")
+    ex = await executor_factory(stream_options={**DELTA, "compact_min_files": 4})
+    batches = make_batches(12, 40)
+    for b in batches:
+        assert not await ex.execute(b)
+    table = tmp_path / "cdc" / "all"
+    before = len(deltalake.DeltaTable(str(table)).file_uris())
+    assert ex.compaction is not None
+    rid = ex.compaction.request("all")
+    assert rid is not None
+    for _ in range(600):
+        status = ex.compaction.status("all")
+        if status is not None and status["requests_done"] >= rid:
+            break
+        await asyncio.sleep(0.1)
+    status = ex.compaction.status("all")
+    assert status is not None and status["last_error"] is None, status
+    dt = deltalake.DeltaTable(str(table))
+    assert len(dt.file_uris()) == 2 < before  # one per collection
+    assert sorted(dt.to_pyarrow_table(columns=["lsn"])["lsn"].to_pylist()) == batch_lsns(batches)
+    operations = [a.get("commitInfo", {}).get("operation") for _, a in log_commits(table, -1)]
+    assert "OPTIMIZE" in operations
+
+
+def test_delta_user_metadata_names_the_batch_and_its_ranges(tmp_path: Path) -> None:
+    """The log parser reads what a Delta commit file holds (a unit test of
+    ``log_commits`` on a hand-written log)."""
+    log_dir = tmp_path / "_delta_log"
+    log_dir.mkdir()
+    meta = {"eventplane": {"batch_id": 5, "ranges": {"0": [1, 9]}, "rows": 9}}
+    lines = [
+        {"commitInfo": {"operation": "WRITE", "userMetadata": json.dumps(meta)}},
+        {"txn": {"appId": "eventplane/w/s", "version": 5}},
+        {"add": {"path": "a.parquet"}},
+    ]
+    (log_dir / f"{7:020d}.json").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    (log_dir / f"{3:020d}.json").write_text(json.dumps({"commitInfo": {}}) + "\n")
+    got = list(log_commits(tmp_path, 3))
+    assert [v for v, _ in got] == [7]
+    assert got[0][1]["txn"] == [{"appId": "eventplane/w/s", "version": 5}]
+    assert json.loads(got[0][1]["commitInfo"]["userMetadata"]) == meta
+
+
+@pytest.mark.timeout(1200)
+async def test_plain_readers_miss_nothing_while_commits_optimize_and_vacuum_run(
+    spark: Any, executor_factory: Any, tmp_path: Path, request: Any
+) -> None:
+    """1. Batches of 40 events commit back to back, 100 ms apart, for ``STRESS_S`` seconds,
+       while OPTIMIZE (checked every 1 s, after 3 commits) and VACUUM
+       (window 120 s, longer than the test: the window is what keeps a
+       running reader's files, docs/cdc.md)
+       run in the daemon's compaction thread.
+    2. Readers in threads read the table in a loop, each read a new snapshot:
+       delta-rs (pyarrow), Polars, DuckDB over a delta-rs dataset, Spark.
+    3. Every read sees exactly the rows of batches 1..k for some k: no row
+       missing, none twice, and no read fails."""
+    deltalake = pytest.importorskip("deltalake")
+    pl = pytest.importorskip("polars")
+    duckdb = pytest.importorskip("duckdb")
+    options = {
+        **DELTA,
+        "compact_min_files": 3,
+        "compact_interval_s": 1.0,
+        "vacuum_retain_hours": 120 / 3600,
+    }
+    ex = await executor_factory(stream_options=options)
+    table = str(tmp_path / "cdc" / "all")
+    seconds = SOAK_STRESS_S if request.config.getoption("--soak") else STRESS_S
+    batches = make_batches(int(seconds * 20), 40)
+    # What a reader may see: the LSNs of batches 1..k, for each k.
+    prefixes = {tuple(batch_lsns(batches[:k])) for k in range(len(batches) + 1)}
+    assert not await ex.execute(batches[0])
+
+    def arrow() -> list[int]:
+        return deltalake.DeltaTable(table).to_pyarrow_table(columns=["lsn"])["lsn"].to_pylist()
+
+    def polars() -> list[int]:
+        return pl.read_delta(table, columns=["lsn"]).get_column("lsn").to_list()
+
+    def duck() -> list[int]:
+        dataset = deltalake.DeltaTable(table).to_pyarrow_dataset()  # noqa: F841
+        return [r[0] for r in duckdb.sql("SELECT lsn FROM dataset").fetchall()]
+
+    def spark_read() -> list[int]:
+        return [r.lsn for r in spark.read.format("delta").load(table).select("lsn").collect()]
+
+    readers = {"delta-rs": arrow, "polars": polars, "duckdb": duck, "spark": spark_read}
+    # A pause between reads, so that four readers leave the writer a core.
+    pause = {"delta-rs": 0.05, "polars": 0.05, "duckdb": 0.05, "spark": 1.0}
+    counts = {name: {"reads": 0, "bad": 0, "failed": 0, "max_s": 0.0} for name in readers}
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def loop(name: str) -> None:
+        read = readers[name]
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                got = tuple(sorted(read()))
+            except Exception as exc:
+                counts[name]["failed"] += 1
+                took = time.monotonic() - started
+                errors.append(f"{name} after {took:.1f} s: {type(exc).__name__}: {exc}"[:300])
+                continue
+            took = time.monotonic() - started
+            counts[name]["max_s"] = max(counts[name]["max_s"], round(took, 2))
+            counts[name]["reads"] += 1
+            if got not in prefixes:
+                counts[name]["bad"] += 1
+                errors.append(f"{name}: {len(got)} rows, {len(got) - len(set(got))} twice")
+            stop.wait(pause[name])
+
+    threads = [threading.Thread(target=loop, args=(n,), daemon=True) for n in readers]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + seconds
+    committed = 1
+    try:
+        while time.monotonic() < deadline and committed < len(batches):
+            assert not await ex.execute(batches[committed])
+            committed += 1
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    say(f"delta reader stress: {committed} batches, {counts}")
+    assert not errors, errors[:5]
+    assert all(c["reads"] > 0 for c in counts.values()), counts
+    status = ex.compaction.status("all") if ex.compaction else None
+    assert status is not None and status["compactions"] >= 1, status  # OPTIMIZE ran meanwhile
+    assert sorted(arrow()) == batch_lsns(batches[:committed])
+    # VACUUM leaves the daemon's own folder alone (it skips "_" folders).
+    assert {p.name for p in (tmp_path / "cdc" / "all" / META_DIR).iterdir()} >= {
+        "ledger.json",
+        "lock",
+    }
