@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -52,7 +53,7 @@ from daemon.plane.batch import MicroBatch
 from daemon.table import quarantine
 from daemon.table.crash import crash_point
 from daemon.table.durable import atomic_write_json
-from daemon.table.errors import CdcError, CdcLayoutError
+from daemon.table.errors import CdcLayoutError
 from daemon.table.layout import META_DIR, TABLE_COLUMNS
 from daemon.table.ledger import (
     KEEP_BATCHES,
@@ -63,7 +64,7 @@ from daemon.table.ledger import (
 )
 from daemon.table.parquet import CdcSink
 from daemon.table.sink import CommitResult, RecoveryReport
-from daemon.table.sparkio import RawInbox, _py4j_jvm
+from daemon.table.sparkio import RawInbox, _py4j_jvm, writer_errors
 
 log = structlog.get_logger("eventplane.cdc")
 
@@ -158,6 +159,7 @@ class DeltaSink(CdcSink):
             self._check_table_identity(created)
             report = RecoveryReport()
             self._roll_forward(report)
+            self._complete_replays()
             quarantine.recover(self.meta, self.ledger.last_batch_id, set())
             self.quarantined = quarantine.count(self.meta)
         except BaseException:
@@ -291,20 +293,20 @@ class DeltaSink(CdcSink):
         if not self._created:
             self._create_table(spark, df)
         meta = {
-            "eventplane": {
-                "batch_id": batch.batch_id,
-                "ranges": {str(c): [a, b] for c, (a, b) in sorted(batch.ranges().items())},
-                "rows": rows,
-            }
+            "batch_id": batch.batch_id,
+            "ranges": {str(c): [a, b] for c, (a, b) in sorted(batch.ranges().items())},
+            "rows": rows,
         }
-        (
-            df.write.format("delta")
-            .mode("append")
-            .option("txnAppId", self.app_id)
-            .option("txnVersion", str(batch.batch_id))
-            .option("userMetadata", json.dumps(meta, separators=(",", ":")))
-            .save(str(self.path))
-        )
+        self._append(df, meta, {"txnAppId": self.app_id, "txnVersion": str(batch.batch_id)})
+
+    def _append(self, df: Any, meta: dict[str, Any], options: dict[str, str]) -> None:
+        """One Delta append of ``df``: a commit whose ``userMetadata`` is
+        ``{"eventplane": meta}``."""
+        writer = df.write.format("delta").mode("append")
+        for key, value in options.items():
+            writer = writer.option(key, value)
+        body = json.dumps({"eventplane": meta}, separators=(",", ":"))
+        writer.option("userMetadata", body).save(str(self.path))
 
     def _create_table(self, spark: Any, df: Any) -> None:
         """Before the stream's first append in this process: create the table
@@ -443,11 +445,89 @@ class DeltaSink(CdcSink):
     def replay_quarantine(
         self, spark: Any, frame_of: Callable[[MicroBatch], Any], lsns: set[int] | None = None
     ) -> dict[str, Any]:
-        raise CdcError(
-            f"stream {self.name!r} is a Delta table: replaying its quarantine into it is not "
-            f"supported yet. `eventplane cdc quarantine list {self.name} --json` shows the "
-            f"rows; purge them once they are written elsewhere."
-        )
+        """Write quarantined rows (all, or those of ``lsns``) into the table,
+        exactly once; the rows the writer still refuses stay. Per batch file:
+
+        1. Check each row with the writer's parse (``JsonCheck``).
+        2. Intent ``quarantine/r<batch>.json``: the rows, a replay id, and the
+           table's version before the append.
+        3. One Delta append of the rows whose ``userMetadata`` names the
+           replay id (``cdc.replay_after_intent`` before it,
+           ``cdc.replay_after_publish`` after it).
+        4. Take the rows out of the quarantine, then remove the intent.
+
+        Recovery (:meth:`_complete_replays`): an intent whose replay id is in
+        the log after its version rolls forward (step 4), else it is removed
+        and its rows stay quarantined.
+        """
+        held = [r for r in quarantine.load(self.meta) if lsns is None or r.lsn in lsns]
+        written: list[int] = []
+        refused: list[dict[str, Any]] = []
+        by_batch: dict[int, list[quarantine.QuarantinedRow]] = {}
+        for row in held:
+            by_batch.setdefault(row.batch_id, []).append(row)
+        for bid, rows in sorted(by_batch.items()):
+            # Step 1. The writer's verdict on each row now.
+            errors = writer_errors(spark, rows)
+            ok = [r for r, e in zip(rows, errors, strict=True) if e is None]
+            refused += [{"lsn": r.lsn, "error": e} for r, e in zip(rows, errors, strict=True) if e]
+            if not ok:
+                continue
+            df = self._select(frame_of(quarantine.batch_of(bid, ok)))
+            if not self._created:
+                self._create_table(spark, df)
+            # Step 2. Intent.
+            replay_id = uuid.uuid4().hex
+            ok_lsns = [r.lsn for r in ok]
+            atomic_write_json(
+                quarantine.replay_file(self.meta, bid),
+                {
+                    "stream": self.name,
+                    "lsns": ok_lsns,
+                    "replay_id": replay_id,
+                    "after_version": self._table_version(spark),
+                },
+            )
+            crash_point("cdc.replay_after_intent")
+            # Step 3. The append.
+            self._append(df, {"replay_id": replay_id, "batch_id": bid, "lsns": ok_lsns}, {})
+            crash_point("cdc.replay_after_publish")
+            # Step 4. Out of the quarantine; the intent goes last.
+            quarantine.drop(self.meta, ok_lsns)
+            quarantine.replay_file(self.meta, bid).unlink(missing_ok=True)
+            written += ok_lsns
+        self.quarantined = quarantine.count(self.meta)
+        if written:
+            log.info("cdc_quarantine_replayed", stream=self.name, rows=len(written))
+        return {
+            "stream": self.name,
+            "replayed": len(written),
+            "lsns": written,
+            "still_refused": refused,
+            "quarantined": self.quarantined,
+        }
+
+    def _complete_replays(self) -> None:
+        """Recovery of replays (step 4 or back): their commit is in the log or not."""
+        for bid, path in quarantine.replay_intents(self.meta):
+            raw = json.loads(path.read_bytes())
+            committed = any(
+                json.loads(a.get("commitInfo", {}).get("userMetadata") or "{}")
+                .get("eventplane", {})
+                .get("replay_id")
+                == raw["replay_id"]
+                for _, a in log_commits(self.path, int(raw["after_version"]))
+            )
+            if committed:
+                quarantine.drop(self.meta, [int(x) for x in raw["lsns"]])
+            log.warning(
+                "cdc_quarantine_replay_recovered",
+                stream=self.name,
+                batch_id=bid,
+                rows=len(raw["lsns"]),
+                outcome="rolled forward" if committed else "rolled back",
+            )
+            path.unlink()
 
 
 def _activate(spark: Any) -> None:

@@ -89,7 +89,7 @@ import structlog
 
 from daemon.config import CdcStream
 from daemon.errors import IdentityMismatchError, LsnRegressionError
-from daemon.plane.batch import MicroBatch, Slice
+from daemon.plane.batch import MicroBatch
 from daemon.table import compact, quarantine, retention, snapshot
 from daemon.table.crash import crash_point
 from daemon.table.durable import atomic_write_json, fsync_dir, fsync_file
@@ -132,7 +132,6 @@ from daemon.table.sparkio import (
     writer_errors,
 )
 from wal import lockfile
-from wal.record import Record
 
 log = structlog.get_logger("eventplane.cdc")
 
@@ -790,16 +789,7 @@ class CdcSink:
                 continue
             # Step 2. Stage.
             staging = self.meta / "staging" / f"r{bid:012d}"
-            slices: dict[int, list[Record]] = {}
-            for r in ok:
-                slices.setdefault(r.core, []).append(r.record())
-            batch = MicroBatch(
-                bid,
-                {
-                    c: Slice(c, recs[0].lsn, recs[-1].lsn, recs)
-                    for c, recs in sorted(slices.items())
-                },
-            )
+            batch = quarantine.batch_of(bid, ok)
             try:
                 self._write_staged(self._select(frame_of(batch)), staging)
                 files = self._staged_files(staging, bid)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.events import decode as decode_stored
-from daemon.plane.batch import MicroBatch
+from daemon.plane.batch import MicroBatch, Slice
 from daemon.table.durable import append_line, atomic_write_json
 from wal.record import Record
 
@@ -165,6 +165,17 @@ def rows_of(batch: MicroBatch, bad: Sequence[tuple[int, str]]) -> list[Quarantin
         missing = sorted(set(errors) - {r.lsn for r in out})
         raise ValueError(f"batch {batch.batch_id} has no events at LSNs {missing[:10]}")
     return out
+
+
+def batch_of(batch_id: int, rows: Sequence[QuarantinedRow]) -> MicroBatch:
+    """The rows as a micro-batch of id ``batch_id`` (a replay writes it)."""
+    slices: dict[int, list[Record]] = {}
+    for r in rows:
+        slices.setdefault(r.core, []).append(r.record())
+    return MicroBatch(
+        batch_id,
+        {c: Slice(c, recs[0].lsn, recs[-1].lsn, recs) for c, recs in sorted(slices.items())},
+    )
 
 
 def write_batch(meta: Path, stream: str, batch_id: int, rows: Sequence[QuarantinedRow]) -> None:

@@ -33,10 +33,20 @@ PAUSE_S = 0.05
 
 
 def _wait_spark_ready(daemon: DaemonProcess, timeout_s: float = 120.0) -> None:
+    """Return once Spark is ready, or once the daemon has died: a daemon that
+    restarts with a backlog runs its first batch as soon as Spark is ready, and
+    may reach its crash point before this poll sees "ready" (the caller checks
+    how it died)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if daemon.status()["spark"]["ready"]:
-            return
+        assert daemon.proc is not None
+        try:
+            if daemon.status()["spark"]["ready"]:
+                return
+        except OSError:
+            if daemon.proc.poll() is not None:
+                return
+            raise
         time.sleep(0.1)
     raise TimeoutError("Spark did not become ready:\n" + daemon.tail())
 

@@ -1,6 +1,6 @@
 """A stand-alone executor process for the quarantine's crash tests.
 
-``python -m tests.spark.quarantine_worker ROOT`` commits one batch of 12 rows
+``python -m tests.spark.quarantine_worker ROOT [FORMAT]`` commits one batch of 12 rows
 through a real ``SparkExecutor`` under ROOT while the writer refuses duplicate
 keys, so rows 3, 6 and 9 (``{"a":1,"a":2}``) go to the quarantine; then it
 lets the writer take them and replays them, printing ``committed 1`` and
@@ -33,8 +33,10 @@ def batch() -> MicroBatch:
     return MicroBatch(1, {0: Slice(0, 1, ROWS, records)})
 
 
-async def run(root: Path) -> int:
-    ex = SparkExecutor(make_config(root, master="local[1]"), Metrics(), wal_id="wal-1")
+async def run(root: Path, table_format: str = "parquet") -> int:
+    options = {"format": table_format}
+    cfg = make_config(root, master="local[1]", stream_options=options)
+    ex = SparkExecutor(cfg, Metrics(), wal_id="wal-1")
     await ex.start()
     try:
         await asyncio.wait_for(ex.wait_ready(), 240)
@@ -51,4 +53,4 @@ async def run(root: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(run(Path(sys.argv[1]))))
+    sys.exit(asyncio.run(run(Path(sys.argv[1]), *sys.argv[2:3])))

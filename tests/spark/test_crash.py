@@ -76,11 +76,13 @@ def run_worker(
     )
 
 
-def run_quarantine_worker(root: Path, crash_at: str) -> subprocess.CompletedProcess[str]:
+def run_quarantine_worker(
+    root: Path, crash_at: str, table_format: str = "parquet"
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_PYTHON": sys.executable}
     env[ENV_CRASH_AT] = crash_at
     return subprocess.run(
-        [sys.executable, "-m", "tests.spark.quarantine_worker", str(root)],
+        [sys.executable, "-m", "tests.spark.quarantine_worker", str(root), table_format],
         cwd=REPO,
         env=env,
         capture_output=True,

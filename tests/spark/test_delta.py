@@ -16,13 +16,14 @@ import pytest
 
 from daemon.errors import IdentityMismatchError
 from daemon.table import quarantine
-from daemon.table.crash import DELTA_CRASH_POINTS
+from daemon.table.crash import DELTA_CRASH_POINTS, REPLAY_CRASH_POINTS
 from daemon.table.delta import DELTA_COLUMNS, app_id, log_commits
 from daemon.table.errors import CdcLayoutError
 from daemon.table.layout import META_DIR
 from daemon.table.ledger import read_ledger
+from tests.spark import quarantine_worker
 from tests.spark.support import batch_lsns, make_batches, say
-from tests.spark.test_crash import run_worker
+from tests.spark.test_crash import run_quarantine_worker, run_worker
 
 pytestmark = pytest.mark.spark
 
@@ -133,8 +134,61 @@ async def test_rows_that_fail_alone_go_to_the_quarantine_before_the_delta_commit
     assert delta_lsns(spark, table) == [n for n in everything if n % 50]
     assert [r.lsn for r in quarantine.load(table / META_DIR)] == [50, 100, 150, 200, 250, 300]
     assert ex.status()["streams"]["all"]["quarantined"] == 6
-    with pytest.raises(Exception, match="Delta table: replaying its quarantine"):
-        await ex.quarantine_action("all", "replay", None)
+
+
+async def test_replay_writes_quarantined_rows_into_the_delta_table_once_after_the_fix(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """1. The writer refuses duplicate keys: rows 3, 6 and 9 are set aside.
+    2. The cause fixed, replay: they are in the table once, in a commit of
+       their own; the quarantine is empty. 3. Replay again writes nothing."""
+    key = "spark.sql.variant.allowDuplicateKeys"
+    before = spark.conf.get(key)
+    ex = await executor_factory(stream_options=DELTA)
+    table = tmp_path / "cdc" / "all"
+    spark.conf.set(key, "false")
+    try:
+        assert not await ex.execute(quarantine_worker.batch())
+    finally:
+        spark.conf.set(key, before)
+    assert [r.lsn for r in quarantine.load(table / META_DIR)] == [3, 6, 9]
+
+    spark.conf.set(key, "true")
+    try:
+        done = await ex.quarantine_action("all", "replay", None)
+        again = await ex.quarantine_action("all", "replay", None)
+    finally:
+        spark.conf.set(key, before)
+
+    assert done["lsns"] == [3, 6, 9] and done["quarantined"] == 0
+    assert again["replayed"] == 0
+    assert delta_lsns(spark, table) == list(range(1, 13))
+    row = spark.read.format("delta").load(str(table)).where("lsn = 3").first()
+    assert row.new_json == '{"a":1,"a":2}' and row.batch_id == 1
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("point", REPLAY_CRASH_POINTS)
+async def test_sigkill_during_a_delta_replay_leaves_each_row_in_one_place(
+    spark: Any, executor_factory: Any, tmp_path: Path, point: str
+) -> None:
+    """A real executor process sets rows 3, 6 and 9 aside in a Delta stream
+    and SIGKILLs itself at ``point`` while replaying them. At open, a replay
+    whose append committed rolls forward (the rows leave the quarantine), one
+    that did not rolls back (they stay); either way each row is in one place."""
+    proc = run_quarantine_worker(tmp_path, point, "delta")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert "committed 1" in proc.stdout and "replayed" not in proc.stdout
+    table = tmp_path / "cdc" / "all"
+    meta = table / META_DIR
+
+    await executor_factory(stream_options=DELTA)  # restart: recovery runs in start()
+
+    held = [r.lsn for r in quarantine.load(meta)]
+    committed = point == "cdc.replay_after_publish"
+    assert held == ([] if committed else [3, 6, 9])
+    assert sorted(delta_lsns(spark, table) + held) == list(range(1, 13))
+    assert not list((meta / "quarantine").glob("r*.json"))
 
 
 @pytest.mark.crash
@@ -316,3 +370,31 @@ async def test_plain_readers_miss_nothing_while_commits_optimize_and_vacuum_run(
         "ledger.json",
         "lock",
     }
+
+
+async def test_the_cdc_verbs_show_a_delta_table_or_say_why_not(
+    spark: Any, executor_factory: Any, tmp_path: Path, capsys: Any
+) -> None:
+    """``eventplane cdc show`` reads the Delta table; ``files`` and ``rewrite``,
+    which only mean something for Parquet folders, answer with the reason."""
+    import io
+
+    from daemon.cli import cdc as cdccmd
+    from daemon.cli.main import build_parser
+    from tests.spark.support import make_config
+
+    ex = await executor_factory(stream_options=DELTA)
+    assert not await ex.execute(make_batches(1, 30)[0])
+    cfg = make_config(tmp_path, stream_options=DELTA)
+    parse = build_parser().parse_args
+    out = io.StringIO()
+    assert (
+        cdccmd.main(parse(["cdc", "show", "all", "--limit", "3"]), cfg, session=spark, out=out) == 0
+    )
+    lines = out.getvalue().splitlines()
+    assert "last committed batch 1, latest 3 rows" in lines[0]
+    assert [ln.split()[0] for ln in lines[3:]] == ["30", "29", "28"]
+    assert '{"amount": 300' in lines[3]  # the payload's JSON text
+    for verb in ("files", "rewrite"):
+        assert cdccmd.main(parse(["cdc", verb, "all"]), cfg, out=io.StringIO()) == 1
+        assert "is a Delta table" in capsys.readouterr().err
