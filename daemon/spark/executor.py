@@ -524,8 +524,7 @@ class SparkExecutor:
                     spark = self._session if self.ready() else None
                     if spark is None:
                         raise ExecutorError("Spark is not ready: retention runs once it is")
-                    out = await asyncio.to_thread(sink.apply_retention, spark)
-                    result = retention.RunResult(stream, out["removed"], None, out["seconds"])
+                    result = await asyncio.to_thread(sink.apply_retention, spark)
                 else:
                     result = await asyncio.to_thread(retention.apply, sink.stream, sink=sink)
         except Exception as exc:

@@ -381,6 +381,12 @@ def plan_partition(
     return Plan(name, "full" if full else "tiered", bins, len(files), reason)
 
 
+def _own_compaction(sink: MaintainedTable) -> Callable[..., Any] | None:
+    """The table format's own compaction (Delta's OPTIMIZE: ``DeltaSink.compact``),
+    or None for the Parquet folders this module compacts."""
+    return getattr(sink, "compact", None)
+
+
 def plan_stream(sink: MaintainedTable, *, full: bool = False) -> list[Plan]:
     """Every leaf partition of the stream that has something to merge now.
 
@@ -388,8 +394,8 @@ def plan_stream(sink: MaintainedTable, *, full: bool = False) -> list[Plan]:
     partition retention would remove now is skipped: merging it is wasted
     work, and retention should not have to wait for it.
     """
-    if getattr(sink, "compact", None) is not None:
-        return []  # the format plans its own compaction (Delta's OPTIMIZE)
+    if _own_compaction(sink) is not None:
+        return []  # the format plans its own compaction
     s = sink.stream
     last = sink.ledger.last_batch_id
     expired: set[str] = set()
@@ -420,7 +426,7 @@ def plan_stream(sink: MaintainedTable, *, full: bool = False) -> list[Plan]:
 def file_counts(sink: MaintainedTable) -> dict[str, int]:
     """Data files per leaf partition folder, by its relative path (none for a
     table format whose log, not its folders, says which files count)."""
-    if getattr(sink, "compact", None) is not None:
+    if _own_compaction(sink) is not None:
         return {}
     out = {}
     for d in partitions(sink.path, sink.stream.partition_by):
@@ -1060,8 +1066,8 @@ def compact_stream(
 ) -> list[Progress]:
     """Every compaction the stream's policy asks for now, one partition at a time;
     the finished ones (also appended to ``done`` as they finish)."""
-    own = getattr(sink, "compact", None)
-    if own is not None:  # a table format that compacts itself (Delta's OPTIMIZE)
+    own = _own_compaction(sink)
+    if own is not None:
         progress = own(spark, full=full, on_progress=on_progress)
         done = [] if done is None else done
         if progress is not None:

@@ -58,13 +58,13 @@ from daemon.table.layout import META_DIR, TABLE_COLUMNS
 from daemon.table.ledger import (
     KEEP_BATCHES,
     Ledger,
-    LedgerEntry,
     _ranges_from_json,
     read_ledger,
 )
 from daemon.table.parquet import CdcSink
+from daemon.table.retention import RunResult
 from daemon.table.sink import CommitResult, RecoveryReport
-from daemon.table.sparkio import RawInbox, _py4j_jvm, writer_errors
+from daemon.table.sparkio import RawInbox, _py4j_jvm
 
 log = structlog.get_logger("eventplane.cdc")
 
@@ -145,7 +145,8 @@ class DeltaSink(CdcSink):
         self.app_id = app_id(wal_id, stream.name)
         self._created = False  # the Delta table exists (checked on the first commit)
         self.commits_since_optimize = 0
-        self._pending: tuple[MicroBatch, int] | None = None  # the batch step 1 writes
+        # The batch step 1 writes: (batch, rows written, rows set aside).
+        self._pending: tuple[MicroBatch, int, int] | None = None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -237,9 +238,8 @@ class DeltaSink(CdcSink):
             if bid <= self.ledger.last_batch_id:
                 continue
             ranges = _ranges_from_json(meta["ranges"])
-            self._append_ledger(
-                bid, ranges, int(meta["rows"]), [], int(meta.get("quarantined", 0)), version
-            )
+            quarantined = int(meta.get("quarantined", 0))
+            self._append_ledger(bid, ranges, int(meta["rows"]), [], quarantined, version)
             report.rolled_forward.append(bid)
 
     # -- commit ------------------------------------------------------------
@@ -260,7 +260,7 @@ class DeltaSink(CdcSink):
         version = self.ledger.delta_version
         if rows:
             crash_point("cdc.before_stage")
-            self._pending = (batch, rows)
+            self._pending = (batch, rows, 0)
             if raw is not None and raw.direct:
                 raw = replace(raw, direct=False)
             # Step 1. Commit (rows that fail alone are set aside first: _set_aside).
@@ -280,6 +280,8 @@ class DeltaSink(CdcSink):
         """Before the write without them: the rows are durable in the quarantine."""
         quarantine.write_batch(self.meta, self.name, batch.batch_id, rows)
         crash_point("cdc.after_quarantine")
+        assert self._pending is not None
+        self._pending = (batch, self._pending[1] - len(rows), len(rows))
 
     def _table_columns(self) -> tuple[str, ...]:
         return TABLE_COLUMNS if self.stream.variant else DELTA_COLUMNS
@@ -288,7 +290,7 @@ class DeltaSink(CdcSink):
         """Step 1's Delta append (``staging`` is not used: Delta's log is the
         commit). Tests wrap this to inject write failures."""
         assert self._pending is not None, "a Delta write outside commit()"
-        batch, rows = self._pending
+        batch, rows, quarantined = self._pending
         spark = df.sparkSession
         if not self._created:
             self._create_table(spark, df)
@@ -296,6 +298,7 @@ class DeltaSink(CdcSink):
             "batch_id": batch.batch_id,
             "ranges": {str(c): [a, b] for c, (a, b) in sorted(batch.ranges().items())},
             "rows": rows,
+            "quarantined": quarantined,
         }
         self._append(df, meta, {"txnAppId": self.app_id, "txnVersion": str(batch.batch_id)})
 
@@ -350,24 +353,6 @@ class DeltaSink(CdcSink):
         )
         return int(delta_log.unsafeVolatileSnapshot().version())
 
-    def _append_ledger(
-        self,
-        batch_id: int,
-        ranges: dict[int, tuple[int, int]],
-        rows: int,
-        files: list[str],
-        quarantined: int = 0,
-        version: int | None = None,
-    ) -> None:
-        entry = LedgerEntry(batch_id, ranges, rows, files, time.time(), quarantined)
-        with self.commit_lock:
-            candidate = self.ledger.copy()
-            candidate.append(entry, self.keep_batches)
-            if version is not None:
-                candidate.delta_version = max(candidate.delta_version, version)
-            atomic_write_json(self.meta / "ledger.json", candidate.to_json())
-            self._ledger = candidate
-
     # -- maintenance ---------------------------------------------------------
 
     def compact(self, spark: Any, *, full: bool, on_progress: Callable[[Any], None] | None) -> Any:
@@ -403,7 +388,7 @@ class DeltaSink(CdcSink):
         log.info("cdc.compaction_done", stream=self.name, **progress.to_json())
         return progress
 
-    def apply_retention(self, spark: Any, now: float | None = None) -> dict[str, Any]:
+    def apply_retention(self, spark: Any, now: float | None = None) -> RunResult:
         """Retention on a Delta table: a DELETE of the expired time partitions
         (a metadata-only commit: whole files go), then VACUUM, which removes
         the files no snapshot of the last ``vacuum_retain_hours`` reads."""
@@ -421,17 +406,7 @@ class DeltaSink(CdcSink):
         self._vacuum(spark)
         removed = [{"partition": where, "files": 0, "bytes": 0, "rows": rows}] if rows else []
         log.info("cdc.retention_removed", stream=self.name, where=where, rows=rows)
-        return {
-            "stream": self.name,
-            "removed": removed,
-            "deferred": [],
-            "partitions": len(removed),
-            "files": 0,
-            "bytes": 0,
-            "rows": rows,
-            "oldest_kept": None,
-            "seconds": time.monotonic() - started,
-        }
+        return RunResult(self.name, removed, None, time.monotonic() - started)
 
     def _vacuum(self, spark: Any) -> None:
         hours = self.stream.vacuum_retain_hours
@@ -442,13 +417,16 @@ class DeltaSink(CdcSink):
 
     # -- quarantine ----------------------------------------------------------
 
-    def replay_quarantine(
-        self, spark: Any, frame_of: Callable[[MicroBatch], Any], lsns: set[int] | None = None
-    ) -> dict[str, Any]:
-        """Write quarantined rows (all, or those of ``lsns``) into the table,
-        exactly once; the rows the writer still refuses stay. Per batch file:
+    def _replay_batch(
+        self,
+        spark: Any,
+        frame_of: Callable[[MicroBatch], Any],
+        bid: int,
+        ok: list[quarantine.QuarantinedRow],
+    ) -> None:
+        """A replay's steps after the writer's check, for the rows ``ok`` of
+        batch ``bid`` (the Parquet sink's :meth:`replay_quarantine` runs it):
 
-        1. Check each row with the writer's parse (``JsonCheck``).
         2. Intent ``quarantine/r<batch>.json``: the rows, a replay id, and the
            table's version before the append.
         3. One Delta append of the rows whose ``userMetadata`` names the
@@ -460,52 +438,28 @@ class DeltaSink(CdcSink):
         the log after its version rolls forward (step 4), else it is removed
         and its rows stay quarantined.
         """
-        held = [r for r in quarantine.load(self.meta) if lsns is None or r.lsn in lsns]
-        written: list[int] = []
-        refused: list[dict[str, Any]] = []
-        by_batch: dict[int, list[quarantine.QuarantinedRow]] = {}
-        for row in held:
-            by_batch.setdefault(row.batch_id, []).append(row)
-        for bid, rows in sorted(by_batch.items()):
-            # Step 1. The writer's verdict on each row now.
-            errors = writer_errors(spark, rows)
-            ok = [r for r, e in zip(rows, errors, strict=True) if e is None]
-            refused += [{"lsn": r.lsn, "error": e} for r, e in zip(rows, errors, strict=True) if e]
-            if not ok:
-                continue
-            df = self._select(frame_of(quarantine.batch_of(bid, ok)))
-            if not self._created:
-                self._create_table(spark, df)
-            # Step 2. Intent.
-            replay_id = uuid.uuid4().hex
-            ok_lsns = [r.lsn for r in ok]
-            atomic_write_json(
-                quarantine.replay_file(self.meta, bid),
-                {
-                    "stream": self.name,
-                    "lsns": ok_lsns,
-                    "replay_id": replay_id,
-                    "after_version": self._table_version(spark),
-                },
-            )
-            crash_point("cdc.replay_after_intent")
-            # Step 3. The append.
-            self._append(df, {"replay_id": replay_id, "batch_id": bid, "lsns": ok_lsns}, {})
-            crash_point("cdc.replay_after_publish")
-            # Step 4. Out of the quarantine; the intent goes last.
-            quarantine.drop(self.meta, ok_lsns)
-            quarantine.replay_file(self.meta, bid).unlink(missing_ok=True)
-            written += ok_lsns
-        self.quarantined = quarantine.count(self.meta)
-        if written:
-            log.info("cdc_quarantine_replayed", stream=self.name, rows=len(written))
-        return {
-            "stream": self.name,
-            "replayed": len(written),
-            "lsns": written,
-            "still_refused": refused,
-            "quarantined": self.quarantined,
-        }
+        df = self._select(frame_of(quarantine.batch_of(bid, ok)))
+        if not self._created:
+            self._create_table(spark, df)
+        # Step 2. Intent.
+        replay_id = uuid.uuid4().hex
+        lsns = [r.lsn for r in ok]
+        atomic_write_json(
+            quarantine.replay_file(self.meta, bid),
+            {
+                "stream": self.name,
+                "lsns": lsns,
+                "replay_id": replay_id,
+                "after_version": self._table_version(spark),
+            },
+        )
+        crash_point("cdc.replay_after_intent")
+        # Step 3. The append.
+        self._append(df, {"replay_id": replay_id, "batch_id": bid, "lsns": lsns}, {})
+        crash_point("cdc.replay_after_publish")
+        # Step 4. Out of the quarantine; the intent goes last.
+        quarantine.drop(self.meta, lsns)
+        quarantine.replay_file(self.meta, bid).unlink(missing_ok=True)
 
     def _complete_replays(self) -> None:
         """Recovery of replays (step 4 or back): their commit is in the log or not."""

@@ -729,11 +729,15 @@ class CdcSink:
         rows: int,
         files: list[str],
         quarantined: int = 0,
+        delta_version: int | None = None,
     ) -> None:
+        """``delta_version``: a Delta stream's table version after the commit."""
         entry = LedgerEntry(batch_id, ranges, rows, files, time.time(), quarantined)
         with self.commit_lock:  # a compaction records itself in the same file
             candidate = self.ledger.copy()
             candidate.append(entry, self.keep_batches)
+            if delta_version is not None:
+                candidate.delta_version = max(candidate.delta_version, delta_version)
             atomic_write_json(self.meta / "ledger.json", candidate.to_json())
             self._ledger = candidate  # only after it is durable
 
@@ -787,25 +791,8 @@ class CdcSink:
             refused += [{"lsn": r.lsn, "error": e} for r, e in zip(rows, errors, strict=True) if e]
             if not ok:
                 continue
-            # Step 2. Stage.
-            staging = self.meta / "staging" / f"r{bid:012d}"
-            batch = quarantine.batch_of(bid, ok)
-            try:
-                self._write_staged(self._select(frame_of(batch)), staging)
-                files = self._staged_files(staging, bid)
-                for rel, _ in files:
-                    fsync_file(staging / rel)
-                # Step 3. Intent.
-                atomic_write_json(
-                    quarantine.replay_file(self.meta, bid),
-                    {"stream": self.name, "lsns": [r.lsn for r in ok], "files": files},
-                )
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
-            crash_point("cdc.replay_after_intent")
-            # Steps 4-5.
-            self._finish_replay(bid, [r.lsn for r in ok], files)
+            # Steps 2-5.
+            self._replay_batch(spark, frame_of, bid, ok)
             written += [r.lsn for r in ok]
         self.quarantined = quarantine.count(self.meta)
         if written:
@@ -817,6 +804,33 @@ class CdcSink:
             "still_refused": refused,
             "quarantined": self.quarantined,
         }
+
+    def _replay_batch(
+        self,
+        spark: Any,
+        frame_of: Callable[[MicroBatch], Any],
+        bid: int,
+        ok: list[quarantine.QuarantinedRow],
+    ) -> None:
+        """Steps 2-5 of :meth:`replay_quarantine` for the rows ``ok`` of batch ``bid``."""
+        # Step 2. Stage.
+        staging = self.meta / "staging" / f"r{bid:012d}"
+        try:
+            self._write_staged(self._select(frame_of(quarantine.batch_of(bid, ok))), staging)
+            files = self._staged_files(staging, bid)
+            for rel, _ in files:
+                fsync_file(staging / rel)
+            # Step 3. Intent.
+            atomic_write_json(
+                quarantine.replay_file(self.meta, bid),
+                {"stream": self.name, "lsns": [r.lsn for r in ok], "files": files},
+            )
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        crash_point("cdc.replay_after_intent")
+        # Steps 4-5.
+        self._finish_replay(bid, [r.lsn for r in ok], files)
 
     def _finish_replay(self, bid: int, lsns: list[int], files: list[tuple[str, str]]) -> None:
         staging = self.meta / "staging" / f"r{bid:012d}"
