@@ -414,3 +414,27 @@ async def test_the_cdc_verbs_show_a_delta_table_or_say_why_not(
     for verb in ("files", "rewrite"):
         assert cdccmd.main(parse(["cdc", verb, "all"]), cfg, out=io.StringIO()) == 1
         assert "is a Delta table" in capsys.readouterr().err
+
+
+async def test_retention_deletes_expired_days_and_delta_readers_see_them_gone(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """Events ingested in 2023 (``support.BASE_TS_NS``), retention 1 day: one
+    run DELETEs every row (a Delta commit), VACUUM keeps the files for
+    ``vacuum_retain_hours``, and time travel still reads the version before."""
+    ex = await executor_factory(
+        stream_options=DELTA, partition_by=("collection", "date"), retention_s=86_400
+    )
+    batches = make_batches(2, 100)
+    for b in batches:
+        assert not await ex.execute(b)
+    table = tmp_path / "cdc" / "all"
+    before = int(spark.sql(f"DESCRIBE HISTORY delta.`{table}`").first()["version"])
+
+    result = await ex.run_retention("all")
+
+    assert result["rows"] == 200 and result["partitions"] == 1, result
+    assert delta_lsns(spark, table) == []
+    old = spark.read.format("delta").option("versionAsOf", before).load(str(table))
+    assert sorted(r.lsn for r in old.collect()) == batch_lsns(batches)
+    assert ex.status()["streams"]["all"]["retention"]["partitions_removed"] == 1
