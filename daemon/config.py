@@ -199,7 +199,7 @@ class CdcStream:
     variant: bool = False
     # Delta only: VACUUM keeps the files a snapshot of the last this many
     # hours still reads (a reader that runs longer than that can fail).
-    vacuum_retain_hours: float = 168.0
+    vacuum_retain_hours: int = 168
 
     def wants(self, collection: str) -> bool:
         return self.collections == ("*",) or collection in self.collections
@@ -309,7 +309,7 @@ def _show(value: Any) -> str:
 def _int(
     minimum: int | None = None, maximum: int | None = None, unit: str = "", why: str = ""
 ) -> Checker:
-    """An integer within bounds; ``why`` says why the maximum is what it is."""
+    """An integer within bounds; ``why`` says why the bounds are what they are."""
 
     def describe() -> str:
         bound = ""
@@ -318,8 +318,8 @@ def _int(
             bound = f" >= {shown}"
         if maximum is not None:
             bound += f" <= {maximum}" if not bound else f" and <= {maximum}"
-            if why:
-                bound += f" ({why})"
+        if why:
+            bound += f" ({why})"
         return f"an integer{bound}"
 
     def check(value: Any, path: str, errors: list[str]) -> Any:
@@ -612,7 +612,9 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
             "quarantine_max_rows": _int(0),
             "format": _choice("parquet", "delta"),
             "variant": _bool,
-            "vacuum_retain_hours": _float(0.0, exclusive=False),
+            # Delta's VACUUM counts whole hours (it rounds 0.4 to a window of 0,
+            # which removes the files of commits running beside it).
+            "vacuum_retain_hours": _int(1, why="Delta's VACUUM window is whole hours"),
             **_COMPACTION,
         }
         got = _section(table, where, spec, errors)

@@ -53,6 +53,7 @@ REPLAY_CRASH_POINTS = (
 DELTA_CRASH_POINTS = (
     "cdc.before_stage",  # nothing of the batch written
     "cdc.after_quarantine",  # set-aside rows durable, nothing committed
+    "delta.before_commit",  # data files in the table's folders, not in its log
     "delta.after_commit",  # Delta committed the batch, the ledger does not know
     "cdc.after_ledger",  # committed and recorded
     "executor.after_commit",  # every sink and stage done, execute() not returned

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -50,9 +51,9 @@ import structlog
 from daemon.config import CdcStream
 from daemon.errors import IdentityMismatchError
 from daemon.plane.batch import MicroBatch
-from daemon.table import quarantine
+from daemon.table import deltacommit, quarantine
 from daemon.table.crash import crash_point
-from daemon.table.durable import atomic_write_json
+from daemon.table.durable import atomic_write_json, fsync_dir, fsync_file
 from daemon.table.errors import CdcLayoutError
 from daemon.table.layout import META_DIR, TABLE_COLUMNS
 from daemon.table.ledger import (
@@ -81,6 +82,10 @@ DELTA_PROPERTIES = {
     "delta.dataSkippingStatsColumns": ",".join(STATS_COLUMNS),
     # Deletion vectors are recent in delta-rs and other readers: kept off.
     "delta.enableDeletionVectors": "false",
+    # A checkpoint (the whole state in one Parquet file) every 10 commits, as
+    # Spark's default: explicit, so that delta-rs, which commits the batches
+    # and defaults to 100, writes them as often.
+    "delta.checkpointInterval": "10",
 }
 
 
@@ -128,8 +133,6 @@ class DeltaSink(CdcSink):
     """One CDC stream as a Delta table. Shares with the Parquet sink its lock,
     ledger, row selection and quarantine; commits through Delta (module doc)."""
 
-    writes_direct = False  # Delta commits through a Spark write, never DirectWrite
-
     def __init__(
         self,
         stream: CdcStream,
@@ -147,6 +150,13 @@ class DeltaSink(CdcSink):
         self.commits_since_optimize = 0
         # The batch step 1 writes: (batch, rows written, rows set aside).
         self._pending: tuple[MicroBatch, int, int] | None = None
+        # The table's version after step 1 (read from the log it committed to).
+        self._version = -1
+        self._dt: Any = None  # the delta-rs table of the direct path (_delta_table)
+        # Step 1 writes a raw inbox file's rows without a Spark job and commits
+        # them with delta-rs; VARIANT columns (which delta-rs cannot open) take
+        # a Spark append.
+        self.writes_direct = not stream.variant and deltacommit.available() is None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -160,6 +170,10 @@ class DeltaSink(CdcSink):
             self._check_table_identity(created)
             report = RecoveryReport()
             self._roll_forward(report)
+            # Files of a direct commit that a crash interrupted (never in the log).
+            self._remove_orphans(report)
+            if (self.meta / "staging").is_dir():
+                self._remove_staging(report)
             self._complete_replays()
             quarantine.recover(self.meta, self.ledger.last_batch_id, set())
             self.quarantined = quarantine.count(self.meta)
@@ -261,12 +275,16 @@ class DeltaSink(CdcSink):
         if rows:
             crash_point("cdc.before_stage")
             self._pending = (batch, rows, 0)
-            if raw is not None and raw.direct:
+            if raw is not None and raw.direct and not self.writes_direct:
                 raw = replace(raw, direct=False)
             # Step 1. Commit (rows that fail alone are set aside first: _set_aside).
-            set_aside = self._stage(df, batch, rows, raw, self.meta, self._set_aside)
+            staging = self._staging_dir(bid)
+            try:
+                set_aside = self._stage(df, batch, rows, raw, staging, self._set_aside)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
             written = rows - len(set_aside)
-            version = self._table_version(df.sparkSession)
+            version = max(version, self._version)
             self.commits_since_optimize += 1
             crash_point("delta.after_commit")
         # Step 2. Ledger.
@@ -287,20 +305,103 @@ class DeltaSink(CdcSink):
         return TABLE_COLUMNS if self.stream.variant else DELTA_COLUMNS
 
     def _write_staged(self, df: Any, staging: Path) -> None:
-        """Step 1's Delta append (``staging`` is not used: Delta's log is the
-        commit). Tests wrap this to inject write failures."""
+        """Step 1's Delta commit: given a :class:`RawInbox`, the direct write
+        into ``staging`` and a commit of its files (:meth:`_commit_files`);
+        else a Spark append of the DataFrame ``df``. Tests wrap this to inject
+        write failures."""
         assert self._pending is not None, "a Delta write outside commit()"
         batch, rows, quarantined = self._pending
-        spark = df.sparkSession
-        if not self._created:
-            self._create_table(spark, df)
         meta = {
             "batch_id": batch.batch_id,
             "ranges": {str(c): [a, b] for c, (a, b) in sorted(batch.ranges().items())},
             "rows": rows,
             "quarantined": quarantined,
         }
+        if isinstance(df, RawInbox):
+            if not self._created:
+                assert df.reread is not None, "the table's first commit needs the batch's schema"
+                self._create_table(df.spark, self._select(df.reread((), ())))
+            super()._write_staged(df, staging)
+            self._commit_files(staging, batch.batch_id, meta)
+            return
+        spark = df.sparkSession
+        if not self._created:
+            self._create_table(spark, df)
         self._append(df, meta, {"txnAppId": self.app_id, "txnVersion": str(batch.batch_id)})
+        self._version = self._table_version(spark)
+
+    def _commit_files(self, staging: Path, bid: int, meta: dict[str, Any]) -> None:
+        """The direct path's commit of batch ``bid``'s staged files:
+
+        a. fsync them and rename them into the table's partition folders
+           (``part-b<B>-*``): no snapshot lists them yet;
+           ``delta.before_commit`` after it;
+        b. one Delta commit of their ``add`` actions, with the stream's
+           ``txn`` and ``userMetadata`` (delta-rs, :mod:`daemon.table.deltacommit`);
+        c. fsync the new log entries (Delta's writers do not): the ledger
+           that follows never names a commit a power loss could take back.
+
+        A commit that failed leaves no file behind; files of a crash before
+        (b) are removed when the stream opens (``_remove_orphans``)."""
+        files = self._staged_files(staging, bid)
+        if not files:  # every row of the stream was set aside
+            return
+        for rel, _ in files:
+            fsync_file(staging / rel)
+        self._publish_files(bid, files, staging)
+        crash_point("delta.before_commit")
+        table = self._delta_table()
+        actions = [deltacommit.add_action(self.path, final, STATS_COLUMNS) for _, final in files]
+        try:
+            table.update_incremental()
+            if not self._in_log(table, bid):
+                deltacommit.commit(
+                    table,
+                    actions,
+                    partition_by=list(self.stream.partition_by),
+                    app_id=self.app_id,
+                    version=bid,
+                    user_metadata={"eventplane": meta},
+                )
+            else:  # an earlier attempt committed it (its error came after the commit)
+                self._unlink(files)
+        except Exception:
+            if not self._in_log(table, bid):
+                self._unlink(files)
+            raise
+        table.update_incremental()
+        self._version = int(table.version())
+        self._fsync_log(self._version)
+
+    def _in_log(self, table: Any, bid: int) -> bool:
+        """Batch ``bid`` is in the table (its ``txn`` of this stream's app id)."""
+        try:
+            table.update_incremental()
+        except Exception as exc:  # the question stays open: the caller's error stands
+            log.warning("cdc_delta_log_unreadable", stream=self.name, error=str(exc))
+            return False
+        done = table.transaction_version(self.app_id)
+        return done is not None and int(done) >= bid
+
+    def _unlink(self, files: list[tuple[str, str]]) -> None:
+        for _, final in files:
+            (self.path / final).unlink(missing_ok=True)
+
+    def _fsync_log(self, upto: int) -> None:
+        log_dir = self.path / LOG_DIR
+        for version in range(self.ledger.delta_version + 1, upto + 1):
+            entry = log_dir / f"{version:020d}.json"
+            if entry.exists():
+                fsync_file(entry)
+        fsync_dir(log_dir)
+
+    def _delta_table(self) -> Any:
+        """The stream's table as delta-rs sees it: loaded once, then updated."""
+        if self._dt is None:
+            from deltalake import DeltaTable
+
+            self._dt = DeltaTable(str(self.path))
+        return self._dt
 
     def _append(self, df: Any, meta: dict[str, Any], options: dict[str, str]) -> None:
         """One Delta append of ``df``: a commit whose ``userMetadata`` is
@@ -413,7 +514,7 @@ class DeltaSink(CdcSink):
         # Delta refuses a window under its 7-day default unless told: the
         # configured window is the user's decision (docs/cdc.md).
         spark.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
-        spark.sql(f"VACUUM delta.`{self.path}` RETAIN {hours:g} HOURS").collect()
+        spark.sql(f"VACUUM delta.`{self.path}` RETAIN {hours:d} HOURS").collect()
 
     # -- quarantine ----------------------------------------------------------
 

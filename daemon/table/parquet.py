@@ -559,7 +559,7 @@ class CdcSink:
         computed as ``time_columns`` computes them."""
         spark = raw.spark
         cached = self._direct_args
-        table = TABLE_COLUMNS  # part of the key, as in _write_columns
+        table = self._table_columns()  # part of the key, as in _write_columns
         if cached is None or cached[0] is not spark or cached[1] is not table:
             # Java String arrays are a py4j command per element: made once per session.
             taken = () if self.stream.collections == ("*",) else self.stream.collections
