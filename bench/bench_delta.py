@@ -6,9 +6,9 @@ One stream of every collection (bench_cdc's events), embedded ``local[2]``
 Spark with the daemon's jar and Delta Lake, one session for every side:
 
 1. ``parquet`` and ``delta`` batches alternate, so both see the same machine:
-   the Parquet stream writes without a Spark job (docs/cdc.md, "Batches
-   without a Spark job"), the Delta stream with one write and one Delta
-   commit per batch (docs/cdc.md, "Table formats").
+   both write the batch without a Spark job (docs/cdc.md, "Batches without a
+   Spark job"); the Parquet stream then renames the files into its folders,
+   the Delta stream commits them with delta-rs (docs/cdc.md, "Table formats").
 2. ``delta + OPTIMIZE``: Delta batches again while another thread runs
    OPTIMIZE on the same table in a loop (compaction beside appends).
 

@@ -1,14 +1,16 @@
-"""Whole pipeline: HTTP producers -> rows queryable in a Parquet table, eventplane vs two peers.
+"""Whole pipeline: HTTP producers -> rows queryable in a table, eventplane vs two peers.
 
-``python -m bench.bench_pipeline [--events N] [--rate R] [--peers landing,outbox]``
+``python -m bench.bench_pipeline [--events N] [--rate R] [--peers landing,outbox]
+[--format parquet|delta]``
 
 Every side gets the same producers and the same events: ``--clients``
 concurrent HTTP clients posting NDJSON bodies of 1000 events (~150-byte
 payloads, four collections, keys reused so that most events are updates of
 an earlier key) to ``POST /v1/events``, and each side ends with the rows
 queryable in a Parquet table partitioned by ``collection`` whose ``new`` and
-``old`` are VARIANT. The sides run one after the other (never at once: the
-machine has 2 cores), each in its own processes:
+``old`` are VARIANT (``--format delta``: a Delta Lake table, below). The sides
+run one after the other (never at once: the machine has 2 cores), each in its
+own processes:
 
 - **eventplane**: ``eventplane run`` (one CDC stream, embedded local Spark,
   ``wal.fsync = "always"``, the shipped micro-batch settings). Visible: the
@@ -38,9 +40,23 @@ machine has 2 cores), each in its own processes:
   after the last ack for throughput, a pass every ``--interval-ms`` for
   latency. Visible: the stored high id.
 
+``--format delta``: every side writes a Delta Lake table instead, partitioned
+by ``collection``, its payloads as JSON text ``new_json``/``old_json`` (no
+VARIANT: the daemon's Delta layout, ``DELTA_COLUMNS`` in daemon/table/delta.py)
+beside the same other columns. The eventplane stream has ``format = "delta"``
+(visible: its ledger, as with Parquet); the landing query's sink is
+``writeStream.format("delta")`` with its checkpoint; each outbox pass is one
+Delta append with ``txnAppId`` and ``txnVersion`` = the pass's high id (a pass
+run again writes nothing; the job takes its high id from the Delta log too).
+The peers' drivers get the daemon's Delta session settings
+(``daemon.spark.session``: the jars of ``make delta-jars`` on the driver's
+class path, Delta's SQL extension and catalog); without those jars the bench
+exits with the command that fetches them.
+
 Measured per side:
 
-1. an untimed warm-up (``--warmup-events``, then all visible);
+1. an untimed warm-up (``--warmup-events`` in ``--warmup-drains`` parts,
+   each posted and then waited for until visible);
 2. **throughput**: ``--events`` posted closed-loop; timed from the first
    request to all rows visible (the peers start their Spark work after the
    last ack, as ``availableNow`` would be run);
@@ -57,7 +73,8 @@ Measured per side:
    of its events visible. The side's CPU over that run (its warm-up included,
    producers not) per wall second is shown as "CPU cores": what that freshness
    costs at that rate (a shorter ``--interval-ms`` buys freshness with it);
-5. the table's row count (Parquet footers) against every event sent.
+5. the table's row count (Parquet footers; Delta: its current snapshot, read
+   through the Delta log with ``deltalake``) against every event sent.
 
 The landing side's ``availableNow`` run alone (its Spark driver's time and
 CPU, landing not counted) is also reported: that is ``bench_cdc``'s peer,
@@ -108,6 +125,14 @@ LATENCY_REQUEST_EVENTS = 200
 POLL_S = 0.02
 ROTATE_BYTES = 64 * MiB
 PEERS = ("landing", "outbox")
+FORMATS = ("parquet", "delta")
+TABLE_FORMATS = {
+    "parquet": "Parquet (new/old VARIANT)",
+    "delta": "Delta Lake (new_json/old_json JSON text)",
+}
+# The outbox job's Delta ``txnAppId``: each pass commits with ``txnVersion`` =
+# the high id it read up to, so a pass re-run after a crash writes nothing.
+OUTBOX_APP_ID = "bench-pipeline/outbox"
 SPARK_CONF = {"spark.sql.shuffle.partitions": "4", "spark.driver.memory": "4g"}
 PG_PACKAGES = "postgresql libpostgresql-jdbc-java"
 PG_INSTALL = f"apt-get install -y --no-install-recommends {PG_PACKAGES}"
@@ -419,7 +444,7 @@ async def _serve(kind: str, args: argparse.Namespace) -> None:
         store = Lander(directory / "staging", directory / "landing", args.rotate_ms / 1000)
         tasks.append(asyncio.create_task(store.ticker()))
     else:
-        import asyncpg
+        import asyncpg  # type: ignore[import-untyped]
 
         conn = await asyncpg.connect(
             host="127.0.0.1", port=args.pg_port, user=PG_USER, database="postgres"
@@ -484,18 +509,29 @@ def _write_atomic(path: Path, text: str, durable: bool = False) -> None:
         _fsync_dir(path.parent)
 
 
+def _payload_columns(fmt: str) -> list[Any]:
+    """The peers' payload columns from ``new``/``old`` JSON text: VARIANT ``new``
+    and ``old`` in a Parquet table, the text itself (``new_json``/``old_json``,
+    as the daemon's Delta layout) in a Delta table."""
+    from pyspark.sql import functions as F
+
+    if fmt == "delta":
+        return [F.col("new").alias("new_json"), F.col("old").alias("old_json")]
+    return [F.parse_json("new").alias("new"), F.parse_json("old").alias("old")]
+
+
 class LandingJob:
-    """Structured Streaming over the landing folder into the Parquet table."""
+    """Structured Streaming over the landing folder into the table (``fmt``)."""
 
-    def __init__(self, spark: Any, directory: Path) -> None:
-        from pyspark.sql.streaming import StreamingQueryListener
+    def __init__(self, spark: Any, directory: Path, fmt: str) -> None:
+        from pyspark.sql.streaming.listener import StreamingQueryListener
 
-        self.spark, self.dir = spark, directory
+        self.spark, self.dir, self.fmt = spark, directory, fmt
         self.visible = directory / "visible"
         self.query: Any = None
         job = self
 
-        class Progress(StreamingQueryListener):  # type: ignore[misc]
+        class Progress(StreamingQueryListener):
             total = 0
 
             def onQueryStarted(self, event: Any) -> None:
@@ -529,13 +565,12 @@ class LandingJob:
                 "collection",
                 "op",
                 "key",
-                F.parse_json("new").alias("new"),
-                F.parse_json("old").alias("old"),
+                *_payload_columns(self.fmt),
                 F.current_timestamp().alias("ingest_ts"),
             )
         )
         return (
-            df.writeStream.format("parquet")
+            df.writeStream.format(self.fmt)
             .partitionBy("collection")
             .option("path", str(self.dir / "table"))
             .option("checkpointLocation", str(self.dir / "checkpoint"))
@@ -561,13 +596,18 @@ class LandingJob:
 
 
 class OutboxJob:
-    """Rows above the stored high id over JDBC -> the Parquet table -> new high id."""
+    """Rows above the stored high id over JDBC -> the table (``fmt``) -> new high id."""
 
-    def __init__(self, spark: Any, directory: Path, port: int) -> None:
-        self.spark, self.dir = spark, directory
+    def __init__(self, spark: Any, directory: Path, port: int, fmt: str) -> None:
+        self.spark, self.dir, self.fmt = spark, directory, fmt
+        self.table = directory / "table"
         self.url = f"jdbc:postgresql://127.0.0.1:{port}/postgres"
         self.state = directory / "high_id"
         self.high = int(self.state.read_text()) if self.state.exists() else 0
+        if fmt == "delta":
+            # A pass that committed but died before storing its high id: the
+            # Delta log holds it (the commit's txnVersion).
+            self.high = max(self.high, _delta_txn_version(self.table, OUTBOX_APP_ID))
         jvm = spark.sparkContext._jvm
         self.conn = jvm.java.sql.DriverManager.getConnection(self.url, PG_USER, "")
         self._halt = threading.Event()
@@ -584,8 +624,6 @@ class OutboxJob:
             stmt.close()
 
     def one_pass(self, partitions: int) -> int:
-        from pyspark.sql import functions as F
-
         lo, hi = self.high, self._max_id()
         if hi <= lo:
             return 0
@@ -609,15 +647,15 @@ class OutboxJob:
                 .option("upperBound", str(hi + 1))
                 .option("numPartitions", str(parts))
             )
-        reader.load().select(
-            "id",
-            "collection",
-            "op",
-            "key",
-            F.parse_json("new").alias("new"),
-            F.parse_json("old").alias("old"),
-            "ingest_ts",
-        ).write.mode("append").partitionBy("collection").parquet(str(self.dir / "table"))
+        rows = reader.load().select(
+            "id", "collection", "op", "key", *_payload_columns(self.fmt), "ingest_ts"
+        )
+        write = rows.write.format(self.fmt).mode("append").partitionBy("collection")
+        if self.fmt == "delta":
+            # Delta skips a commit whose txnVersion is not above the one it holds
+            # for the app id: the same pass run again writes nothing.
+            write = write.option("txnAppId", OUTBOX_APP_ID).option("txnVersion", str(hi))
+        write.save(str(self.table))
         _write_atomic(self.state, str(hi), durable=True)
         self.high = hi
         return hi - lo
@@ -650,6 +688,16 @@ class OutboxJob:
             raise RuntimeError(f"outbox pass failed: {self._error}")
 
 
+def _delta_txn_version(table: Path, app_id: str) -> int:
+    """The last ``txnVersion`` the Delta table at ``table`` holds for ``app_id``
+    (0: none, or no table yet)."""
+    import deltalake
+
+    if not deltalake.DeltaTable.is_deltatable(str(table)):
+        return 0
+    return deltalake.DeltaTable(str(table)).transaction_version(app_id) or 0
+
+
 def spark_job(args: argparse.Namespace) -> int:
     """The peer's Spark driver: ``ready``, then ``drain`` / ``stream MS`` / ``stop``."""
     # Replies go to the real stdout; anything else writing to fd 1 (the JVM) goes to stderr.
@@ -661,11 +709,21 @@ def spark_job(args: argparse.Namespace) -> int:
     if args.spark == "outbox":
         conf["spark.jars"] = args.jar
         conf["spark.driver.extraClassPath"] = args.jar
-    spark = build_session(args.master, f"bench-pipeline-{args.spark}", False, "ERROR", conf)
+    # Delta: the daemon's own session settings for it (daemon.spark.session._add_delta):
+    # the jars of `make delta-jars` on the driver's class path, Delta's extension
+    # and catalog.
+    spark = build_session(
+        args.master,
+        f"bench-pipeline-{args.spark}",
+        False,
+        "ERROR",
+        conf,
+        delta=args.format == "delta",
+    )
     job: LandingJob | OutboxJob = (
-        LandingJob(spark, Path(args.dir))
+        LandingJob(spark, Path(args.dir), args.format)
         if args.spark == "landing"
-        else OutboxJob(spark, Path(args.dir), args.pg_port)
+        else OutboxJob(spark, Path(args.dir), args.pg_port, args.format)
     )
     reply.write("ready\n")
     for line in sys.stdin:
@@ -900,6 +958,7 @@ class Side:
     name = ""
     url = ""
     table = Path()
+    fmt = "parquet"  # the table's format (--format)
     reference: tuple[float, float] | None = None  # landing: (availableNow s, its CPU s)
 
     def start(self) -> None:
@@ -946,8 +1005,10 @@ class EventplaneSide(Side):
         interval_ms: int,
         src: Path | None = None,
         python: str = sys.executable,
+        fmt: str = "parquet",
     ) -> None:
         self.root, self.master, self.interval_ms = root, master, interval_ms
+        self.fmt = fmt
         # ``--baseline``: the daemon runs from this source tree instead of ours,
         # with ``--baseline-python``'s interpreter.
         self.src, self.python = src, python
@@ -958,8 +1019,18 @@ class EventplaneSide(Side):
     def start(self) -> None:
         from bench.bench_cdc import start_daemon
 
+        # The stream's table format (docs/cdc.md, "Table formats"); either way the
+        # rows are visible once the stream's ledger has committed them. Parquet is
+        # the default, left unsaid (a --baseline tree may predate the key).
+        extra = f'format = "{self.fmt}"' if self.fmt != "parquet" else ""
         self.d = start_daemon(
-            self.root, self.master, self.interval_ms, 100_000, src=self.src, python=self.python
+            self.root,
+            self.master,
+            self.interval_ms,
+            100_000,
+            extra,
+            src=self.src,
+            python=self.python,
         )
         self.url, self.table = self.d.ingest, self.d.table
 
@@ -1012,8 +1083,8 @@ class EventplaneSide(Side):
 class LandingSide(Side):
     name = "landing"
 
-    def __init__(self, root: Path, master: str, rotate_ms: int) -> None:
-        self.root, self.master, self.rotate_ms = root, master, rotate_ms
+    def __init__(self, root: Path, master: str, rotate_ms: int, fmt: str = "parquet") -> None:
+        self.root, self.master, self.rotate_ms, self.fmt = root, master, rotate_ms, fmt
         self.table = root / "table"
         self.server: ServerProc | None = None
         self.spark: SparkDriver | None = None
@@ -1021,7 +1092,7 @@ class LandingSide(Side):
     def start(self) -> None:
         self.server = ServerProc("landing", self.root, ["--rotate-ms", str(self.rotate_ms)])
         self.url = self.server.url
-        self.spark = SparkDriver("landing", self.root, self.master, [])
+        self.spark = SparkDriver("landing", self.root, self.master, ["--format", self.fmt])
 
     def cpu(self) -> dict[str, float]:
         assert self.server and self.spark
@@ -1057,8 +1128,8 @@ class LandingSide(Side):
 class OutboxSide(Side):
     name = "outbox"
 
-    def __init__(self, root: Path, master: str, tools: PgTools) -> None:
-        self.root, self.master, self.tools = root, master, tools
+    def __init__(self, root: Path, master: str, tools: PgTools, fmt: str = "parquet") -> None:
+        self.root, self.master, self.tools, self.fmt = root, master, tools, fmt
         self.table = root / "table"
         self.pg: PgCluster | None = None
         self.server: ServerProc | None = None
@@ -1070,7 +1141,7 @@ class OutboxSide(Side):
         port = ["--pg-port", str(self.pg.port)]
         self.server = ServerProc("outbox", self.root, port)
         self.url = self.server.url
-        jar = ["--jar", str(self.tools.jar)]
+        jar = ["--jar", str(self.tools.jar), "--format", self.fmt]
         self.spark = SparkDriver("outbox", self.root, self.master, [*port, *jar])
 
     def cpu(self) -> dict[str, float]:
@@ -1151,7 +1222,6 @@ class SideResult:
 
 @dataclass
 class Plan:
-    warm_file: Path
     warm: int
     run_file: Path
     run_first: int
@@ -1164,10 +1234,18 @@ class Plan:
     rate: int
     interval_ms: int
     jvm_threads: bool = False
+    # The warm-up's parts: (events file, events), each drained before the next.
+    warm_parts: tuple[tuple[Path, int], ...] = ()
 
 
-def count_rows(table: Path) -> int:
-    """Rows in the table's data files (Parquet footers); ``_``/``.`` paths skipped."""
+def count_rows(table: Path, fmt: str = "parquet") -> int:
+    """Rows in the table: Parquet, its data files' footers (``_``/``.`` paths
+    skipped); Delta, the files of its current snapshot, from the Delta log (the
+    folder may hold files no longer in the table)."""
+    if fmt == "delta":
+        import deltalake
+
+        return int(deltalake.DeltaTable(str(table)).to_pyarrow_dataset().count_rows())
     import pyarrow.parquet as pq
 
     n = 0
@@ -1220,9 +1298,15 @@ def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> 
 
         watcher = threading.Thread(target=first_batch, name="bench-first-batch", daemon=True)
         watcher.start()
-    say(f"{side.name}: warm-up, {plan.warm:,} events ...")
-    run_producers(side.url, plan.warm_file, REQUEST_EVENTS, plan.clients, 0, work / "warm.json")
-    side.drain(plan.warm)
+    parts = plan.warm_parts
+    say(f"{side.name}: warm-up, {plan.warm:,} events in {len(parts)} drains ...")
+    # Several drains: each side's JVM runs its commit path a few times before
+    # the timed run (a peer's first Delta commits in a new JVM take 3-13 s).
+    warmed = 0
+    for part, count in parts:
+        run_producers(side.url, part, REQUEST_EVENTS, plan.clients, 0, work / "warm.json")
+        warmed += count
+        side.drain(warmed)
     if watcher is not None:
         stop_watch.set()
         watcher.join()
@@ -1320,7 +1404,7 @@ def run_side(side: Side, plan: Plan, work: Path, say: Callable[[str], None]) -> 
     total = plan.warm + plan.events + plan.lat_events
     if not isinstance(side, EventplaneSide):
         side.stop()  # the peers' files are complete once their processes end
-    res.rows_checked = count_rows(side.table)
+    res.rows_checked = count_rows(side.table, side.fmt)
     if res.rows_checked != total:
         res.error = f"table holds {res.rows_checked:,} rows, {total:,} were sent"
     return res
@@ -1436,7 +1520,8 @@ def render(results: Sequence[SideResult], args: argparse.Namespace) -> str:
         f"{args.events:,} events per side ({REQUEST_EVENTS} per request, {args.clients} "
         f"clients, bench_cdc's ~150-byte events, 4 collections, keys reused), Spark "
         f"{args.master}, interval {args.interval_ms} ms, landing rotation {args.rotate_ms} ms; "
-        f"{os.cpu_count()} CPUs; best of {args.rounds} round(s)",
+        f"{os.cpu_count()} CPUs; best of {args.rounds} round(s); every side writes a "
+        f"{TABLE_FORMATS[args.format]} table partitioned by collection (--format {args.format})",
         "",
         "| side | wall s | events/s | ep x | CPU s/M: server | Spark | database | producers "
         "| total | ep x |",
@@ -1521,6 +1606,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--events", type=int, default=1_000_000, help="throughput run (1000000)")
     p.add_argument("--warmup-events", type=int, default=200_000, help="untimed first (200000)")
+    p.add_argument(
+        "--warmup-drains", type=int, default=4, help="warm-up in this many drained parts (4)"
+    )
     p.add_argument("--clients", type=int, default=8, help="closed-loop producers (8)")
     p.add_argument("--rate", type=int, default=20_000, help="latency run events/s (20000)")
     p.add_argument("--latency-seconds", type=float, default=10.0)
@@ -1534,6 +1622,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--rotate-ms", type=int, default=100, help="landing file rotation (100)")
     p.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset of peers")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="parquet",
+        help="the table every side writes: Parquet folders with VARIANT payloads, or a Delta "
+        "Lake table with the payloads as JSON text (needs `make delta-jars`) (parquet)",
+    )
     p.add_argument("--no-eventplane", action="store_true", help="run the peers only")
     p.add_argument(
         "--baseline",
@@ -1582,6 +1677,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args)
     if args.spark:
         return spark_job(args)
+    if args.format == "delta":
+        from daemon.spark import deltajars
+
+        missing = deltajars.missing()
+        if missing:
+            p.exit(2, deltajars.missing_message(missing) + "\n")
 
     peers = [x.strip() for x in args.peers.split(",") if x.strip()]
     unknown = [x for x in peers if x not in PEERS]
@@ -1610,12 +1711,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
         )
         plan = Plan(
-            root / "warm.ndjson", warm, root / "run.ndjson", warm + 1, n,
+            warm, root / "run.ndjson", warm + 1, n,
             root / "lat.ndjson", warm + n + 1, lat_requests * LATENCY_REQUEST_EVENTS,
             round(args.rate * args.latency_warmup_seconds / LATENCY_REQUEST_EVENTS),
             args.clients, args.rate, args.interval_ms, args.jvm_threads,
         )  # fmt: skip
-        write_events(plan.warm_file, 1, warm)
+        k = max(1, args.warmup_drains)
+        cuts = [warm * i // k for i in range(k + 1)]
+        plan.warm_parts = tuple(
+            (root / f"warm{i}.ndjson", cuts[i + 1] - cuts[i])
+            for i in range(k)
+            if cuts[i + 1] > cuts[i]
+        )
+        for i, (part, count) in enumerate(plan.warm_parts):
+            write_events(part, 1 + cuts[i], count)
         write_events(plan.run_file, plan.run_first, n)
         write_events(plan.lat_file, plan.lat_first, plan.lat_events)
 
@@ -1626,7 +1735,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         def make_sides(where: Path) -> list[Side | SideResult]:
             sides: list[Side | SideResult] = []
             if not args.no_eventplane:
-                sides.append(EventplaneSide(where / "eventplane", args.master, args.interval_ms))
+                sides.append(
+                    EventplaneSide(
+                        where / "eventplane", args.master, args.interval_ms, fmt=args.format
+                    )
+                )
             if args.baseline is not None:
                 sides.append(
                     EventplaneSide(
@@ -1639,14 +1752,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         os.path.abspath(args.baseline_python)
                         if os.sep in args.baseline_python
                         else args.baseline_python,
+                        args.format,
                     )
                 )
             if "landing" in peers:
-                sides.append(LandingSide(where / "landing", args.master, args.rotate_ms))
+                sides.append(
+                    LandingSide(where / "landing", args.master, args.rotate_ms, args.format)
+                )
             if isinstance(tools, str):
                 sides.append(SideResult("outbox", skipped=tools))
             elif tools is not None:
-                sides.append(OutboxSide(where / "outbox", args.master, tools))
+                sides.append(OutboxSide(where / "outbox", args.master, tools, args.format))
             return sides
 
         for n in range(args.rounds):
@@ -1681,6 +1797,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nload average before: {load_before}; after: {load_after}")
     if args.json:
         doc = {
+            "format": args.format,
             "load_average": {"before": load_before, "after": load_after},
             "args": {k: str(v) for k, v in vars(args).items()},
             "sides": [_as_json(r) for r in results],  # best of the rounds

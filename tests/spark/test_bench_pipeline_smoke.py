@@ -15,6 +15,7 @@ from bench import bench_pipeline
 TINY = [
     "--events", "3000", "--warmup-events", "1000", "--clients", "2", "--rate", "1000",
     "--latency-seconds", "1", "--latency-warmup-seconds", "0.4", "--interval-ms", "250",
+    "--warmup-drains", "1",
 ]  # fmt: skip
 
 
@@ -94,6 +95,31 @@ def test_bench_pipeline_runs_the_postgresql_outbox_peer(
     assert side["name"] == "outbox" and not side["error"] and not side["skipped"]
     assert side["rows_checked"] == 1000 + 3000 + 1400
     assert side["cpu_s"]["database"] > 0 and side["latency_requests"] > 0
+
+
+@pytest.mark.spark
+@pytest.mark.soak
+def test_bench_pipeline_with_delta_tables_counts_every_event_once_on_every_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--format delta``: the daemon, the landing peer (Structured Streaming's
+    Delta sink) and the outbox peer (Delta appends with ``txnVersion``) each
+    end with every event in their Delta table once, counted through the log."""
+    from daemon.spark import deltajars
+
+    if deltajars.missing():
+        pytest.skip("needs Delta Lake's jars (make delta-jars)")
+    out = tmp_path / "result.json"
+    peers = "landing,outbox" if not isinstance(bench_pipeline.find_pg(), str) else "landing"
+    argv = [*TINY, "--format", "delta", "--peers", peers, "--json", str(out)]
+    rc = bench_pipeline.main([*argv, "--dir", str(tmp_path / "work")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    result = json.loads(out.read_text())
+    assert result["format"] == "delta"
+    for side in result["sides"]:
+        assert not side["error"], side
+        assert side["rows_checked"] == 1000 + 3000 + 1400
 
 
 def test_best_of_rounds_takes_the_fastest_round_and_the_lowest_p99() -> None:
