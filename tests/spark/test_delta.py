@@ -117,6 +117,14 @@ async def test_every_reader_reads_the_same_rows_without_a_jvm(
     ).fetchall()
     assert sorted(lsn for lsn, _ in got) == want
     assert dict(got)[7] == 70
+    # Filters on the columns with statistics skip files, never rows.
+    df = spark.read.format("delta").load(str(table))
+    assert sorted(r.lsn for r in df.where("lsn >= 150").collect()) == [n for n in want if n >= 150]
+    last = df.agg({"ingest_ts": "max"}).first()[0]
+    assert df.where(df.ingest_ts >= last).count() >= 1
+    assert df.where("op = 'insert' OR op <> 'insert'").count() == len(want)
+    filtered = dt.to_pyarrow_table(columns=["lsn"], filters=[("lsn", "<", 40)])
+    assert sorted(filtered["lsn"].to_pylist()) == [n for n in want if n < 40]
 
 
 async def test_a_table_of_another_wal_or_format_refuses_to_open(
