@@ -341,8 +341,10 @@ class DeltaSink(CdcSink):
         c. fsync the new log entries (Delta's writers do not): the ledger
            that follows never names a commit a power loss could take back.
 
-        A commit that failed leaves no file behind; files of a crash before
-        (b) are removed when the stream opens (``_remove_orphans``)."""
+        A commit that failed leaves no file behind (one whose outcome the log
+        cannot tell yet leaves them: the next attempt or the next open decides);
+        files of a crash before (b) are removed when the stream opens
+        (``_remove_orphans``); an error after the commit is logged, not raised."""
         files = self._staged_files(staging, bid)
         if not files:  # every row of the stream was set aside
             return
@@ -353,8 +355,10 @@ class DeltaSink(CdcSink):
         table = self._delta_table()
         actions = [deltacommit.add_action(self.path, final, STATS_COLUMNS) for _, final in files]
         try:
-            table.update_incremental()
-            if not self._in_log(table, bid):
+            if self._in_log(table, bid):
+                # An earlier attempt committed it (its error came after the commit).
+                self._unlink(files)
+            else:
                 deltacommit.commit(
                     table,
                     actions,
@@ -363,24 +367,28 @@ class DeltaSink(CdcSink):
                     version=bid,
                     user_metadata={"eventplane": meta},
                 )
-            else:  # an earlier attempt committed it (its error came after the commit)
-                self._unlink(files)
-        except Exception:
-            if not self._in_log(table, bid):
-                self._unlink(files)
-            raise
+        except Exception as exc:
+            committed = self._in_log(table, bid)
+            if committed is False:
+                self._unlink(files)  # never in the log: nothing of this attempt stays
+            if not committed:
+                raise  # unknown: the files stay; the next open removes them if uncommitted
+            log.warning(
+                "cdc_delta_error_after_commit", stream=self.name, batch_id=bid, error=str(exc)
+            )
         table.update_incremental()
         self._version = int(table.version())
         self._fsync_log(self._version)
 
-    def _in_log(self, table: Any, bid: int) -> bool:
-        """Batch ``bid`` is in the table (its ``txn`` of this stream's app id)."""
+    def _in_log(self, table: Any, bid: int) -> bool | None:
+        """Batch ``bid`` is in the table (a ``txn`` of this stream's app id at
+        or above it); None when the log cannot be read now."""
         try:
             table.update_incremental()
-        except Exception as exc:  # the question stays open: the caller's error stands
+            done = table.transaction_version(self.app_id)
+        except Exception as exc:
             log.warning("cdc_delta_log_unreadable", stream=self.name, error=str(exc))
-            return False
-        done = table.transaction_version(self.app_id)
+            return None
         return done is not None and int(done) >= bid
 
     def _unlink(self, files: list[tuple[str, str]]) -> None:

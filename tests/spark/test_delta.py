@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from daemon.errors import IdentityMismatchError
+from daemon.errors import ExecutorError, IdentityMismatchError
 from daemon.table import quarantine
 from daemon.table.crash import DELTA_CRASH_POINTS, REPLAY_CRASH_POINTS
 from daemon.table.delta import DELTA_COLUMNS, app_id, log_commits
@@ -90,6 +90,70 @@ async def test_each_batch_is_one_delta_commit_and_a_rerun_writes_nothing(
     ledger = read_ledger(table)
     assert ledger is not None and ledger.table_format == "delta"
     assert ledger.last_batch_id == 3 and ledger.rows_total == 900
+
+
+async def test_a_failed_delta_commit_leaves_no_file_and_one_after_the_commit_is_kept(
+    spark: Any, executor_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1. The delta-rs commit of batch 1 fails before it commits: the batch
+       fails, its files are gone from the table's folders; run again, it
+       commits once.
+    2. The commit of batch 2 raises after it committed: the batch succeeds
+       (the log has it), nothing is written twice."""
+    from daemon.table import deltacommit
+
+    real = deltacommit.commit
+    calls: list[str] = []
+
+    def before(*args: Any, **kwargs: Any) -> None:
+        calls.append("before")
+        raise OSError("injected: the store refused the commit")
+
+    def after(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        calls.append("after")
+        raise TimeoutError("injected: the answer to a commit that landed was lost")
+
+    ex = await executor_factory(stream_options=DELTA)
+    table = tmp_path / "cdc" / "all"
+    batches = make_batches(2, 120)
+    assert not await ex.execute(batches[0])  # creates the table
+    second, third = make_batches(3, 120)[1:]
+
+    monkeypatch.setattr(deltacommit, "commit", before)
+    with pytest.raises(ExecutorError, match="injected: the store refused"):
+        await ex.execute(second)
+    assert not list(table.rglob("part-b000000000002-*"))
+    monkeypatch.setattr(deltacommit, "commit", real)
+    assert not await ex.execute(second)
+
+    monkeypatch.setattr(deltacommit, "commit", after)
+    assert not await ex.execute(third)
+    assert calls == ["before", "after"]
+    assert delta_lsns(spark, table) == batch_lsns([batches[0], second, third])
+    assert txn_versions(table, app_id("wal-1", "all")) == [1, 2, 3]
+    assert len(list(table.rglob("part-b000000000003-*"))) >= 1
+
+
+async def test_a_variant_delta_stream_commits_through_a_spark_append_exactly_once(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """``variant = true`` (Spark-only readers): the batch goes through one
+    Spark append per batch (no delta-rs commit: delta-rs cannot open the
+    table), with the VARIANT columns; a re-run writes nothing."""
+    ex = await executor_factory(stream_options={**DELTA, "variant": True})
+    batches = make_batches(2, 100)
+    table = tmp_path / "cdc" / "all"
+    for b in batches:
+        assert not await ex.execute(b)
+    assert not await ex.execute(batches[1])
+    df = spark.read.format("delta").load(str(table))
+    assert {"new", "old", "new_json"} <= set(df.columns)
+    assert delta_lsns(spark, table) == batch_lsns(batches)
+    assert df.selectExpr("new:amount::int AS a").where("lsn = 7").first().a == 70
+    assert txn_versions(table, app_id("wal-1", "all")) == [1, 2]
+    engines = {a["commitInfo"].get("engineInfo", "") for _, a in log_commits(table, 0)}
+    assert all(e.startswith("Apache-Spark") for e in engines), engines
 
 
 async def test_every_reader_reads_the_same_rows_without_a_jvm(
