@@ -1,0 +1,237 @@
+"""One writer per table on object storage: a lease object next to the table.
+
+The lease is a small JSON object (``<table>/_eventplane/lease.json`` in the
+table's bucket) naming its holder (host, pid, data_dir, WAL id, stream) and
+the wall-clock time it expires. Protocol:
+
+1. **Take**: create it with ``If-None-Match: *``. It exists: if it is
+   expired (past ``expires_at`` plus ``skew_s``), or it is this daemon's own
+   from before a restart (same host, data_dir and WAL id, a pid that no
+   longer runs), overwrite it with ``If-Match`` on its ETag; else refuse,
+   naming the holder and when it expires.
+2. **Renew** every ``renew_s``: overwrite with ``If-Match`` on the ETag of
+   the last write. A 412 means another writer took it: the lease is lost.
+3. **Fence**: the holder commits only while :meth:`Lease.may_commit`: before
+   its own deadline, the last successful renewal's start (monotonic clock)
+   plus ``ttl_s`` minus ``skew_s``. A daemon that cannot renew (the store is
+   down, the network partitioned, the process stalled) stops committing
+   before any other daemon may take the lease over.
+4. **Release** on a clean stop: delete it if it is still ours. After a
+   SIGKILL the next daemon waits until it expires (at most ``ttl_s`` plus
+   ``skew_s``), or takes it at once if it is the same daemon restarted.
+
+The store is an object with ``get(key)`` -> ``(body, etag)`` or None,
+``put(key, body, if_none_match=False, if_match=None)`` -> etag (raising
+:class:`PreconditionFailed` on a lost race) and ``delete(key)``:
+:class:`S3Store` over boto3, or any test double.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from daemon.errors import DaemonError
+
+
+class LeaseError(DaemonError):
+    """The lease could not be taken or kept."""
+
+
+class LeaseHeldError(LeaseError):
+    """Another writer holds the table's lease."""
+
+
+class PreconditionFailed(Exception):
+    """A conditional write lost its race (HTTP 412)."""
+
+
+class Store(Protocol):
+    def get(self, key: str) -> tuple[bytes, str] | None: ...
+
+    def put(
+        self, key: str, body: bytes, *, if_none_match: bool = False, if_match: str | None = None
+    ) -> str: ...
+
+    def delete(self, key: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    host: str
+    pid: int
+    data_dir: str
+    wal_id: str
+    stream: str
+
+    @classmethod
+    def this_process(cls, data_dir: str, wal_id: str, stream: str) -> Holder:
+        return cls(socket.gethostname(), os.getpid(), data_dir, wal_id, stream)
+
+    def same_daemon(self, other: Holder) -> bool:
+        """The same daemon (host, data_dir, WAL id), maybe another process."""
+        return (self.host, self.data_dir, self.wal_id) == (other.host, other.data_dir, other.wal_id)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.host} pid {self.pid} (data_dir {self.data_dir}, WAL {self.wal_id}, "
+            f"stream {self.stream})"
+        )
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Lease:
+    """This daemon's lease on one table (module doc)."""
+
+    def __init__(
+        self,
+        store: Store,
+        key: str,
+        holder: Holder,
+        *,
+        ttl_s: float = 30.0,
+        skew_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s <= 2 * skew_s:
+            raise ValueError(f"lease ttl_s ({ttl_s}) must exceed twice skew_s ({skew_s})")
+        self.store, self.key, self.holder = store, key, holder
+        self.ttl_s, self.skew_s = ttl_s, skew_s
+        self._clock, self._monotonic = clock, monotonic
+        self._etag: str | None = None
+        self._deadline = float("-inf")  # monotonic: commits stop here
+
+    @property
+    def renew_s(self) -> float:
+        """How often to renew: three tries before the deadline."""
+        return (self.ttl_s - self.skew_s) / 3
+
+    def _body(self) -> bytes:
+        now = self._clock()
+        return json.dumps(
+            {"holder": asdict(self.holder), "renewed_at": now, "expires_at": now + self.ttl_s},
+            separators=(",", ":"),
+            sort_keys=True,
+        ).encode()
+
+    def _write(self, *, if_none_match: bool = False, if_match: str | None = None) -> None:
+        started = self._monotonic()
+        self._etag = self.store.put(
+            self.key, self._body(), if_none_match=if_none_match, if_match=if_match
+        )
+        self._deadline = started + self.ttl_s - self.skew_s
+
+    def take(self) -> None:
+        """Step 1. Raises :class:`LeaseHeldError` naming the holder."""
+        try:
+            self._write(if_none_match=True)
+            return
+        except PreconditionFailed:
+            pass
+        current = self.store.get(self.key)
+        if current is None:  # released meanwhile: try once more from the start
+            self._write(if_none_match=True)
+            return
+        body, etag = current
+        raw = json.loads(body)
+        other = Holder(**raw["holder"])
+        expires_at = float(raw["expires_at"])
+        expired = self._clock() > expires_at + self.skew_s
+        restarted = other.same_daemon(self.holder) and not _pid_runs(other.pid)
+        if not (expired or restarted):
+            wait = expires_at + self.skew_s - self._clock()
+            raise LeaseHeldError(
+                f"{self.key}: held by {other}, for {wait:.0f} s more unless it renews. "
+                f"One writer per table: stop that daemon, or wait until its lease expires."
+            )
+        try:
+            self._write(if_match=etag)
+        except PreconditionFailed as exc:
+            raise LeaseHeldError(f"{self.key}: another writer took the lease first") from exc
+
+    def renew(self) -> None:
+        """Step 2. Raises :class:`LeaseError` when the lease was taken over;
+        a store error propagates (the caller retries until the deadline)."""
+        if self._etag is None:
+            raise LeaseError(f"{self.key}: renew before take")
+        try:
+            self._write(if_match=self._etag)
+        except PreconditionFailed as exc:
+            self._etag, self._deadline = None, float("-inf")
+            raise LeaseError(f"{self.key}: the lease was taken over; stop committing") from exc
+
+    def may_commit(self) -> bool:
+        """Step 3: this daemon may commit to the table now."""
+        return self._etag is not None and self._monotonic() < self._deadline
+
+    def seconds_left(self) -> float:
+        return max(0.0, self._deadline - self._monotonic())
+
+    def release(self) -> None:
+        """Step 4: remove the lease if it is still this daemon's."""
+        etag, self._etag, self._deadline = self._etag, None, float("-inf")
+        if etag is None:
+            return
+        current = self.store.get(self.key)
+        if current is not None and current[1] == etag:
+            self.store.delete(self.key)
+
+
+def break_lease(store: Store, key: str) -> Holder | None:
+    """Remove the lease whatever its state (an operator's decision); the holder it named."""
+    current = store.get(key)
+    if current is None:
+        return None
+    store.delete(key)
+    return Holder(**json.loads(current[0])["holder"])
+
+
+class S3Store:
+    """:class:`Store` over a boto3 S3 client and one bucket."""
+
+    def __init__(self, client: Any, bucket: str) -> None:
+        self.client, self.bucket = client, bucket
+
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            got = self.client.get_object(Bucket=self.bucket, Key=key)
+        except self.client.exceptions.NoSuchKey:
+            return None
+        return got["Body"].read(), str(got["ETag"])
+
+    def put(
+        self, key: str, body: bytes, *, if_none_match: bool = False, if_match: str | None = None
+    ) -> str:
+        from botocore.exceptions import ClientError
+
+        extra: dict[str, str] = {}
+        if if_none_match:
+            extra["IfNoneMatch"] = "*"
+        if if_match is not None:
+            extra["IfMatch"] = if_match
+        try:
+            put = self.client.put_object(Bucket=self.bucket, Key=key, Body=body, **extra)
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status in (409, 412):  # 409: a conditional write racing another
+                raise PreconditionFailed(str(exc)) from exc
+            raise
+        return str(put["ETag"])
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=key)
