@@ -9,8 +9,9 @@ Spark with the daemon's jar and Delta Lake, one session for every side:
    both write the batch without a Spark job (docs/cdc.md, "Batches without a
    Spark job"); the Parquet stream then renames the files into its folders,
    the Delta stream commits them with delta-rs (docs/cdc.md, "Table formats").
-2. ``delta + OPTIMIZE``: Delta batches again while another thread runs
-   OPTIMIZE on the same table in a loop (compaction beside appends).
+2. ``delta + OPTIMIZE``: Delta batches again while another thread runs the
+   stream's compaction (OPTIMIZE and VACUUM, as the daemon's compaction
+   thread does) on the same table in a loop (compaction beside appends).
 
 Reports per batch the median and p99 wall time and the median CPU (this
 process and its JVM), and the ratios to ``parquet`` and to ``delta``. Five
@@ -41,6 +42,7 @@ from daemon.service.metrics import Metrics
 from daemon.spark import deltajars
 from daemon.spark.executor import SparkExecutor
 from daemon.spark.session import build_session
+from daemon.table.delta import DeltaSink
 
 WARMUP = 5
 
@@ -70,7 +72,6 @@ async def run(rows: int, count: int) -> dict[str, list[tuple[float, float]]]:
             cfg = replace(cfg, cdc=replace(cfg.cdc, streams=streams))
             executors[fmt] = SparkExecutor(cfg, Metrics(), wal_id="bench", session=spark)
             await executors[fmt].start()
-        table = Path(tmp) / "delta" / "cdc"
         try:
             # 1. Both formats, alternating, on the same batches.
             n = WARMUP + count
@@ -83,9 +84,13 @@ async def run(rows: int, count: int) -> dict[str, list[tuple[float, float]]]:
             stop = threading.Event()
             optimized = [0]
 
+            (sink,) = executors["delta"].sinks
+            assert isinstance(sink, DeltaSink)
+
             def optimize() -> None:
+                # The daemon's own compaction of the stream (OPTIMIZE, then VACUUM).
                 while not stop.is_set():
-                    spark.sql(f"OPTIMIZE delta.`{table}`").collect()
+                    sink.compact(spark, full=True, on_progress=None)
                     optimized[0] += 1
 
             thread = threading.Thread(target=optimize, daemon=True)

@@ -156,7 +156,11 @@ class DeltaSink(CdcSink):
         # Step 1 writes a raw inbox file's rows without a Spark job and commits
         # them with delta-rs; VARIANT columns (which delta-rs cannot open) take
         # a Spark append.
-        self.writes_direct = not stream.variant and deltacommit.available() is None
+        missing = deltacommit.available()
+        self.writes_direct = not stream.variant and missing is None
+        if not self.writes_direct:
+            why = "variant = true (delta-rs cannot open VARIANT)" if stream.variant else missing
+            log.info("cdc_delta_spark_append", stream=stream.name, why=why)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -470,6 +474,10 @@ class DeltaSink(CdcSink):
         concurrency control lets a blind append and a compaction both commit.
         Then VACUUM removes the files no snapshot of the last
         ``vacuum_retain_hours`` reads.
+        With the direct write, delta-rs runs both, on one core (a batch's
+        p99 beside OPTIMIZE in a loop: 1.03x, against 2.3x with Spark's
+        OPTIMIZE job, which takes both cores); a ``variant = true`` table
+        (which delta-rs cannot open) takes Spark's.
         Due once ``compact_min_files`` batches committed since the last one
         (``full``: now). Returns the :class:`~daemon.table.compact.Progress`
         shown in status, or None when not due."""
@@ -482,11 +490,17 @@ class DeltaSink(CdcSink):
         if on_progress is not None:
             on_progress(progress)
         pending = self.commits_since_optimize
-        _activate(spark)
-        spark.conf.set(
-            "spark.databricks.delta.optimize.maxFileSize", str(self.stream.target_file_bytes)
-        )
-        metrics = spark.sql(f"OPTIMIZE delta.`{self.path}`").collect()[0]["metrics"]
+        if self.writes_direct:
+            # A table of its own: the commit thread's is not shared across threads.
+            metrics = self._maintenance_table().optimize.compact(
+                target_size=self.stream.target_file_bytes, max_concurrent_tasks=1
+            )
+        else:
+            _activate(spark)
+            spark.conf.set(
+                "spark.databricks.delta.optimize.maxFileSize", str(self.stream.target_file_bytes)
+            )
+            metrics = spark.sql(f"OPTIMIZE delta.`{self.path}`").collect()[0]["metrics"]
         self.commits_since_optimize = max(0, self.commits_since_optimize - pending)
         # The merged-away files go once no snapshot of the window reads them.
         self._vacuum(spark)
@@ -496,6 +510,12 @@ class DeltaSink(CdcSink):
         progress.finished_at = time.time()
         log.info("cdc.compaction_done", stream=self.name, **progress.to_json())
         return progress
+
+    def _maintenance_table(self) -> Any:
+        """The table's newest snapshot, for a maintenance thread (delta-rs)."""
+        from deltalake import DeltaTable
+
+        return DeltaTable(str(self.path))
 
     def apply_retention(self, spark: Any, now: float | None = None) -> RunResult:
         """Retention on a Delta table: a DELETE of the expired time partitions
@@ -519,6 +539,13 @@ class DeltaSink(CdcSink):
 
     def _vacuum(self, spark: Any) -> None:
         hours = self.stream.vacuum_retain_hours
+        if self.writes_direct:
+            # full: also files no snapshot ever listed (a crashed attempt's),
+            # once older than the window, as Spark's VACUUM does.
+            self._maintenance_table().vacuum(
+                retention_hours=hours, dry_run=False, enforce_retention_duration=False, full=True
+            )
+            return
         # Delta refuses a window under its 7-day default unless told: the
         # configured window is the user's decision (docs/cdc.md).
         spark.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
