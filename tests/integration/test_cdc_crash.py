@@ -11,6 +11,9 @@ Scenario (one data dir throughout):
 4. ``spark.read.parquet(path)`` holds every acknowledged event exactly once,
    every WAL LSN exactly once and nothing else; per key, LSNs grow with
    batch_id.
+
+The same for a Delta stream (``format = "delta"``, its own crash points, read
+with ``spark.read.format("delta")``), with fewer kills in CI.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from typing import Any
 
 import pytest
 
-from daemon.table.crash import COMMIT_CRASH_POINTS
+from daemon.table.crash import COMMIT_CRASH_POINTS, DELTA_CRASH_POINTS
 from tests.integration.harness import DaemonProcess, Loader, write_config
 from tests.integration.test_crash_recording import _wait_caught_up
 
-KILLS = 20
+KILLS = {"parquet": 20, "delta": 10}
+CRASH_POINTS = {"parquet": COMMIT_CRASH_POINTS, "delta": DELTA_CRASH_POINTS}
 # Paced producers (~16k events/s): the point is to hit commit steps with
 # batches in flight, not to pile up a backlog Spark needs minutes to clear.
 PAUSE_S = 0.05
@@ -51,7 +55,7 @@ def _wait_spark_ready(daemon: DaemonProcess, timeout_s: float = 120.0) -> None:
     raise TimeoutError("Spark did not become ready:\n" + daemon.tail())
 
 
-def _config(tmp_path: Path) -> Path:
+def _config(tmp_path: Path, table_format: str) -> Path:
     table = tmp_path / "cdc" / "all"
     extra = f"""
 [spark]
@@ -65,6 +69,7 @@ log_level = "ERROR"
 name = "all"
 collections = "*"
 path = "{table}"
+format = "{table_format}"
 """
     return write_config(tmp_path, cores=4, interval_ms=200, extra=extra)
 
@@ -73,18 +78,24 @@ path = "{table}"
 @pytest.mark.crash
 # 20 daemon lifetimes, each booting Spark (5-40 s depending on machine load).
 @pytest.mark.timeout(1500)
+@pytest.mark.parametrize("table_format", ["parquet", "delta"])
 def test_sigkill_at_commit_steps_and_random_points_keeps_cdc_exactly_once(
-    tmp_path: Path, spark: Any
+    tmp_path: Path, spark: Any, table_format: str
 ) -> None:
+    if table_format == "delta":
+        from daemon.spark import deltajars
+
+        if deltajars.missing():
+            pytest.skip("needs Delta Lake's jars (make delta-jars)")
     rng = random.Random(4)
-    config = _config(tmp_path)
+    config = _config(tmp_path, table_format)
     acked: set[int] = set()
     kills = 0
 
     # Step 1. Each named crash point, reached by the second batch.
     # The batch commit (compaction and retention: tests/spark). Setting rows aside
     # needs a row the writer refuses, which ingest never takes: tests/spark/test_crash.py.
-    for point in (p for p in COMMIT_CRASH_POINTS if p != "cdc.after_quarantine"):
+    for point in (p for p in CRASH_POINTS[table_format] if p != "cdc.after_quarantine"):
         daemon = DaemonProcess.production(config, env={"EVENTPLANE_CRASH_AT": f"{point}@2"})
         daemon.start(timeout_s=120)
         _wait_spark_ready(daemon)
@@ -100,7 +111,7 @@ def test_sigkill_at_commit_steps_and_random_points_keeps_cdc_exactly_once(
         kills += 1
 
     # Step 2. Random moments, with Spark up and batches in flight.
-    while kills < KILLS:
+    while kills < KILLS[table_format]:
         daemon = DaemonProcess.production(config).start(timeout_s=120)
         _wait_spark_ready(daemon)
         loader = Loader(daemon.ingest_url, batch=200, producers=4, pause_s=PAUSE_S)
@@ -118,18 +129,19 @@ def test_sigkill_at_commit_steps_and_random_points_keeps_cdc_exactly_once(
     assert daemon.stop() == 0, daemon.tail()
 
     # Step 4. What a plain reader sees (aggregates in Spark; only LSNs come back).
-    df = spark.read.parquet(str(tmp_path / "cdc" / "all"))
+    table = tmp_path / "cdc" / "all"
+    df = spark.read.format(table_format).load(str(table))
     dupes = df.groupBy("lsn").count().filter("count > 1").limit(10).collect()
     assert not dupes, f"duplicated LSNs in the CDC table: {dupes}"
     lsns = set(df.select("lsn").toArrow().column("lsn").to_pylist())
     assert not (acked - lsns), f"acked but missing: {sorted(acked - lsns)[:10]}"
     assert lsns == set(range(1, head + 1))
     out_of_order = spark.sql(
-        """
+        f"""
         SELECT count(*) AS n FROM (
           SELECT lsn, lag(lsn) OVER (PARTITION BY collection, key ORDER BY batch_id, lsn) AS prev
-          FROM parquet.`{path}`
+          FROM {table_format}.`{table}`
         ) WHERE prev > lsn
-        """.format(path=tmp_path / "cdc" / "all")
+        """
     ).first()
     assert out_of_order is not None and out_of_order.n == 0, "per-key LSNs go back with batch_id"
