@@ -29,7 +29,7 @@ from daemon.table.crash import COMMIT_CRASH_POINTS, DELTA_CRASH_POINTS
 from tests.integration.harness import DaemonProcess, Loader, write_config
 from tests.integration.test_crash_recording import _wait_caught_up
 
-KILLS = {"parquet": 20, "delta": 10}
+KILLS = {"parquet": 20, "delta": 8}
 CRASH_POINTS = {"parquet": COMMIT_CRASH_POINTS, "delta": DELTA_CRASH_POINTS}
 # Paced producers (~16k events/s): the point is to hit commit steps with
 # batches in flight, not to pile up a backlog Spark needs minutes to clear.
@@ -55,7 +55,7 @@ def _wait_spark_ready(daemon: DaemonProcess, timeout_s: float = 120.0) -> None:
     raise TimeoutError("Spark did not become ready:\n" + daemon.tail())
 
 
-def _config(tmp_path: Path, table_format: str) -> Path:
+def _config(tmp_path: Path, table_format: str = "parquet") -> Path:
     table = tmp_path / "cdc" / "all"
     extra = f"""
 [spark]
