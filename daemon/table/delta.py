@@ -475,7 +475,7 @@ class DeltaSink(CdcSink):
         Then VACUUM removes the files no snapshot of the last
         ``vacuum_retain_hours`` reads.
         With the direct write, delta-rs runs both, on one core (a batch's
-        p99 beside OPTIMIZE in a loop: 1.03x, against 2.3x with Spark's
+        p99 beside compaction in a loop: 1.02x, against 2.3x with Spark's
         OPTIMIZE job, which takes both cores); a ``variant = true`` table
         (which delta-rs cannot open) takes Spark's.
         Due once ``compact_min_files`` batches committed since the last one

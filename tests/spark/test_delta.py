@@ -116,9 +116,8 @@ async def test_a_failed_delta_commit_leaves_no_file_and_one_after_the_commit_is_
 
     ex = await executor_factory(stream_options=DELTA)
     table = tmp_path / "cdc" / "all"
-    batches = make_batches(2, 120)
-    assert not await ex.execute(batches[0])  # creates the table
-    second, third = make_batches(3, 120)[1:]
+    first, second, third = make_batches(3, 120)
+    assert not await ex.execute(first)  # creates the table
 
     monkeypatch.setattr(deltacommit, "commit", before)
     with pytest.raises(ExecutorError, match="injected: the store refused"):
@@ -130,7 +129,7 @@ async def test_a_failed_delta_commit_leaves_no_file_and_one_after_the_commit_is_
     monkeypatch.setattr(deltacommit, "commit", after)
     assert not await ex.execute(third)
     assert calls == ["before", "after"]
-    assert delta_lsns(spark, table) == batch_lsns([batches[0], second, third])
+    assert delta_lsns(spark, table) == batch_lsns([first, second, third])
     assert txn_versions(table, app_id("wal-1", "all")) == [1, 2, 3]
     assert len(list(table.rglob("part-b000000000003-*"))) >= 1
 
