@@ -1,0 +1,226 @@
+"""Delta streams whose table is on S3 (a real SeaweedFS server on loopback,
+tests/s3/server.py): exactly once, after a SIGKILL too; every reader reads it
+from the bucket; maintenance; one writer per table (the lease)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.table import quarantine
+from daemon.table.delta import app_id, log_commits
+from daemon.table.layout import META_DIR
+from daemon.table.lease import LeaseHeldError
+from daemon.table.ledger import read_ledger
+from daemon.table.location import S3Files
+from tests.s3.server import S3Server
+from tests.spark.support import batch_lsns, make_batches
+from tests.spark.test_crash import run_worker
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(autouse=True)
+def _needs_delta(spark: Any) -> None:
+    from daemon.spark import deltajars
+
+    if deltajars.missing():
+        pytest.skip("needs Delta Lake's jars (make delta-jars)")
+
+
+@pytest.fixture
+def table_uri(s3_server: S3Server) -> str:
+    """A prefix of the bucket of this test's own."""
+    return f"s3://{s3_server.bucket}/t-{uuid.uuid4().hex[:8]}/all"
+
+
+def on_s3(s3_server: S3Server, uri: str, **options: Any) -> dict[str, Any]:
+    """``stream_options`` of a Delta stream whose table is at ``uri``."""
+    return {"format": "delta", "uri": uri, "s3": s3_server.config(), **options}
+
+
+def s3_lsns(s3_server: S3Server, uri: str) -> list[int]:
+    """The LSNs delta-rs reads from the table in the bucket."""
+    from deltalake import DeltaTable
+
+    dt = DeltaTable(uri, storage_options=s3_server.storage_options())
+    return sorted(dt.to_pyarrow_table(columns=["lsn"])["lsn"].to_pylist())
+
+
+def s3_txn_versions(s3_server: S3Server, uri: str) -> list[int]:
+    files = S3Files(uri, s3_server.config())
+    return [
+        int(t["version"])
+        for _, actions in log_commits(files, -1)
+        for t in actions.get("txn", [])
+        if t["appId"] == app_id("wal-1", "all")
+    ]
+
+
+def keys(s3_server: S3Server, uri: str, under: str = "") -> list[str]:
+    files = S3Files(uri, s3_server.config())
+    return [files.where.rel(k) for k in files._keys(under)]
+
+
+async def test_each_batch_is_one_commit_to_the_table_in_the_bucket_and_a_rerun_writes_nothing(
+    executor_factory: Any, tmp_path: Path, s3_server: S3Server, table_uri: str
+) -> None:
+    """1. Three batches into a Delta stream on S3: one commit each (the
+       stream's txn), the data files in the bucket, the daemon's own state
+       (ledger) on its disk, none of it in the bucket but the lease.
+    2. Batch 2 again: nothing is written.
+    3. Status names the table's URI and a held lease; after stop the lease is gone."""
+    ex = await executor_factory(stream_options=on_s3(s3_server, table_uri))
+    batches = make_batches(3, 300)
+    for b in batches:
+        assert not await ex.execute(b)
+    assert not await ex.execute(batches[1])
+
+    assert s3_lsns(s3_server, table_uri) == batch_lsns(batches)
+    assert s3_txn_versions(s3_server, table_uri) == [1, 2, 3]
+    ledger = read_ledger(tmp_path / "cdc" / "all")
+    assert ledger is not None and ledger.last_batch_id == 3 and ledger.table_format == "delta"
+    in_bucket = keys(s3_server, table_uri)
+    assert f"{META_DIR}/lease.json" in in_bucket
+    assert not [k for k in in_bucket if k.startswith(META_DIR) and k != f"{META_DIR}/lease.json"]
+    assert any(k.startswith("collection=orders/part-b000000000001-") for k in in_bucket)
+    stream = ex.status()["streams"]["all"]
+    assert stream["path"] == table_uri and stream["lease"]["held"] is True
+    await ex.stop()
+    assert f"{META_DIR}/lease.json" not in keys(s3_server, table_uri, META_DIR)
+
+
+async def test_every_reader_reads_the_table_from_the_bucket(
+    executor_factory: Any, s3_server: S3Server, table_uri: str
+) -> None:
+    """delta-rs (pyarrow), pandas and Polars read the same rows from S3, with
+    the statistics a filter prunes files by."""
+    import polars as pl
+    import pyarrow as pa
+    from deltalake import DeltaTable
+
+    ex = await executor_factory(stream_options=on_s3(s3_server, table_uri))
+    batches = make_batches(4, 100)
+    for b in batches:
+        assert not await ex.execute(b)
+    opts = s3_server.storage_options()
+    dt = DeltaTable(table_uri, storage_options=opts)
+    everything = batch_lsns(batches)
+    assert sorted(dt.to_pandas(columns=["lsn"])["lsn"]) == everything
+    polars = pl.read_delta(table_uri, storage_options=opts, columns=["lsn", "new_json"])
+    assert sorted(polars["lsn"].to_list()) == everything
+    assert json.loads(polars.filter(pl.col("lsn") == 7)["new_json"][0])["amount"] == 70
+    # Each file's add action has the statistics a filter on lsn prunes by.
+    adds = pa.table(dt.get_add_actions(flatten=True)).to_pydict()
+    assert None not in adds["min.lsn"] and None not in adds["max.lsn"]
+    assert min(adds["min.lsn"]) == 1 and max(adds["max.lsn"]) == everything[-1]
+    first = batch_lsns(batches[:1])
+    picked = dt.to_pyarrow_table(columns=["lsn"], filters=[("lsn", "<=", first[-1])])
+    assert sorted(picked["lsn"].to_pylist()) == first
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("point", ["delta.before_commit", "delta.after_commit"])
+async def test_sigkill_at_a_commit_step_of_a_table_on_s3_recovers_to_exactly_once(
+    executor_factory: Any, tmp_path: Path, s3_server: S3Server, table_uri: str, point: str
+) -> None:
+    """A real executor process SIGKILLs itself at ``point`` in batch 3 of a
+    stream on S3 (files uploaded, not committed / committed, not in the
+    ledger). The next executor takes the dead process's lease at once (same
+    daemon, its pid gone), removes the uploaded orphans or rolls the commit
+    forward; batches 3 and 4 then leave every event in the table or the
+    quarantine once."""
+    s3 = json.dumps({"uri": table_uri, "s3": asdict(s3_server.config())})
+    proc = run_worker(
+        tmp_path, batches=4, crash_at=f"{point}@3", bad_every=50, table_format="delta", s3=s3
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert "committed 2" in proc.stdout and "committed 3" not in proc.stdout
+    uploaded = [k for k in keys(s3_server, table_uri) if "part-b000000000003-" in k]
+    assert uploaded  # the crash left batch 3's files in the bucket
+
+    ex = await executor_factory(stream_options=on_s3(s3_server, table_uri))
+    ledger = read_ledger(tmp_path / "cdc" / "all")
+    assert ledger is not None
+    committed = point == "delta.after_commit"
+    assert ledger.last_batch_id == (3 if committed else 2)
+    left = [k for k in keys(s3_server, table_uri) if "part-b000000000003-" in k]
+    assert bool(left) == committed
+
+    batches = make_batches(4, 150, bad_every=50)
+    await ex.execute(batches[2])
+    await ex.execute(batches[3])
+    everything = batch_lsns(batches)
+    assert s3_lsns(s3_server, table_uri) == [n for n in everything if n % 50]
+    held = [r.lsn for r in quarantine.load(tmp_path / "cdc" / "all" / META_DIR)]
+    assert held == [n for n in everything if n % 50 == 0]
+    assert s3_txn_versions(s3_server, table_uri) == [1, 2, 3, 4]
+
+
+async def test_compaction_vacuum_and_retention_run_on_the_table_in_the_bucket(
+    executor_factory: Any, s3_server: S3Server, table_uri: str
+) -> None:
+    """Twelve batches, a compaction (delta-rs OPTIMIZE + VACUUM on S3): one
+    file per collection, the rows the same; then retention deletes every row
+    older than the cutoff through a Delta DELETE."""
+    from deltalake import DeltaTable
+
+    options = on_s3(
+        s3_server, table_uri, compact_min_files=4, vacuum_retain_hours=1, retention_check_s=3600
+    )
+    ex = await executor_factory(
+        stream_options=options, partition_by=("collection", "date"), retention_s=86_400
+    )
+    batches = make_batches(12, 40)
+    for b in batches:
+        assert not await ex.execute(b)
+    opts = s3_server.storage_options()
+    before = len(DeltaTable(table_uri, storage_options=opts).file_uris())
+    assert ex.compaction is not None
+    rid = ex.compaction.request("all")
+    assert rid is not None
+    for _ in range(600):
+        status = ex.compaction.status("all")
+        if status is not None and status["requests_done"] >= rid:
+            break
+        await asyncio.sleep(0.1)
+    status = ex.compaction.status("all")
+    assert status is not None and status["last_error"] is None, status
+    dt = DeltaTable(table_uri, storage_options=opts)
+    assert len(dt.file_uris()) < before
+    assert s3_lsns(s3_server, table_uri) == batch_lsns(batches)
+
+    # Every batch's events are from 2023 (tests.spark.support): all expired.
+    result = await ex.run_retention("all")
+    assert result["rows"] == 480, result
+    assert s3_lsns(s3_server, table_uri) == []
+
+
+async def test_a_second_writer_is_refused_with_the_holder_named(
+    executor_factory: Any, tmp_path: Path, s3_server: S3Server, table_uri: str
+) -> None:
+    """Two daemons (two data_dirs) on one table: the second does not start,
+    its error names the first (host, pid, data_dir, WAL id, stream)."""
+    import os
+
+    await executor_factory(stream_options=on_s3(s3_server, table_uri))
+    other = tmp_path / "other"
+    other.mkdir()
+    from daemon.service.metrics import Metrics
+    from daemon.spark.executor import SparkExecutor
+    from tests.spark.support import make_config
+
+    cfg = make_config(other, stream_options=on_s3(s3_server, table_uri))
+    second = SparkExecutor(cfg, Metrics(), wal_id="wal-2")
+    with pytest.raises(LeaseHeldError, match="held by") as refused:
+        await second.start()
+    message = str(refused.value)
+    assert f"pid {os.getpid()}" in message and "WAL wal-1" in message, message
+    await second.stop()
