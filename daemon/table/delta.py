@@ -395,7 +395,11 @@ class DeltaSink(CdcSink):
         if self.keeper is not None:
             self.keeper.check()
         if isinstance(self.files, S3Files):
-            self.files.upload(staging, files)
+            try:
+                self.files.upload(staging, files)
+            except Exception:
+                self._forget_upload(files)
+                raise
         else:
             for rel, _ in files:
                 fsync_file(staging / rel)
@@ -440,6 +444,14 @@ class DeltaSink(CdcSink):
             log.warning("cdc_delta_log_unreadable", stream=self.name, error=str(exc))
             return None
         return done is not None and int(done) >= bid
+
+    def _forget_upload(self, files: list[tuple[str, str]]) -> None:
+        """After a failed upload: remove what of it arrived, if the store
+        answers (else the next open's orphan removal or VACUUM will)."""
+        try:
+            self._unlink(files)
+        except Exception as exc:
+            log.info("cdc_upload_not_removed", stream=self.name, error=str(exc))
 
     def _unlink(self, files: list[tuple[str, str]]) -> None:
         self.files.remove([final for _, final in files])

@@ -238,7 +238,9 @@ class S3Store:
             put = self.client.put_object(Bucket=self.bucket, Key=key, Body=body, **extra)
         except ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status in (409, 412):  # 409: a conditional write racing another
+            # 409: a conditional write racing another; 404 on If-Match: the
+            # lease is gone (broken by hand), so it is no longer this writer's.
+            if status in (409, 412) or (status == 404 and if_match is not None):
                 raise PreconditionFailed(str(exc)) from exc
             raise
         return str(put["ETag"])

@@ -224,3 +224,42 @@ async def test_a_second_writer_is_refused_with_the_holder_named(
     message = str(refused.value)
     assert f"pid {os.getpid()}" in message and "WAL wal-1" in message, message
     await second.stop()
+
+
+async def test_cdc_show_reads_the_bucket_and_cdc_lease_names_or_breaks_the_holder(
+    executor_factory: Any, s3_server: S3Server, table_uri: str
+) -> None:
+    """``eventplane cdc show`` reads a table on S3 with delta-rs (no JVM);
+    ``eventplane cdc lease`` names the running holder; after a stop there is
+    none; a dead holder's lease goes with ``--break --yes``."""
+    import io
+    import os
+
+    from daemon.cli import cdc
+    from daemon.table.lease import Holder, Lease, S3Store
+
+    ex = await executor_factory(stream_options=on_s3(s3_server, table_uri))
+    batches = make_batches(3, 50)
+    for b in batches:
+        assert not await ex.execute(b)
+    (stream,) = ex.cfg.cdc.streams
+    rows = cdc.latest_rows_s3(stream, 5)
+    assert [r["lsn"] for r in rows] == batch_lsns(batches)[::-1][:5]
+    assert rows[0]["new"].startswith("{") and rows[0]["ingest_ts"].endswith("Z")
+
+    out = io.StringIO()
+    assert cdc.lease(stream, break_it=False, yes=False, out=out) == 0
+    assert f"pid {os.getpid()}" in out.getvalue() and "expires in" in out.getvalue()
+    await ex.stop()
+    out = io.StringIO()
+    cdc.lease(stream, break_it=False, yes=False, out=out)
+    assert "no lease" in out.getvalue()
+
+    files = S3Files(table_uri, s3_server.config())
+    key = files.where.key(f"{META_DIR}/lease.json")
+    gone = Holder("elsewhere", 1, "/srv/eventplane", "wal-9", "all")
+    Lease(S3Store(files.client, files.where.bucket), key, gone).take()
+    out = io.StringIO()
+    assert cdc.lease(stream, break_it=True, yes=True, out=out) == 0
+    assert "host elsewhere" in out.getvalue() and "lease broken" in out.getvalue()
+    assert S3Store(files.client, files.where.bucket).get(key) is None
