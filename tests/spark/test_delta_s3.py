@@ -263,3 +263,28 @@ async def test_cdc_show_reads_the_bucket_and_cdc_lease_names_or_breaks_the_holde
     assert cdc.lease(stream, break_it=True, yes=True, out=out) == 0
     assert "host elsewhere" in out.getvalue() and "lease broken" in out.getvalue()
     assert S3Store(files.client, files.where.bucket).get(key) is None
+
+
+async def test_a_slow_store_makes_batches_slower_never_wrong(
+    executor_factory: Any, s3_server: S3Server, table_uri: str
+) -> None:
+    """Every request to and answer from the store waits up to 150 ms per
+    64 KiB (a delaying proxy in front of the server): the batches take
+    longer, each still commits once with every row."""
+    from dataclasses import replace as with_
+
+    from tests.faults.proxy import FaultyProxy
+
+    port = int(s3_server.endpoint.rsplit(":", 1)[1])
+    with FaultyProxy(port, seed=28, delay=1.0, max_delay_s=0.15) as proxy:
+        slow = with_(s3_server.config(), endpoint=proxy.url)
+        ex = await executor_factory(stream_options={**on_s3(s3_server, table_uri), "s3": slow})
+        batches = make_batches(4, 200)
+        for b in batches:
+            assert not await ex.execute(b)
+        assert proxy.faults["delay"] > 20, proxy.faults
+        seconds = ex.status()["last_batch_duration_s"]
+        await ex.stop()  # releases the lease through the proxy
+    assert s3_lsns(s3_server, table_uri) == batch_lsns(batches)
+    assert s3_txn_versions(s3_server, table_uri) == [1, 2, 3, 4]
+    assert seconds > 0.1  # a batch's requests waited
