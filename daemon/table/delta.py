@@ -661,11 +661,15 @@ class DeltaSink(CdcSink):
     def _vacuum(self, spark: Any) -> None:
         hours = self.stream.vacuum_retain_hours
         if self.writes_direct:
+            table = self._maintenance_table()
             # full: also files no snapshot ever listed (a crashed attempt's),
             # once older than the window, as Spark's VACUUM does.
-            self._maintenance_table().vacuum(
+            table.vacuum(
                 retention_hours=hours, dry_run=False, enforce_retention_duration=False, full=True
             )
+            # Log entries older than delta.logRetentionDuration, up to a
+            # checkpoint (the batch commits leave them: deltacommit.commit).
+            table.cleanup_metadata()
             return
         # Delta refuses a window under its 7-day default unless told: the
         # configured window is the user's decision (docs/cdc.md).

@@ -148,7 +148,7 @@ def commit(
 ) -> None:
     """One blind append of ``actions`` to the delta-rs table ``table``, with
     ``userMetadata`` and, given ``app_id``, the ``txn`` (``app_id``, ``version``)."""
-    from deltalake import CommitProperties, Transaction
+    from deltalake import CommitProperties, PostCommitHookProperties, Transaction
 
     txns = [Transaction(app_id, version, int(time.time() * 1000))] if app_id else None
     properties = CommitProperties(
@@ -161,4 +161,8 @@ def commit(
         table.schema(),
         partition_by=partition_by,
         commit_properties=properties,
+        # Expired log entries go in the compaction thread (cleanup_metadata):
+        # after each commit, delta-rs would list the whole _delta_log (on S3,
+        # one LIST per 1,000 entries, 30 days of them by default).
+        post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
     )

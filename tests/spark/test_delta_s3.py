@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import uuid
 from dataclasses import asdict
@@ -233,7 +234,6 @@ async def test_cdc_show_reads_the_bucket_and_cdc_lease_names_or_breaks_the_holde
     ``eventplane cdc lease`` names the running holder; after a stop there is
     none; a dead holder's lease goes with ``--break --yes``."""
     import io
-    import os
 
     from daemon.cli import cdc
     from daemon.table.lease import Holder, Lease, S3Store
@@ -288,3 +288,64 @@ async def test_a_slow_store_makes_batches_slower_never_wrong(
     assert s3_lsns(s3_server, table_uri) == batch_lsns(batches)
     assert s3_txn_versions(s3_server, table_uri) == [1, 2, 3, 4]
     assert seconds > 0.1  # a batch's requests waited
+
+
+@pytest.mark.crash
+async def test_a_stalled_writer_never_commits_after_another_took_its_table_over(
+    executor_factory: Any, tmp_path: Path, s3_server: S3Server, table_uri: str
+) -> None:
+    """1. Writer A (a real process, lease ttl 6 s, skew 1 s) commits batches
+       1-2, then is frozen (SIGSTOP) before batch 3.
+    2. Writer B (another data_dir) is refused while A's lease lives, takes
+       the table once it expired, and commits batches 3 and 4.
+    3. A thaws (SIGCONT) and tries batch 3: its deadline passed and its
+       renewal finds B's lease (412), so it refuses to commit. The table holds
+       each batch once, B's."""
+    import sys
+    import time
+
+    from tests.spark.test_crash import REPO
+
+    short = s3_server.config(lease_ttl_s=6.0, lease_skew_s=1.0)
+    s3 = json.dumps({"uri": table_uri, "s3": asdict(short)})
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_PYTHON": sys.executable}
+    a_root = tmp_path / "a"
+    a_root.mkdir()
+    argv = ["-m", "tests.spark.crash_worker", str(a_root), "--batches", "3", "--per-batch",
+            "100", "--format", "delta", "--s3", s3, "--pause-before", "3"]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *argv, cwd=REPO, env=env, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        lines: list[str] = []
+        while "paused 3" not in lines:
+            line = await asyncio.wait_for(proc.stdout.readline(), 240)
+            assert line, lines  # the worker ended before batch 3
+            lines.append(line.decode().strip())
+        assert "committed 2" in lines, lines
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+
+        options = on_s3(s3_server, table_uri, s3=short)
+        with pytest.raises(LeaseHeldError, match="held by"):
+            await executor_factory(stream_options=options)
+        await asyncio.sleep(max(0.0, 7.5 - (time.monotonic() - stopped)))
+        b = await executor_factory(stream_options=options)
+        batches = make_batches(4, 100)
+        assert not await b.execute(batches[2])
+        assert not await b.execute(batches[3])
+
+        os.kill(proc.pid, signal.SIGCONT)
+        raw, _ = await asyncio.wait_for(proc.communicate(b"go\n"), 120)
+        out = raw.decode()
+    finally:
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode != 0 and "committed 3" not in out
+    assert "not committing" in out and "LeaseError" in out, out
+    assert s3_lsns(s3_server, table_uri) == batch_lsns(batches)
+    assert s3_txn_versions(s3_server, table_uri) == [1, 2, 3, 4]
