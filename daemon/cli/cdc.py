@@ -37,7 +37,7 @@ from daemon.table.parquet import CdcSink
 
 COLUMNS = ("lsn", "batch_id", "core", "collection", "op", "key", "new", "old", "ingest_ts")
 # Shown after "key" when a row has a value (files from before them have no such column).
-PRODUCER_COLUMNS = ("event_id", "event_time")
+PRODUCER_COLUMNS = ("event_id", "event_time", "producer")
 _TIMESTAMP = "date_format({0}, \"yyyy-MM-dd'T'HH:mm:ss.SSSSSS'Z'\") AS {0}"
 MAX_CELL = 60  # characters per cell before "..."; JSON documents can be long
 

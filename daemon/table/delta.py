@@ -75,7 +75,9 @@ log = structlog.get_logger("eventplane.cdc")
 DELTA_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in ("new", "old"))
 # Statistics only on the columns a query filters by: not on the payloads'
 # text, whose min/max of 32 characters prunes nothing and costs CPU per row.
-STATS_COLUMNS = ("lsn", "core", "seq", "op", "key", "ingest_ts", "batch_id", "event_time")
+STATS_COLUMNS = (
+    "lsn", "core", "seq", "op", "key", "ingest_ts", "batch_id", "event_time", "producer",
+)  # fmt: skip
 # Delta's properties of a table the daemon creates.
 DELTA_PROPERTIES = {
     "delta.dataSkippingStatsColumns": ",".join(STATS_COLUMNS),
@@ -515,15 +517,15 @@ class DeltaSink(CdcSink):
         props = {
             r["key"]: r["value"] for r in spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()
         }
-        ours = {
-            "eventplane.stream": self.name,
-            "eventplane.wal_id": self.wal_id,
-            "eventplane.cores": str(self.cores),
-        }
         theirs = self._check_properties(props)
         if not theirs:
-            pairs = ", ".join(f"'{k}' = '{v}'" for k, v in ours.items())
+            pairs = ", ".join(f"'{k}' = '{v}'" for k, v in self._our_properties().items())
             spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({pairs})")
+        have = set(spark.read.format("delta").load(path).columns)
+        added = [f"`{f.name}` {f.dataType.simpleString()}" for f in df.schema if f.name not in have]
+        if added:
+            spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({', '.join(added)})")
+            log.info("cdc_delta_columns_added", stream=self.name, columns=added)
         self._created = True
 
     def _our_properties(self) -> dict[str, str]:
@@ -562,13 +564,21 @@ class DeltaSink(CdcSink):
                 storage_options=self.files.storage_options,
                 raise_if_key_not_exists=False,
             )
-        props = dict(self._maintenance_table().metadata().configuration)
+        table = self._maintenance_table()
+        props = dict(table.metadata().configuration)
         if not self._check_properties(props):
             raise IdentityMismatchError(
                 f"stream {self.name!r}: the Delta table at {self.location} does not name "
                 f"an event plane (no eventplane.* properties): eventplane did not create it. "
                 f"Point [[cdc.streams]] path at a new prefix."
             )
+        have = {f.name for f in table.schema().fields}
+        added = [f for f in df.schema if f.name not in have]
+        if added:
+            from deltalake import Field
+
+            table.alter.add_columns([Field(f.name, f.dataType.simpleString()) for f in added])
+            log.info("cdc_delta_columns_added", stream=self.name, columns=[f.name for f in added])
         self._created = True
 
     def _table_version(self, spark: Any) -> int:
