@@ -184,6 +184,7 @@ class Rejection(Exception):
         *,
         close: bool = False,
         retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
         **details: Any,
     ) -> None:
         super().__init__(message)
@@ -191,9 +192,12 @@ class Rejection(Exception):
         self.body: dict[str, Any] = {"error": error, "message": message, **details}
         self.close = close
         self.retry_after = retry_after
+        self.headers = headers
 
     def response(self) -> web.Response:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        headers = dict(self.headers) if self.headers else {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         try:
             body = _json(self.body)
         except UnicodeEncodeError:
