@@ -1011,14 +1011,14 @@ def _resolve_paths(cfg: Config) -> Config:
     )
     streams = tuple(dataclasses.replace(s, path=resolve(s.path)) for s in cfg.cdc.streams)
 
-    def tls(t: TlsConfig) -> TlsConfig:
-        return TlsConfig(*(None if p is None else resolve(p) for p in (t.cert, t.key, t.client_ca)))
+    def secret(p: Path | None) -> Path | None:
+        return None if p is None else resolve(credential_path(p))
 
-    tokens_file = cfg.ingest.tokens_file
+    def tls(t: TlsConfig) -> TlsConfig:
+        return TlsConfig(secret(t.cert), secret(t.key), secret(t.client_ca))
+
     ingest = dataclasses.replace(
-        cfg.ingest,
-        tls=tls(cfg.ingest.tls),
-        tokens_file=None if tokens_file is None else resolve(tokens_file),
+        cfg.ingest, tls=tls(cfg.ingest.tls), tokens_file=secret(cfg.ingest.tokens_file)
     )
     admin = dataclasses.replace(cfg.admin, tls=tls(cfg.admin.tls))
     fields = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
@@ -1026,6 +1026,24 @@ def _resolve_paths(cfg: Config) -> Config:
         daemon=daemon, cdc=CdcConfig(streams, cfg.cdc.handlers), ingest=ingest, admin=admin
     )
     return Config(**fields)
+
+
+# systemd's LoadCredential= puts a unit's secrets in this folder and names it here.
+ENV_CREDENTIALS = "CREDENTIALS_DIRECTORY"
+_CREDENTIAL_PREFIXES = (f"${{{ENV_CREDENTIALS}}}/", f"${ENV_CREDENTIALS}/")
+
+
+def credential_path(p: Path) -> Path:
+    """A secret's path that starts with ``${CREDENTIALS_DIRECTORY}/``: in the folder
+    that variable names (set by systemd for a unit with ``LoadCredential=``, or by
+    hand for ``check-config``); unset, the path stays as written, and the file
+    check says so (docs/security.md, "systemd")."""
+    text = str(p)
+    for prefix in _CREDENTIAL_PREFIXES:
+        folder = os.environ.get(ENV_CREDENTIALS)
+        if text.startswith(prefix) and folder:
+            return Path(folder) / text[len(prefix) :]
+    return p
 
 
 ENV_CONFIG = "EVENTPLANE_CONFIG"

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config import (
+    ENV_CREDENTIALS,
     AdminConfig,
     Config,
     IngestConfig,
@@ -66,6 +67,16 @@ def is_loopback(host: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
+def _unset_credentials(path: Path) -> str:
+    if ENV_CREDENTIALS in str(path):
+        return (
+            f" (${ENV_CREDENTIALS} is not set: systemd sets it for a unit with "
+            "LoadCredential=; to check the files by hand, set it to the folder holding "
+            "them, docs/security.md)"
+        )
+    return ""
+
+
 # -- the producers -----------------------------------------------------------
 
 
@@ -99,7 +110,7 @@ def _read_toml(path: Path, key: str, errors: list[str]) -> dict[str, Any] | None
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        errors.append(f"{key}: file not found: {path}")
+        errors.append(f"{key}: file not found: {path}{_unset_credentials(path)}")
         return None
     except (OSError, UnicodeDecodeError) as exc:
         errors.append(f"{key}: cannot read {path} ({getattr(exc, 'strerror', None) or exc})")
@@ -201,7 +212,7 @@ def server_context(tls: TlsConfig, section: str) -> ssl.SSLContext:
         ("tls_client_ca", tls.client_ca),
     ):
         if path is not None and not path.is_file():
-            errors.append(f"{section}.{key}: file not found: {path}")
+            errors.append(f"{section}.{key}: file not found: {path}{_unset_credentials(path)}")
     if errors:
         raise ConfigError(errors, section)
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
