@@ -59,6 +59,7 @@ from daemon.config import Config, ProducerToken
 from daemon.errors import DaemonError
 from daemon.ingest.coding import BodyDecoder, CodingError, content_coding
 from daemon.ingest.payload import min_length, problem
+from daemon.ingest.quota import Quotas
 from daemon.ingest.validate import (
     _LBRACE,
     DECODE_ERRORS,
@@ -287,12 +288,15 @@ class IngestServer:
         *,
         tokens: tuple[ProducerToken, ...] | None = None,
         tls: ServerTls | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cfg = cfg.ingest
         self._cores = cfg.daemon.cores
         # Producers (docs/security.md): the daemon passes the inline entries and the
         # tokens file's (daemon.security.load_tokens); none: ingest is open.
         self._auth = ProducerAuth(cfg.ingest.tokens if tokens is None else tokens)
+        self._quotas = Quotas(clock)
+        self._quotas.configure(self._auth.tokens)
         if tls is None and cfg.ingest.tls.enabled:
             tls = ServerTls(cfg.ingest.tls, "ingest")
         self.tls = tls
@@ -410,6 +414,7 @@ class IngestServer:
     def set_tokens(self, tokens: tuple[ProducerToken, ...]) -> None:
         """The producer entries from now on (SIGHUP); requests being handled keep theirs."""
         self._auth = ProducerAuth(tokens)
+        self._quotas.configure(tokens)
 
     @property
     def draining(self) -> bool:
@@ -585,6 +590,33 @@ class IngestServer:
             headers={hdrs.WWW_AUTHENTICATE: challenge},
         )
 
+    def _charge(self, producer: ProducerToken | None, events: int, nbytes: int) -> None:
+        """429 when the request is over its producer's quota (daemon.ingest.quota)."""
+        if producer is None:
+            return
+        wait = self._quotas.charge(producer.name, events, nbytes)
+        if wait is not None:
+            raise self._over_quota(producer, wait, f"{events} events, {nbytes} bytes")
+
+    def _over_quota(self, producer: ProducerToken, wait: int, what: str) -> Rejection:
+        self._metrics.ingest_quota_refusals.labels(producer=producer.name).inc()
+        limits = ", ".join(
+            f"{key} = {value}"
+            for key, value in (
+                ("max_events_per_s", producer.max_events_per_s),
+                ("max_bytes_per_s", producer.max_bytes_per_s),
+            )
+            if value is not None
+        )
+        return Rejection(
+            429,
+            "over_quota",
+            f'producer "{producer.name}" is over its quota ({limits}): {what}; '
+            f"nothing was stored; retry in {wait} s",
+            retry_after=wait,
+            producer=producer.name,
+        )
+
     def _check_scope(self, producer: ProducerToken, events: list[InEvent]) -> None:
         """403 unless ``producer`` may write every event's collection."""
         allowed: set[str] = set()
@@ -611,6 +643,8 @@ class IngestServer:
         if self._draining:
             raise self._draining_rejection()
         producer = self._authenticate(request)
+        if producer is not None and (wait := self._quotas.admit(producer.name)) is not None:
+            raise self._over_quota(producer, wait, "its last second's worth is spent")
         lag = self._lag()
         if lag > c.max_lag_events:
             raise Rejection(
@@ -691,6 +725,7 @@ class IngestServer:
                 if key is None:
                     # Steps 3 and 4. Parse, validate, shard, encode.
                     items = self._parse(body, ndjson, scope)
+                    self._charge(producer, len(items), nbytes)
                     # Step 5. One append: atomic, consecutive LSNs, returns after fdatasync.
                     first, last = await self._append(items, None)
                 else:
@@ -703,6 +738,7 @@ class IngestServer:
                         return self._ack(stored[0], stored[1], nbytes, started, replayed=True)
                     try:
                         items = self._parse(body, ndjson, scope)
+                        self._charge(producer, len(items), nbytes)
                     except BaseException:
                         self._release(tag, None)
                         raise
@@ -730,6 +766,8 @@ class IngestServer:
             log.info("ingest.wal_space_back", full_s=round(time.time() - self.wal_full[0], 3))
             self.wal_full = None
         self._m_events.inc(len(items))
+        if producer is not None:
+            self._metrics.ingest_producer_events.labels(producer=producer.name).inc(len(items))
         return self._ack(first, last, nbytes, started)
 
     def _ack(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -92,10 +93,15 @@ async def start_ingest(tmp_path: Path, wal: Any, metrics: Metrics) -> AsyncItera
     servers: list[IngestServer] = []
 
     async def start(
-        *, lag: Callable[[], int] = lambda: 0, cores: int = 4, wal_: Any = None, **ingest: Any
+        *,
+        lag: Callable[[], int] = lambda: 0,
+        cores: int = 4,
+        wal_: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        **ingest: Any,
     ) -> IngestServer:
         cfg = make_cfg(tmp_path, cores=cores, **ingest)
-        server = IngestServer(cfg, wal if wal_ is None else wal_, metrics, lag)
+        server = IngestServer(cfg, wal if wal_ is None else wal_, metrics, lag, clock=clock)
         await server.start()
         servers.append(server)
         return server
