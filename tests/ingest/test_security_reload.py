@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from structlog.testing import capture_logs
 
 from daemon.config import load
 from daemon.security import client_context
@@ -151,3 +152,37 @@ async def test_sighup_rotates_certificate_and_tokens_and_loses_no_acknowledged_e
     expected = [lsn for first, last in acked for lsn in range(first, last + 1)]
     assert acked_before > 0 and len(acked) > acked_before
     assert lsns == expected
+
+
+async def test_a_missing_tokens_file_stops_the_start_with_exit_2(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(
+        '[daemon]\ndata_dir = "data"\ncores = 1\n'
+        '[ingest]\nlisten = "127.0.0.1:0"\ntokens_file = "missing.toml"\n'
+        '[admin]\nlisten = "127.0.0.1:0"\n'
+    )
+    daemon = Daemon(load(config))
+    with capture_logs() as logs:
+        assert await daemon.serve() == 2
+    failed = [e for e in logs if e["event"] == "startup.failed"]
+    assert failed and "ingest.tokens_file: file not found" in str(failed[0])
+
+
+async def test_an_open_ingest_off_loopback_is_warned_about_at_start(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(
+        '[daemon]\ndata_dir = "data"\ncores = 1\n'
+        '[ingest]\nlisten = "0.0.0.0:0"\n[admin]\nlisten = "127.0.0.1:0"\n'
+    )
+    daemon = Daemon(load(config))
+    with capture_logs() as logs:
+        serving = asyncio.create_task(daemon.serve())
+        for _ in range(200):
+            if daemon.started:
+                break
+            await asyncio.sleep(0.05)
+        daemon.request_exit("test")
+        assert await serving == 0
+    warned = [e for e in logs if e["event"] == "security.ingest_open"]
+    assert warned and warned[0]["log_level"] == "warning"
+    assert "security.admin_open" not in [e["event"] for e in logs]
