@@ -101,6 +101,12 @@ def load_tokens(ingest: IngestConfig) -> tuple[ProducerToken, ...]:
             tokens = tokens + parse_tokens(value.get("tokens", []), where, errors)
     if not errors:
         check_token_set(tokens, f"ingest.tokens and {path}", errors)
+        if ingest.tls.client_ca is None:
+            errors += [
+                f'{path}: producer "{t.name}": cert_subject needs ingest.tls_client_ca'
+                for t in tokens
+                if t.cert_subject is not None
+            ]
     if errors:
         raise ConfigError(errors, str(path))
     return tokens

@@ -298,6 +298,17 @@ def test_a_bad_tokens_file_names_the_file_and_the_entry(tmp_path: Path) -> None:
         security.load_tokens(missing)
 
 
+def test_a_cert_subject_in_the_tokens_file_needs_a_client_ca(tmp_path: Path) -> None:
+    tokens = write_private(
+        tmp_path / "tokens.toml",
+        '[[ingest.tokens]]\nname = "c"\ncert_subject = "CN=c"\ncollections = "*"\n',
+    )
+    with pytest.raises(
+        ConfigError, match=r'producer "c": cert_subject needs ingest\.tls_client_ca'
+    ):
+        security.load_tokens(IngestConfig(tokens_file=tokens))
+
+
 def test_the_same_name_in_the_file_and_inline_is_refused(tmp_path: Path) -> None:
     tokens = write_private(
         tmp_path / "tokens.toml",
