@@ -5,8 +5,11 @@ consecutive LSNs in request order) and the 200 is sent only after the group
 commit's fdatasync covered them (invariant 1). A rejected request leaves the
 WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
 
-1. Admission: 503 while draining, 429 over the lag limit, 415 content type
-   or content coding, 413 when ``Content-Length`` is over ``ingest.max_body_bytes``.
+1. Admission: 503 while draining, 401 without a producer's token or
+   certificate (when ``[[ingest.tokens]]`` has entries), 429 when the
+   producer's quota is spent (:mod:`daemon.ingest.quota`), 429 over the lag
+   limit, 415 content type or content coding, 413 when ``Content-Length`` is
+   over ``ingest.max_body_bytes``.
 2. Read the body in chunks under the body deadline, its content coding undone
    (:mod:`daemon.ingest.coding`), counting bytes (413 as soon as the count
    passes the limit, 408 at the deadline), holding a share of the ingest
@@ -15,7 +18,9 @@ WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
    invalid UTF-8 included, 413 too many events, 422 per-item errors (index,
    field, reason), a ``new``/``old`` that a CDC writer would refuse included
    (:mod:`daemon.ingest.payload`); the decoders and the slow path that
-   explains a refusal are :mod:`daemon.ingest.validate`.
+   explains a refusal are :mod:`daemon.ingest.validate`. 403 for a
+   collection outside the producer's scope, 429 for a request over its quota
+   (docs/security.md).
    With an ``Idempotency-Key``, first :meth:`IngestServer._claim`: a key the
    de-duplication window knows, with the same body, is answered from the
    original append (200, ``"replayed": true``) without parsing; with another
