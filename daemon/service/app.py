@@ -400,7 +400,7 @@ class Daemon:
         try:
             new = await asyncio.to_thread(configmod.load, self.cfg.source)
             tokens = await asyncio.to_thread(security.load_tokens, new.ingest)
-            tls_swaps = self._tls_swaps(new)
+            tls_swaps = await asyncio.to_thread(self._tls_swaps, new)
         except DaemonError as exc:
             log.error("reload.rejected", error=str(exc))
             return
