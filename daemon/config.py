@@ -215,9 +215,34 @@ class MicrobatchConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class S3Config:
+    """How to reach the object store of the streams whose path is ``s3://``
+    (docs/cdc.md, "Tables on S3"). Secrets stay out of ``repr``."""
+
+    endpoint: str = ""  # "" : AWS's own endpoint of the region
+    region: str = "us-east-1"
+    # Path-style URLs (http://host/bucket/key), as MinIO and SeaweedFS want.
+    path_style: bool = False
+    # An AWS shared-credentials file (INI: [profile] aws_access_key_id = ...).
+    credentials_file: Path | None = None
+    profile: str = "default"
+    access_key_id: str = field(default="", repr=False)
+    secret_access_key: str = field(default="", repr=False)
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 30.0
+    max_retries: int = 3
+    # The writer's lease on each table (daemon/table/lease.py): it expires this
+    # long after its last renewal; renewed every (ttl - skew) / 3 seconds.
+    lease_ttl_s: float = 30.0
+    lease_skew_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
 class CdcStream:
     name: str
     collections: tuple[str, ...]  # ("*",) means every collection
+    # The table's folder; for a table on S3, the folder of the stream's own
+    # state (ledger, lock, quarantine): <data_dir>/tables/<name>.
     path: Path
     # Where a stream new to the data_dir starts: "head" (the live batches from
     # now on), "earliest" (the oldest retained event) or an LSN; the events
@@ -254,6 +279,14 @@ class CdcStream:
     # Delta only: VACUUM keeps the files a snapshot of the last this many
     # hours still reads (a reader that runs longer than that can fail).
     vacuum_retain_hours: int = 168
+    # The table's URI when it is on S3 ("s3://bucket/prefix"; "": at path).
+    uri: str = ""
+    s3: S3Config | None = None
+
+    @property
+    def location(self) -> str:
+        """Where the table is, as users name it: its URI or its folder."""
+        return self.uri or str(self.path)
 
     def wants(self, collection: str) -> bool:
         return self.collections == ("*",) or collection in self.collections
@@ -332,6 +365,7 @@ class Config:
     dlq: DlqConfig = DlqConfig()
     health: HealthConfig = HealthConfig()
     log: LogConfig = LogConfig()
+    s3: S3Config = S3Config()
     source: Path | None = None
 
     @property
@@ -448,6 +482,17 @@ def _path(value: Any, path: str, errors: list[str]) -> Any:
         errors.append(f"{path}: expected a path string, got {_show(value)}")
         return None
     return Path(value)
+
+
+def _table_path(value: Any, path: str, errors: list[str]) -> Any:
+    """A folder, or an ``s3://bucket/prefix`` URI (kept as a string)."""
+    if isinstance(value, str) and value.startswith(("s3://", "s3a://")):
+        bucket = value.split("://", 1)[1].split("/", 1)[0]
+        if not bucket:
+            errors.append(f'{path}: expected "s3://bucket/prefix", got {_show(value)}')
+            return None
+        return value
+    return _path(value, path, errors)
 
 
 def _start(value: Any, path: str, errors: list[str]) -> Any:
@@ -696,6 +741,20 @@ _MICROBATCH: dict[str, Checker] = {
     "build_max_bytes": _int(64 * KiB),
 }
 _DLQ: dict[str, Checker] = {"max_entries": _int(1)}
+_S3: dict[str, Checker] = {
+    "endpoint": _str(nonempty=False),
+    "region": _str(),
+    "path_style": _bool,
+    "credentials_file": _path,
+    "profile": _str(),
+    "access_key_id": _str(),
+    "secret_access_key": _str(),
+    "connect_timeout_s": _float(0.0),
+    "request_timeout_s": _float(0.0),
+    "max_retries": _int(0, 20),
+    "lease_ttl_s": _float(0.0),
+    "lease_skew_s": _float(0.0, exclusive=False),
+}
 _HEALTH: dict[str, Checker] = {
     "stall_after_s": _float(0.0),
     "session_restart_attempts": _int(1),
@@ -763,7 +822,7 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
         spec = {
             "name": _str(),
             "collections": _collections,
-            "path": _path,
+            "path": _table_path,
             "start": _start,
             "partition_by": _partition_by,
             "retention": _retention,
@@ -790,6 +849,15 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
                 f"not be atomic for readers"
             )
             continue
+        uri = got["path"] if isinstance(got["path"], str) else ""
+        if uri and (got.get("format", "parquet") != "delta" or got.get("variant")):
+            why = "variant = true" if got.get("variant") else 'format = "parquet"'
+            errors.append(
+                f"{where}.path: a table on S3 ({uri}) must be a Delta table without "
+                f'VARIANT columns (set format = "delta"; not {why}): a Parquet folder '
+                f"has no atomic commit on object storage, and VARIANT needs Spark's writer"
+            )
+            continue
         delta_only = [k for k in ("variant", "vacuum_retain_hours") if k in got]
         if delta_only and got.get("format", "parquet") != "delta":
             errors.append(
@@ -808,13 +876,14 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
             CdcStream(
                 got["name"],
                 got["collections"],
-                got["path"],
+                Path("tables") / got["name"] if uri else got["path"],
                 got.get("start", "head"),
                 partition_by,
                 got.get("retention"),
                 got.get("retention_check_s", 300.0),
                 **{k: got[k] for k in _COMPACTION if k in got},
                 **{k: got[k] for k in _STREAM_KEYS if k in got},
+                uri=uri,
             )
         )
     handlers: list[CdcHandler] = []
@@ -927,6 +996,7 @@ def parse(raw: Mapping[str, Any], source: Path | None = None) -> Config:
         "dlq": (_DLQ, DlqConfig),
         "health": (_HEALTH, HealthConfig),
         "log": (_LOG, LogConfig),
+        "s3": (_S3, S3Config),
     }
     built: dict[str, Any] = {}
     for key, value in raw.items():
@@ -997,6 +1067,16 @@ def _cross_checks(cfg: Config, errors: list[str]) -> None:
     for t in cfg.triggers:
         if t.retry.max_backoff_ms < t.retry.initial_backoff_ms:
             errors.append(f"triggers.{t.name}.retry.max_backoff_ms: must be >= initial_backoff_ms")
+    s3 = cfg.s3
+    if s3.lease_ttl_s <= 2 * s3.lease_skew_s:
+        errors.append(
+            f"s3.lease_ttl_s: must exceed twice s3.lease_skew_s ({s3.lease_skew_s:g}), got "
+            f"{s3.lease_ttl_s:g}: a writer stops committing skew_s before its lease expires"
+        )
+    if bool(s3.access_key_id) != bool(s3.secret_access_key):
+        errors.append("s3.access_key_id: set both access_key_id and secret_access_key, or neither")
+    if s3.access_key_id and s3.credentials_file is not None:
+        errors.append("s3.credentials_file: set credentials_file or access_key_id, not both")
 
 
 def _resolve_paths(cfg: Config) -> Config:
@@ -1009,7 +1089,7 @@ def _resolve_paths(cfg: Config) -> Config:
     daemon = DaemonConfig(
         resolve(cfg.daemon.data_dir), cfg.daemon.cores, cfg.daemon.shutdown_timeout_s
     )
-    streams = tuple(dataclasses.replace(s, path=resolve(s.path)) for s in cfg.cdc.streams)
+    data_dir = resolve(cfg.daemon.data_dir)
 
     def secret(p: Path | None) -> Path | None:
         return None if p is None else resolve(credential_path(p))
@@ -1017,13 +1097,24 @@ def _resolve_paths(cfg: Config) -> Config:
     def tls(t: TlsConfig) -> TlsConfig:
         return TlsConfig(secret(t.cert), secret(t.key), secret(t.client_ca))
 
+    s3 = dataclasses.replace(cfg.s3, credentials_file=secret(cfg.s3.credentials_file))
+    streams = tuple(
+        dataclasses.replace(s, path=data_dir / s.path, s3=s3)
+        if s.uri
+        else dataclasses.replace(s, path=resolve(s.path))
+        for s in cfg.cdc.streams
+    )
     ingest = dataclasses.replace(
         cfg.ingest, tls=tls(cfg.ingest.tls), tokens_file=secret(cfg.ingest.tokens_file)
     )
     admin = dataclasses.replace(cfg.admin, tls=tls(cfg.admin.tls))
     fields = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
     fields.update(
-        daemon=daemon, cdc=CdcConfig(streams, cfg.cdc.handlers), ingest=ingest, admin=admin
+        daemon=daemon,
+        s3=s3,
+        cdc=CdcConfig(streams, cfg.cdc.handlers),
+        ingest=ingest,
+        admin=admin,
     )
     return Config(**fields)
 

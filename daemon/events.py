@@ -8,7 +8,8 @@ verbatim, so Spark's ``parse_json`` sees exactly what was sent.
 Fields are only ever added at the end, with defaults: an array written before
 they existed (the 8-element form of payloads already in WALs) still decodes.
 Ingest encodes an event without ``event_id``/``event_time_us`` in that short
-8-element form (``daemon.ingest.validate._stored_payload``).
+8-element form, with them in the 10-element form, and an authenticated
+producer's event in the 11-element form (``daemon.ingest.validate._stored_payload``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class StoredEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
     source: str = ""  # trigger name for derived events
     event_id: str | None = None  # the producer's event id ("id"), if it sent one
     event_time_us: int | None = None  # the producer's event time ("time"), UTC epoch µs
+    # The authenticated producer's name (its token's or certificate's entry,
+    # docs/security.md); None when ingest is open.
+    producer: str | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 
+# The S3 server fixture (SeaweedFS on loopback) for tests/s3 and the Delta tests on S3.
+pytest_plugins = ("tests.s3.server",)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true", help="run long soak and crash loops")

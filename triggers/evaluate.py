@@ -711,7 +711,7 @@ def run_sql(
 _STRING_SCHEMA = (
     "lsn BIGINT, core INT, seq BIGINT, collection STRING, op STRING, key STRING, "
     "new STRING, old STRING, ingest_ts TIMESTAMP, batch_id BIGINT, "
-    "event_id STRING, event_time TIMESTAMP, depth INT, source STRING"
+    "event_id STRING, event_time TIMESTAMP, producer STRING, depth INT, source STRING"
 )
 
 
@@ -731,6 +731,7 @@ class _StoredRow(msgspec.Struct):
     # Absent from rows stored (retry queue, DLQ) before these columns existed.
     event_id: str | None = None
     event_time: str | None = None
+    producer: str | None = None
 
 
 _stored_decoder = msgspec.json.Decoder(_StoredRow)
@@ -751,7 +752,8 @@ def frame_from_docs(spark: Any, docs: Sequence[bytes]) -> Any:
         event_ts = datetime.fromisoformat(r.event_time) if r.event_time else None
         data.append(
             (r.lsn, r.core, r.seq, r.collection, r.op, r.key, _raw_text(r.new),
-             _raw_text(r.old), ts, r.batch_id, r.event_id, event_ts, r.depth, r.source)
+             _raw_text(r.old), ts, r.batch_id, r.event_id, event_ts, r.producer, r.depth,
+             r.source)
         )  # fmt: skip
     frame = spark.createDataFrame(data, _STRING_SCHEMA)
     return frame.withColumn("new", F.parse_json("new")).withColumn("old", F.parse_json("old"))

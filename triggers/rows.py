@@ -10,10 +10,12 @@ re-encoding. A row document::
      "new": {"amount": 1500}, "old": null,
      "ingest_ts": "2025-01-02T03:04:05.123456Z", "batch_id": 9,
      "event_id": "evt-7", "event_time": "2025-01-02T03:04:05.000000Z",
-     "depth": 0, "source": ""}
+     "producer": "orders-svc", "depth": 0, "source": ""}
 
 ``event_id``/``event_time`` are the producer's (null when it sent none, and for
-events an emit action made); rows stored before they existed lack them.
+events an emit action made); ``producer`` is the name of the token or client
+certificate the request was authenticated with (null when ingest is open);
+rows stored before they existed lack them.
 
 Rows matched by an ``emit`` trigger with ``key``/``new`` expressions also
 carry ``"emit": {"key": ..., "new": ...}``, the values Spark computed.

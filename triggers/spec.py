@@ -23,12 +23,12 @@ from urllib.parse import urlsplit
 # columns plus depth/source for events made by emit actions).
 BATCH_COLUMNS = (
     "lsn", "core", "seq", "collection", "op", "key", "new", "old",
-    "ingest_ts", "batch_id", "event_id", "event_time", "depth", "source",
+    "ingest_ts", "batch_id", "event_id", "event_time", "producer", "depth", "source",
 )  # fmt: skip
 BATCH_SCHEMA_DDL = (
     "lsn BIGINT, core INT, seq BIGINT, collection STRING, op STRING, key STRING, "
     "new VARIANT, old VARIANT, ingest_ts TIMESTAMP, batch_id BIGINT, "
-    "event_id STRING, event_time TIMESTAMP, depth INT, source STRING"
+    "event_id STRING, event_time TIMESTAMP, producer STRING, depth INT, source STRING"
 )
 OPS = ("insert", "update", "delete")
 # Issue 5: emit cascades stop at depth 16 (a producer's event has depth 0).

@@ -5,6 +5,8 @@
 ``eventplane cdc compact STREAM [--dry-run]``: merge its small files now (``compact``).
 ``eventplane cdc files STREAM [--json]``: a consistent list of its data files
 (:mod:`daemon.snapshot`), for readers that must not race a compaction's swap.
+``eventplane cdc lease STREAM [--break [--yes]]``: the writer's lease of a
+table on S3 (``daemon.table.lease``), broken by hand with ``--break``.
 
 ``show`` reads only what a plain reader would see (published files), newest
 batches first, using the stream's ledger to open just enough files for
@@ -26,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from daemon.config import CdcStream, Config
+from daemon.config import CdcStream, Config, S3Config
 from daemon.table.delta import table_exists as delta_table_exists
 from daemon.table.errors import CdcStreamLockedError
 from daemon.table.layout import committed_files
@@ -35,7 +37,7 @@ from daemon.table.parquet import CdcSink
 
 COLUMNS = ("lsn", "batch_id", "core", "collection", "op", "key", "new", "old", "ingest_ts")
 # Shown after "key" when a row has a value (files from before them have no such column).
-PRODUCER_COLUMNS = ("event_id", "event_time")
+PRODUCER_COLUMNS = ("event_id", "event_time", "producer")
 _TIMESTAMP = "date_format({0}, \"yyyy-MM-dd'T'HH:mm:ss.SSSSSS'Z'\") AS {0}"
 MAX_CELL = 60  # characters per cell before "..."; JSON documents can be long
 
@@ -77,6 +79,83 @@ def latest_rows(spark: Any, stream: CdcStream, limit: int) -> list[dict[str, Any
         df = spark.read.format("delta").load(str(stream.path))
         return _project(df, limit, payloads="json")
     return consistent(stream.path, lambda: _newest_rows(spark, stream, limit))
+
+
+def latest_rows_s3(stream: CdcStream, limit: int) -> list[dict[str, Any]]:
+    """``latest_rows`` of a table on S3, by delta-rs: the rows of the newest
+    batches the stream's ledger names, widened until ``limit`` are found."""
+    import pyarrow.compute as pc
+    from deltalake import DeltaTable
+
+    from daemon.table.location import S3Files
+
+    files = S3Files(stream.uri, stream.s3 or S3Config())
+    ledger = read_ledger(stream.path)
+    if ledger is None or ledger.last_batch_id == 0:
+        return []
+    dataset = DeltaTable(files.uri, storage_options=files.storage_options).to_pyarrow_dataset()
+    wanted = [
+        c for c in ("lsn", "batch_id", "core", "collection", "op", "key", *PRODUCER_COLUMNS,
+                    "new_json", "old_json", "ingest_ts") if c in dataset.schema.names
+    ]  # fmt: skip
+    back = 1
+    while True:
+        since = max(0, ledger.last_batch_id - back)
+        table = dataset.to_table(columns=wanted, filter=pc.field("batch_id") > since)
+        if table.num_rows >= limit or since == 0:
+            break
+        back *= 4
+    table = table.sort_by([("lsn", "descending")]).slice(0, limit)
+    names = [{"new_json": "new", "old_json": "old"}.get(c, c) for c in table.column_names]
+    rows: list[dict[str, Any]] = table.rename_columns(names).to_pylist()
+    for row in rows:
+        for col in ("ingest_ts", "event_time"):
+            if row.get(col) is not None:
+                row[col] = row[col].strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return rows
+
+
+def lease(stream: CdcStream, *, break_it: bool, yes: bool, out: TextIO) -> int:
+    """Show the writer's lease of a table on S3, or remove it (``--break``)
+    after a confirmation: for a daemon that is gone for good, when waiting
+    for the lease to expire is not wanted (docs/cdc.md, "Tables on S3")."""
+    import json as jsonmod
+    import time
+
+    from daemon.table.layout import META_DIR
+    from daemon.table.lease import S3Store, break_lease
+    from daemon.table.location import S3Files
+
+    if not stream.uri:
+        print(f"stream {stream.name!r} ({stream.path}): a table on local disk has no lease "
+              "(its lock file is released when the daemon exits)", file=out)  # fmt: skip
+        return 1
+    files = S3Files(stream.uri, stream.s3 or S3Config())
+    store = S3Store(files.client, files.where.bucket)
+    key = files.where.key(f"{META_DIR}/lease.json")
+    current = store.get(key)
+    if current is None:
+        print(f"stream {stream.name!r} ({stream.uri}): no lease: no daemon writes it", file=out)
+        return 0
+    raw = jsonmod.loads(current[0])
+    holder = ", ".join(f"{k} {v}" for k, v in raw["holder"].items())
+    left = float(raw["expires_at"]) - time.time()
+    state = f"expires in {left:.0f} s" if left > 0 else f"expired {-left:.0f} s ago"
+    print(f"stream {stream.name!r} ({stream.uri}): lease held by {holder}; {state}", file=out)
+    if not break_it:
+        return 0
+    if not yes:
+        answer = input(
+            "Break it? Only when that daemon is gone for good: a daemon still running "
+            "takes the lease again at its next renewal, and two daemons writing one table "
+            "is what the lease prevents. Type 'break' to go on: "
+        )
+        if answer.strip() != "break":
+            print("not broken", file=out)
+            return 1
+    break_lease(store, key)
+    print(f"stream {stream.name!r}: lease broken; the next daemon to open it takes it", file=out)
+    return 0
 
 
 def _newest_rows(spark: Any, stream: CdcStream, limit: int) -> list[dict[str, Any]]:
@@ -159,7 +238,7 @@ def main(
         from daemon.cli import quarantine
 
         return quarantine.main(args, cfg, out, session=session)
-    if args.cdc_command not in ("show", "rewrite", "files"):
+    if args.cdc_command not in ("show", "rewrite", "files", "lease"):
         print(f"eventplane cdc: unknown action {args.cdc_command!r}", file=sys.stderr)
         return 2
     if args.cdc_command == "show" and args.limit < 1:
@@ -177,12 +256,21 @@ def main(
     if stream.format == "delta" and args.cdc_command in DELTA_ANSWERS:
         print(
             f"eventplane cdc {args.cdc_command}: stream {stream.name!r} is a Delta table: "
-            f"{DELTA_ANSWERS[args.cdc_command].format(path=stream.path)}",
+            f"{DELTA_ANSWERS[args.cdc_command].format(path=stream.location)}",
             file=sys.stderr,
         )
         return 1
+    if args.cdc_command == "lease":
+        return lease(stream, break_it=args.break_lease, yes=args.yes, out=out)
     if args.cdc_command == "rewrite":
         return rewrite(stream, session=session, out=out)
+    if stream.uri:  # a table on S3: read by delta-rs, no JVM
+        rows = latest_rows_s3(stream, args.limit)
+        if not rows:
+            print(f"stream {stream.name!r} ({stream.uri}): no committed rows yet", file=out)
+            return 0
+        print(format_rows(rows), file=out)
+        return 0
     if args.cdc_command == "files":
         return files(stream, as_json=args.json, out=out)
     delta = stream.format == "delta"

@@ -4,6 +4,9 @@
    Then the files it names for TLS and tokens: each exists and parses, and
    a secret (a key, the tokens file) is not readable by its group or by
    everyone (``daemon.security.check_secret_files``); problems exit 2 too.
+   A stream's table on S3: the bucket reached, conditional writes refused
+   the second time (daemon/table/s3.py, ``check``), or exit 2 saying what
+   is wrong in one line.
 2. With triggers, and unless ``--no-spark``: start a minimal local Spark
    session (``local[1]``, UI off, log level ERROR) and have it analyse every
    ``when``, emit expression and sql statement against an empty batch, as the
@@ -62,7 +65,7 @@ def main(
     session_factory: Callable[[Config], Any] = build_check_session,
 ) -> int:
     """Exit code: 0 OK, 2 a trigger Spark rejects (or a Delta stream without
-    Delta's jars), 1 Spark could not start.
+    Delta's jars, or a table on S3 out of reach), 1 Spark could not start.
 
     ``out``/``err`` default to ``sys.stdout``/``sys.stderr`` at call time.
     """
@@ -85,6 +88,19 @@ def main(
     if why is not None:
         print(f"eventplane: invalid configuration: {cfg.source}: cdc.streams: {why}", file=err)
         return 2
+    for i, stream in enumerate(cfg.cdc.streams):
+        if not stream.uri:
+            continue
+        from daemon.table import s3
+
+        problem = s3.check(stream.s3 or cfg.s3, stream.uri)
+        if problem is not None:
+            print(
+                f"eventplane: invalid configuration: {cfg.source}: cdc.streams[{i}].path: "
+                f"{stream.uri}: {problem}",
+                file=err,
+            )
+            return 2
     if spark and cfg.triggers:
         n = len(cfg.triggers)
         print(

@@ -154,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("stream")
     q.add_argument("--json", action="store_true", help="print {root, generation, files} as JSON")
     q = cdc_sub.add_parser(
+        "lease",
+        help="show (or --break) the writer's lease of a CDC table on S3",
+        description="A table on S3 has one writer, the daemon holding its lease "
+        "(_eventplane/lease.json under the table's prefix; docs/cdc.md, 'Tables on S3'). "
+        "After a daemon was killed, the next one takes the lease once it expires "
+        "([s3] lease_ttl_s + lease_skew_s, 35 s by default); --break removes it at once.",
+    )
+    _add_config(q)
+    q.add_argument("stream")
+    q.add_argument("--break", dest="break_lease", action="store_true", help="remove the lease")
+    q.add_argument("--yes", action="store_true", help="do not ask for a confirmation")
+    q = cdc_sub.add_parser(
         "rewrite",
         help="rewrite a stream's files of the previous payload layout (daemon stopped)",
         description="Rewrite the files a daemon before 2026-11-25 wrote (shredded VARIANT, "

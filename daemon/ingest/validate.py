@@ -127,6 +127,7 @@ def _stored_payload(
     ts: int,
     event_id: str | None = None,
     event_time_us: int | None = None,
+    producer: str | None = None,
 ) -> bytes:
     """``encode(StoredEvent(...))`` without building the struct.
 
@@ -139,7 +140,10 @@ def _stored_payload(
     ``IngestServer._encode`` inlines this.
     """
     scratch = bytearray()
-    if event_id is None and event_time_us is None:
+    if producer is not None:  # an authenticated producer's event: the 11-element form
+        fields = (collection, op, key, new, old, ts, 0, "", event_id, event_time_us, producer)
+        _msgpack_into(fields, scratch)
+    elif event_id is None and event_time_us is None:
         _msgpack_into((collection, op, key, new, old, ts, 0, ""), scratch)
     else:
         _msgpack_into((collection, op, key, new, old, ts, 0, "", event_id, event_time_us), scratch)
@@ -148,18 +152,24 @@ def _stored_payload(
 
 def _check_payload_layout() -> None:
     new = b'{"a":1}'
-    full = StoredEvent("c", "update", "k", new, None, 123, 0, "", "e-1", 1_700_000_000_000_000)
+    t = 1_700_000_000_000_000
+    every = StoredEvent("c", "update", "k", new, None, 123, 0, "", "e-1", t, "svc")
+    full = StoredEvent("c", "update", "k", new, None, 123, 0, "", "e-1", t)
+    full_long = encode_stored(full)
     plain = StoredEvent("c", "update", "k", new, None, 123)
     plain_long = encode_stored(plain)
     short = _stored_payload("c", "update", "k", new, None, 123)
     if (
-        encode_stored(full)
-        != _stored_payload("c", "update", "k", new, None, 123, "e-1", 1_700_000_000_000_000)
-        # The short form is StoredEvent's encoding without its two trailing
-        # nils: the same bytes but for the array header (fixarray 10 -> 8).
-        or plain_long[0] != 0x9A
-        or plain_long[-2:] != b"\xc0\xc0"
-        or short != b"\x98" + plain_long[1:-2]
+        encode_stored(every) != _stored_payload("c", "update", "k", new, None, 123, "e-1", t, "svc")
+        # The 10-element form is StoredEvent's encoding without its trailing
+        # nil producer (fixarray 11 -> 10); the short form also without the
+        # nil event_id and event_time_us (fixarray 11 -> 8).
+        or full_long[0] != 0x9B
+        or full_long[-1:] != b"\xc0"
+        or _stored_payload("c", "update", "k", new, None, 123, "e-1", t)
+        != b"\x9a" + full_long[1:-1]
+        or plain_long[-3:] != b"\xc0\xc0\xc0"
+        or short != b"\x98" + plain_long[1:-3]
         or decode_stored(short) != plain
     ):  # StoredEvent changed: update _stored_payload and IngestServer._encode
         raise DaemonError(

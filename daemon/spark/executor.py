@@ -482,11 +482,12 @@ class SparkExecutor:
             "last_error_at": st.last_error_at,
             "streams": {
                 s.name: {
-                    "path": str(s.path),
+                    "path": s.stream.location,
                     "last_batch_id": st.streams.get(s.name),
                     "quarantined": s.quarantined,
                     **({"retention": self._retention[s.name]} if s.name in self._retention else {}),
                     "compaction": self.compaction.status(s.name) if self.compaction else None,
+                    **s.table_status(),
                 }
                 for s in self._sinks
             },

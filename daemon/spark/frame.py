@@ -198,6 +198,7 @@ def _record_batch(
             "event_time": fields["event_time_us"].cast(pa.timestamp("us", tz="UTC")),
             "depth": fields["depth"],
             "source": fields["source"],
+            "producer": fields["producer"],
         }
     )
 
@@ -223,6 +224,7 @@ def _decoded_columns(n: int, payloads: bytes) -> dict[str, Any]:
         "event_time_us": pa.array([e.event_time_us for e in events], pa.int64()),
         "depth": pa.array([e.depth for e in events], pa.int32()),
         "source": pa.array([e.source for e in events], pa.string()),
+        "producer": pa.array([e.producer for e in events], pa.string()),
     }
 
 

@@ -40,6 +40,7 @@ Mask = npt.NDArray[np.bool_]
 _NIL = 0xC0
 _SHORT_FORM = 0x98  # fixarray of 8: collection .. source
 _LONG_FORM = 0x9A  # fixarray of 10: .. event_id, event_time_us
+_PRODUCER_FORM = 0x9B  # fixarray of 11: .. producer
 _STR_SIZED = ((0xD9, 1), (0xDA, 2), (0xDB, 4))  # str8/16/32: length bytes
 _BIN_SIZED = ((0xC4, 1), (0xC5, 2), (0xC6, 4))  # bin8/16/32
 _INT_SIZED = (  # (type byte, value bytes, signed)
@@ -66,7 +67,7 @@ def stored_columns(data: bytes, starts: Ints) -> dict[str, Any] | None:
     """The StoredEvent fields of the events at ``starts`` in ``data``, as Arrow arrays.
 
     Keys: ``collection``, ``op``, ``key``, ``new``, ``old`` (strings, JSON
-    text, null for nil), ``source``, ``event_id`` (string or null),
+    text, null for nil), ``source``, ``event_id`` and ``producer`` (string or null),
     ``ingest_ts_ns`` and ``event_time_us`` (int64, the latter null when
     absent) and ``depth`` (int32). None when the chunk is not one this reader
     reads (see the module docstring); then nothing about the data is known.
@@ -86,7 +87,8 @@ def _columns(data: bytes, starts: Ints) -> dict[str, Any]:
     buf = np.frombuffer(data + bytes(_PAD), np.uint8)
     # Step 1. The array header.
     head = buf[starts]
-    long_form = head == _LONG_FORM
+    producer_form = head == _PRODUCER_FORM
+    long_form = (head == _LONG_FORM) | producer_form
     if not (long_form | (head == _SHORT_FORM)).all():
         raise _Refused
     # Step 2. Field by field, every event at once.
@@ -122,6 +124,16 @@ def _columns(data: bytes, starts: Ints) -> dict[str, Any]:
         etime[long_form], etime_valid[long_form] = value, ok
         pos[long_form] = after
     spans["event_id"] = (eid_start, eid_len, eid_valid)
+    # The producer form's producer (string or nil).
+    who_start = pos.copy()
+    who_len = np.zeros(n, np.int64)
+    who_valid = np.zeros(n, np.bool_)
+    if producer_form.any():
+        s, ln, v = _sized(buf, pos[producer_form], _STR_SIZED, nullable=True)
+        who_start[producer_form], who_len[producer_form] = s, ln
+        who_valid[producer_form] = True if v is None else v
+        pos[producer_form] = s + ln
+    spans["producer"] = (who_start, who_len, who_valid)
     # Step 3. Each event ends where the next begins.
     ends = np.empty(n, np.int64)
     ends[:-1] = starts[1:]

@@ -37,7 +37,6 @@ batch re-runs). The identity check (invariant 13) is the ledger's WAL id and
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 import uuid
@@ -51,17 +50,19 @@ import structlog
 from daemon.config import CdcStream
 from daemon.errors import IdentityMismatchError
 from daemon.plane.batch import MicroBatch
-from daemon.table import deltacommit, quarantine
+from daemon.table import deltacommit, quarantine, s3
 from daemon.table.crash import crash_point
-from daemon.table.durable import atomic_write_json, fsync_dir, fsync_file
+from daemon.table.durable import atomic_write_json, fsync_file
 from daemon.table.errors import CdcLayoutError
 from daemon.table.layout import META_DIR, TABLE_COLUMNS
+from daemon.table.lease import Holder, Keeper, Lease, S3Store
 from daemon.table.ledger import (
     KEEP_BATCHES,
     Ledger,
     _ranges_from_json,
     read_ledger,
 )
+from daemon.table.location import LocalFiles, S3Files, TableFiles, table_files
 from daemon.table.parquet import CdcSink
 from daemon.table.retention import RunResult
 from daemon.table.sink import CommitResult, RecoveryReport
@@ -69,14 +70,14 @@ from daemon.table.sparkio import RawInbox, _py4j_jvm
 
 log = structlog.get_logger("eventplane.cdc")
 
-LOG_DIR = "_delta_log"
-_COMMIT_FILE = re.compile(r"^(\d{20})\.json$")
 # The default layout: no VARIANT column (delta-rs, so Polars and DuckDB,
 # cannot open a table that has one); the payloads are JSON text.
 DELTA_COLUMNS = tuple(c for c in TABLE_COLUMNS if c not in ("new", "old"))
 # Statistics only on the columns a query filters by: not on the payloads'
 # text, whose min/max of 32 characters prunes nothing and costs CPU per row.
-STATS_COLUMNS = ("lsn", "core", "seq", "op", "key", "ingest_ts", "batch_id", "event_time")
+STATS_COLUMNS = (
+    "lsn", "core", "seq", "op", "key", "ingest_ts", "batch_id", "event_time", "producer",
+)  # fmt: skip
 # Delta's properties of a table the daemon creates.
 DELTA_PROPERTIES = {
     "delta.dataSkippingStatsColumns": ",".join(STATS_COLUMNS),
@@ -99,26 +100,23 @@ def sink_class(stream: CdcStream) -> type[CdcSink]:
     return DeltaSink if stream.format == "delta" else CdcSink
 
 
-def table_exists(path: Path) -> bool:
-    log_dir = path / LOG_DIR
-    return log_dir.is_dir() and any(_COMMIT_FILE.match(p.name) for p in log_dir.iterdir())
+def _files(table: Path | TableFiles) -> TableFiles:
+    return LocalFiles(table) if isinstance(table, Path) else table
 
 
-def log_commits(path: Path, after: int) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(version, actions)`` of each commit file of the table above version
-    ``after``, in order; ``actions`` maps an action's kind (``txn``,
-    ``commitInfo``, ``metaData``) to its first occurrence."""
-    log_dir = path / LOG_DIR
-    if not log_dir.is_dir():
-        return
-    found = sorted(
-        (int(m.group(1)), p)
-        for p in log_dir.iterdir()
-        if (m := _COMMIT_FILE.match(p.name)) and int(m.group(1)) > after
-    )
-    for version, file in found:
+def table_exists(table: Path | TableFiles) -> bool:
+    return bool(_files(table).log_versions(-1))
+
+
+def log_commits(table: Path | TableFiles, after: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(version, actions)`` of each commit file of the table (a folder or a
+    :class:`~daemon.table.location.TableFiles`) above version ``after``, in
+    order; ``actions`` maps an action's kind (``txn``, ``commitInfo``,
+    ``metaData``) to its first occurrence."""
+    files = _files(table)
+    for version in files.log_versions(after):
         actions: dict[str, Any] = {}
-        for line in file.read_text(encoding="utf-8").splitlines():
+        for line in files.read_log(version).decode("utf-8").splitlines():
             if not line.strip():
                 continue
             for kind, body in json.loads(line).items():
@@ -146,6 +144,11 @@ class DeltaSink(CdcSink):
             stream, wal_id=wal_id, cores=cores, keep_batches=keep_batches, data_dir=data_dir
         )
         self.app_id = app_id(wal_id, stream.name)
+        # Where the table's files are (this folder or an S3 prefix) and, on
+        # S3, the writer's lease next to them (daemon/table/lease.py).
+        self.files = table_files(stream)
+        self.location = stream.location
+        self.keeper: Keeper | None = None
         self._created = False  # the Delta table exists (checked on the first commit)
         self.commits_since_optimize = 0
         # The batch step 1 writes: (batch, rows written, rows set aside).
@@ -169,6 +172,7 @@ class DeltaSink(CdcSink):
         self.meta.mkdir(parents=True, exist_ok=True)
         self._lock()
         try:
+            self._take_lease()
             created = read_ledger(self.path) is None
             self._ledger = self._load_or_create_ledger()
             self._check_table_identity(created)
@@ -188,24 +192,54 @@ class DeltaSink(CdcSink):
             log.warning("cdc_recovered", stream=self.name, rolled_forward=report.rolled_forward)
         return report
 
+    def _take_lease(self) -> None:
+        """A table on S3: take the writer's lease, ``_eventplane/lease.json``
+        under the table's prefix (one writer per table)."""
+        files = self.files
+        if not isinstance(files, S3Files):
+            return
+        cfg = files.cfg
+        problem = s3.check(cfg, self.location)
+        if problem is not None:
+            raise s3.S3Error(f"stream {self.name!r}: {self.location}: {problem}")
+        holder = Holder.this_process(str(self.data_dir or self.path), self.wal_id, self.name)
+        lease = Lease(
+            S3Store(files.client, files.where.bucket),
+            files.where.key(f"{META_DIR}/lease.json"),
+            holder,
+            ttl_s=cfg.lease_ttl_s,
+            skew_s=cfg.lease_skew_s,
+        )
+        self.keeper = Keeper(lease, f"stream {self.name!r} ({self.location})")
+        self.keeper.start()
+
+    def close(self) -> None:
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None:
+            keeper.stop()
+        super().close()
+
+    def table_status(self) -> dict[str, Any]:
+        return {"lease": self.keeper.status()} if self.keeper is not None else {}
+
     def _check_layout(self, ledger: Ledger) -> None:
         wanted = list(self.stream.partition_by)
         if ledger.table_format != "delta":
             raise CdcLayoutError(
-                f'stream {self.name!r}: format = "delta" but {self.path} holds a '
+                f'stream {self.name!r}: format = "delta" but {self.location} holds a '
                 f"{ledger.table_format} table (batches up to {ledger.last_batch_id}). "
                 f'Point the stream\'s path at a new folder (start = "earliest" fills it from '
                 f'the retained WAL), or see docs/cdc.md, "Moving a stream to Delta".'
             )
         if ledger.partition_by == wanted:
             return
-        if not table_exists(self.path):
+        if not table_exists(self.files):
             ledger.partition_by = wanted
             atomic_write_json(self.meta / "ledger.json", ledger.to_json())
             return
         raise CdcLayoutError(
             f"stream {self.name!r}: partition_by = {wanted} but the Delta table at "
-            f"{self.path} is partitioned by {ledger.partition_by}. Set partition_by back, or "
+            f"{self.location} is partitioned by {ledger.partition_by}. Set partition_by back, or "
             f"point the stream's path at a new folder."
         )
 
@@ -218,16 +252,16 @@ class DeltaSink(CdcSink):
         """A table at the path that this stream's ledger does not know (the
         ledger was just created) must hold this stream's commits only; another
         daemon's (another WAL id) refuse in ``_roll_forward``."""
-        if not created_ledger or not table_exists(self.path):
+        if not created_ledger or not table_exists(self.files):
             return
         apps = {
             t.get("appId")
-            for _, actions in log_commits(self.path, -1)
+            for _, actions in log_commits(self.files, -1)
             for t in actions.get("txn", [])
         }
         if self.app_id not in apps and not any(str(a).startswith("eventplane/") for a in apps):
             raise IdentityMismatchError(
-                f"stream {self.name!r}: {self.path} holds a Delta table without a ledger of "
+                f"stream {self.name!r}: {self.location} holds a Delta table without a ledger of "
                 f"this stream ({META_DIR}/ledger.json) nor any eventplane commit: eventplane "
                 f"did not write it. Point the stream's path at a new folder."
             )
@@ -235,14 +269,14 @@ class DeltaSink(CdcSink):
     def _roll_forward(self, report: RecoveryReport) -> None:
         """Step 2 for commits Delta holds and the ledger does not (a crash
         between the two): appended from their ``userMetadata``."""
-        for version, actions in log_commits(self.path, self.ledger.delta_version):
+        for version, actions in log_commits(self.files, self.ledger.delta_version):
             apps = [
                 t for t in actions.get("txn", []) if str(t.get("appId")).startswith("eventplane/")
             ]
             other = next((t["appId"] for t in apps if t["appId"] != self.app_id), None)
             if other is not None:
                 raise IdentityMismatchError(
-                    f"stream {self.name!r}: the Delta table at {self.path} holds commits of "
+                    f"stream {self.name!r}: the Delta table at {self.location} holds commits of "
                     f"another event plane (Delta app id {other}, version {version}; this one "
                     f"writes as {self.app_id}). Its committed LSNs mean nothing to this WAL. "
                     f"Point [[cdc.streams]] path at a new folder, or move the old one away."
@@ -321,10 +355,15 @@ class DeltaSink(CdcSink):
             "rows": rows,
             "quarantined": quarantined,
         }
-        if isinstance(df, RawInbox):
+        if isinstance(df, RawInbox) or self.files.remote:
+            # Staged on the daemon's disk, committed by delta-rs (a table on
+            # S3 takes this path for a Spark-written batch too).
             if not self._created:
-                assert df.reread is not None, "the table's first commit needs the batch's schema"
-                self._create_table(df.spark, self._select(df.reread((), ())))
+                if isinstance(df, RawInbox):
+                    assert df.reread is not None, "the first commit needs the batch's schema"
+                    self._create_table(df.spark, self._select(df.reread((), ())))
+                else:
+                    self._create_table(df.sparkSession, df)
             super()._write_staged(df, staging)
             self._commit_files(staging, batch.batch_id, meta)
             return
@@ -352,13 +391,26 @@ class DeltaSink(CdcSink):
         files = self._staged_files(staging, bid)
         if not files:  # every row of the stream was set aside
             return
-        for rel, _ in files:
-            fsync_file(staging / rel)
-        self._publish_files(bid, files, staging)
+        actions = [
+            deltacommit.add_action(staging / rel, final, STATS_COLUMNS) for rel, final in files
+        ]
+        if self.keeper is not None:
+            self.keeper.check()
+        if isinstance(self.files, S3Files):
+            try:
+                self.files.upload(staging, files)
+            except Exception:
+                self._forget_upload(files)
+                raise
+        else:
+            for rel, _ in files:
+                fsync_file(staging / rel)
+            self._publish_files(bid, files, staging)
         crash_point("delta.before_commit")
         table = self._delta_table()
-        actions = [deltacommit.add_action(self.path, final, STATS_COLUMNS) for _, final in files]
         try:
+            if self.keeper is not None:
+                self.keeper.check()  # the upload took a while: fenced again
             if self._in_log(table, bid):
                 # An earlier attempt committed it (its error came after the commit).
                 self._unlink(files)
@@ -395,24 +447,24 @@ class DeltaSink(CdcSink):
             return None
         return done is not None and int(done) >= bid
 
+    def _forget_upload(self, files: list[tuple[str, str]]) -> None:
+        """After a failed upload: remove what of it arrived, if the store
+        answers (else the next open's orphan removal or VACUUM will)."""
+        try:
+            self._unlink(files)
+        except Exception as exc:
+            log.info("cdc_upload_not_removed", stream=self.name, error=str(exc))
+
     def _unlink(self, files: list[tuple[str, str]]) -> None:
-        for _, final in files:
-            (self.path / final).unlink(missing_ok=True)
+        self.files.remove([final for _, final in files])
 
     def _fsync_log(self, upto: int) -> None:
-        log_dir = self.path / LOG_DIR
-        for version in range(self.ledger.delta_version + 1, upto + 1):
-            entry = log_dir / f"{version:020d}.json"
-            if entry.exists():
-                fsync_file(entry)
-        fsync_dir(log_dir)
+        self.files.sync_log(range(self.ledger.delta_version + 1, upto + 1))
 
     def _delta_table(self) -> Any:
         """The stream's table as delta-rs sees it: loaded once, then updated."""
         if self._dt is None:
-            from deltalake import DeltaTable
-
-            self._dt = DeltaTable(str(self.path))
+            self._dt = self._maintenance_table()
         return self._dt
 
     def _append(self, df: Any, meta: dict[str, Any], options: dict[str, str]) -> None:
@@ -424,13 +476,39 @@ class DeltaSink(CdcSink):
         body = json.dumps({"eventplane": meta}, separators=(",", ":"))
         writer.option("userMetadata", body).save(str(self.path))
 
+    def _append_staged(self, df: Any, bid: int, meta: dict[str, Any]) -> None:
+        """:meth:`_append` for a table on S3: ``df`` staged on disk, uploaded,
+        committed by delta-rs (no ``txn``: a replay's intent decides)."""
+        staging = self.meta / "staging" / f"r{bid:012d}"
+        try:
+            CdcSink._write_staged(self, df, staging)
+            files = self._staged_files(staging, bid)
+            actions = [deltacommit.add_action(staging / r, f, STATS_COLUMNS) for r, f in files]
+            if self.keeper is not None:
+                self.keeper.check()
+            assert isinstance(self.files, S3Files)
+            self.files.upload(staging, files)
+            table = self._delta_table()
+            table.update_incremental()
+            deltacommit.commit(
+                table,
+                actions,
+                partition_by=list(self.stream.partition_by),
+                user_metadata={"eventplane": meta},
+            )
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
     def _create_table(self, spark: Any, df: Any) -> None:
         """Before the stream's first append in this process: create the table
         if there is none (an empty write: version 0, with Delta's properties),
         then make sure it names this daemon (``eventplane.*`` properties, which
         Delta takes from ALTER TABLE only). Another daemon's table refuses."""
+        if self.files.remote:
+            self._create_remote_table(df)
+            return
         path = str(self.path)
-        if not table_exists(self.path):
+        if not table_exists(self.files):
             writer = spark.createDataFrame([], df.schema).write.format("delta").mode("append")
             writer = writer.partitionBy(*self.stream.partition_by)
             for key, value in DELTA_PROPERTIES.items():
@@ -439,27 +517,77 @@ class DeltaSink(CdcSink):
         props = {
             r["key"]: r["value"] for r in spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()
         }
-        ours = {
+        theirs = self._check_properties(props)
+        if not theirs:
+            pairs = ", ".join(f"'{k}' = '{v}'" for k, v in self._our_properties().items())
+            spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({pairs})")
+        have = set(spark.read.format("delta").load(path).columns)
+        added = [f"`{f.name}` {f.dataType.simpleString()}" for f in df.schema if f.name not in have]
+        if added:
+            spark.sql(f"ALTER TABLE delta.`{path}` ADD COLUMNS ({', '.join(added)})")
+            log.info("cdc_delta_columns_added", stream=self.name, columns=added)
+        self._created = True
+
+    def _our_properties(self) -> dict[str, str]:
+        return {
             "eventplane.stream": self.name,
             "eventplane.wal_id": self.wal_id,
             "eventplane.cores": str(self.cores),
         }
+
+    def _check_properties(self, props: dict[str, str]) -> dict[str, str]:
+        """The table's ``eventplane.*`` properties, if they are this stream's;
+        another daemon's refuse."""
+        ours = self._our_properties()
         theirs = {k: props[k] for k in ours if k in props}
         if theirs and theirs != ours:
             raise IdentityMismatchError(
-                f"stream {self.name!r}: the Delta table at {self.path} was written by another "
-                f"event plane (table properties {theirs}; this one: {ours}). Point "
+                f"stream {self.name!r}: the Delta table at {self.location} was written by "
+                f"another event plane (table properties {theirs}; this one: {ours}). Point "
                 f"[[cdc.streams]] path at a new folder, or move the old one away."
             )
-        if not theirs:
-            pairs = ", ".join(f"'{k}' = '{v}'" for k, v in ours.items())
-            spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({pairs})")
+        return theirs
+
+    def _create_remote_table(self, df: Any) -> None:
+        """:meth:`_create_table` for a table on S3, by delta-rs (Spark would
+        need hadoop-aws): version 0 with the batch's schema, Delta's and the
+        daemon's properties; an existing table must name this stream."""
+        from deltalake import DeltaTable, Schema
+
+        if not table_exists(self.files):
+            DeltaTable.create(
+                self.files.uri,
+                Schema.from_json(df.schema.json()),
+                mode="ignore",
+                partition_by=list(self.stream.partition_by),
+                configuration={**DELTA_PROPERTIES, **self._our_properties()},
+                storage_options=self.files.storage_options,
+                raise_if_key_not_exists=False,
+            )
+        table = self._maintenance_table()
+        props = dict(table.metadata().configuration)
+        if not self._check_properties(props):
+            raise IdentityMismatchError(
+                f"stream {self.name!r}: the Delta table at {self.location} does not name "
+                f"an event plane (no eventplane.* properties): eventplane did not create it. "
+                f"Point [[cdc.streams]] path at a new prefix."
+            )
+        have = {f.name for f in table.schema().fields}
+        added = [f for f in df.schema if f.name not in have]
+        if added:
+            from deltalake import Field
+
+            table.alter.add_columns([Field(f.name, f.dataType.simpleString()) for f in added])
+            log.info("cdc_delta_columns_added", stream=self.name, columns=[f.name for f in added])
         self._created = True
 
     def _table_version(self, spark: Any) -> int:
         """The table's version after this process's last commit (a compaction
         may have committed since: the ledger's version is then later, never
         earlier, than the batch's own commit)."""
+        if self.files.remote:
+            table = self._maintenance_table()
+            return int(table.version())
         jvm = _py4j_jvm(spark)
         delta_log = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(
             spark._jsparkSession, str(self.path)
@@ -515,7 +643,7 @@ class DeltaSink(CdcSink):
         """The table's newest snapshot, for a maintenance thread (delta-rs)."""
         from deltalake import DeltaTable
 
-        return DeltaTable(str(self.path))
+        return DeltaTable(self.files.uri, storage_options=self.files.storage_options)
 
     def apply_retention(self, spark: Any, now: float | None = None) -> RunResult:
         """Retention on a Delta table: a DELETE of the expired time partitions
@@ -529,9 +657,12 @@ class DeltaSink(CdcSink):
         where = f"date < '{day}'"
         if "hour" in s.partition_by:
             where = f"({where}) OR (date = '{day}' AND hour < '{time.gmtime(cutoff).tm_hour:02d}')"
-        _activate(spark)
-        deleted = spark.sql(f"DELETE FROM delta.`{self.path}` WHERE {where}").collect()
-        rows = int(deleted[0][0]) if deleted else 0
+        if self.writes_direct:
+            rows = int(self._maintenance_table().delete(where).get("num_deleted_rows", 0))
+        else:
+            _activate(spark)
+            deleted = spark.sql(f"DELETE FROM delta.`{self.path}` WHERE {where}").collect()
+            rows = int(deleted[0][0]) if deleted else 0
         self._vacuum(spark)
         removed = [{"partition": where, "files": 0, "bytes": 0, "rows": rows}] if rows else []
         log.info("cdc.retention_removed", stream=self.name, where=where, rows=rows)
@@ -540,11 +671,15 @@ class DeltaSink(CdcSink):
     def _vacuum(self, spark: Any) -> None:
         hours = self.stream.vacuum_retain_hours
         if self.writes_direct:
+            table = self._maintenance_table()
             # full: also files no snapshot ever listed (a crashed attempt's),
             # once older than the window, as Spark's VACUUM does.
-            self._maintenance_table().vacuum(
+            table.vacuum(
                 retention_hours=hours, dry_run=False, enforce_retention_duration=False, full=True
             )
+            # Log entries older than delta.logRetentionDuration, up to a
+            # checkpoint (the batch commits leave them: deltacommit.commit).
+            table.cleanup_metadata()
             return
         # Delta refuses a window under its 7-day default unless told: the
         # configured window is the user's decision (docs/cdc.md).
@@ -591,11 +726,23 @@ class DeltaSink(CdcSink):
         )
         crash_point("cdc.replay_after_intent")
         # Step 3. The append.
-        self._append(df, {"replay_id": replay_id, "batch_id": bid, "lsns": lsns}, {})
+        meta = {"replay_id": replay_id, "batch_id": bid, "lsns": lsns}
+        if self.files.remote:
+            self._append_staged(df, bid, meta)
+        else:
+            self._append(df, meta, {})
         crash_point("cdc.replay_after_publish")
         # Step 4. Out of the quarantine; the intent goes last.
         quarantine.drop(self.meta, lsns)
         quarantine.replay_file(self.meta, bid).unlink(missing_ok=True)
+
+    def _remove_orphans(self, report: RecoveryReport) -> None:
+        """Files of batches above the ledger's last (after the roll-forward:
+        never committed) go."""
+        last = self.ledger.last_batch_id
+        orphans = [rel for batch_id, rel in self.files.published() if batch_id > last]
+        self.files.remove(orphans)
+        report.orphans_removed.extend(orphans)
 
     def _complete_replays(self) -> None:
         """Recovery of replays (step 4 or back): their commit is in the log or not."""
@@ -606,7 +753,7 @@ class DeltaSink(CdcSink):
                 .get("eventplane", {})
                 .get("replay_id")
                 == raw["replay_id"]
-                for _, a in log_commits(self.path, int(raw["after_version"]))
+                for _, a in log_commits(self.files, int(raw["after_version"]))
             )
             if committed:
                 quarantine.drop(self.meta, [int(x) for x in raw["lsns"]])

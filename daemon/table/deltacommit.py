@@ -121,11 +121,11 @@ def _json_bound(value: Any, *, down: bool) -> Any:
     return None
 
 
-def add_action(table: Path, rel: str, stats_columns: Iterable[str]) -> Any:
-    """The ``add`` action of the table's file ``rel`` (written, not yet committed)."""
+def add_action(file: Path, rel: str, stats_columns: Iterable[str]) -> Any:
+    """The ``add`` action of the Parquet file ``file`` (written, not yet
+    committed), to be the table's file ``rel``."""
     from deltalake.transaction import AddAction
 
-    file = table / rel
     st = os.stat(file)
     return AddAction(
         quote(rel, safe="/="),
@@ -142,17 +142,18 @@ def commit(
     actions: list[Any],
     *,
     partition_by: list[str],
-    app_id: str,
-    version: int,
     user_metadata: Mapping[str, Any],
+    app_id: str | None = None,
+    version: int = 0,
 ) -> None:
     """One blind append of ``actions`` to the delta-rs table ``table``, with
-    the ``txn`` (``app_id``, ``version``) and ``userMetadata``."""
-    from deltalake import CommitProperties, Transaction
+    ``userMetadata`` and, given ``app_id``, the ``txn`` (``app_id``, ``version``)."""
+    from deltalake import CommitProperties, PostCommitHookProperties, Transaction
 
+    txns = [Transaction(app_id, version, int(time.time() * 1000))] if app_id else None
     properties = CommitProperties(
         custom_metadata={"userMetadata": json.dumps(user_metadata, separators=(",", ":"))},
-        app_transactions=[Transaction(app_id, version, int(time.time() * 1000))],
+        app_transactions=txns,
     )
     table.create_write_transaction(
         actions,
@@ -160,4 +161,8 @@ def commit(
         table.schema(),
         partition_by=partition_by,
         commit_properties=properties,
+        # Expired log entries go in the compaction thread (cleanup_metadata):
+        # after each commit, delta-rs would list the whole _delta_log (on S3,
+        # one LIST per 1,000 entries, 30 days of them by default).
+        post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
     )

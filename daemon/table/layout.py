@@ -32,6 +32,7 @@ CDC_COLUMNS = (
     "batch_id",
     "event_id",
     "event_time",
+    "producer",
 )
 # The payloads' JSON text, written next to ``new``/``old`` (VARIANT) in every
 # file. pyarrow, pandas and Polars cannot decode VARIANT; they (and DuckDB)
@@ -80,7 +81,7 @@ TRANSIENT_PARQUET_OPTIONS = {
 INBOX_SCHEMA = (
     "lsn BIGINT, core INT, seq BIGINT, collection STRING, op STRING, key STRING,"
     " new_json STRING, old_json STRING, ingest_ts TIMESTAMP, batch_id BIGINT,"
-    " event_id STRING, event_time TIMESTAMP, depth INT, source STRING"
+    " event_id STRING, event_time TIMESTAMP, depth INT, source STRING, producer STRING"
 )
 # The table's schema for readers that infer it: Spark (without ``mergeSchema``)
 # reads this file's footer first and only falls back to one data file's.

@@ -31,12 +31,17 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+import structlog
+
 from daemon.errors import DaemonError
+
+log = structlog.get_logger("eventplane.cdc")
 
 
 class LeaseError(DaemonError):
@@ -175,6 +180,11 @@ class Lease:
             self._etag, self._deadline = None, float("-inf")
             raise LeaseError(f"{self.key}: the lease was taken over; stop committing") from exc
 
+    @property
+    def holding(self) -> bool:
+        """Taken and not known lost (it may be past its deadline)."""
+        return self._etag is not None
+
     def may_commit(self) -> bool:
         """Step 3: this daemon may commit to the table now."""
         return self._etag is not None and self._monotonic() < self._deadline
@@ -228,10 +238,88 @@ class S3Store:
             put = self.client.put_object(Bucket=self.bucket, Key=key, Body=body, **extra)
         except ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status in (409, 412):  # 409: a conditional write racing another
+            # 409: a conditional write racing another; 404 on If-Match: the
+            # lease is gone (broken by hand), so it is no longer this writer's.
+            if status in (409, 412) or (status == 404 and if_match is not None):
                 raise PreconditionFailed(str(exc)) from exc
             raise
         return str(put["ETag"])
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=key)
+
+
+class Keeper:
+    """Keeps a :class:`Lease` for a table's writer: takes it, renews it in a
+    thread of its own every ``renew_s``, and answers :meth:`check` before each
+    commit (module doc, step 3). A lease taken over by another writer is taken
+    again once it expires; until then :meth:`check` names the holder."""
+
+    def __init__(self, lease: Lease, what: str) -> None:
+        self.lease, self.what = lease, what
+        self.error: str | None = None  # the last renewal's failure, for status
+        self.renewals = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one store call at a time
+
+    def start(self) -> None:
+        """Take the lease (raises :class:`LeaseHeldError` naming the holder)
+        and start renewing it."""
+        with self._lock:
+            self.lease.take()
+        self._thread = threading.Thread(target=self._run, name=f"lease {self.what}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.lease.renew_s):
+            self._refresh()
+
+    def _refresh(self) -> None:
+        try:
+            with self._lock:
+                if self.lease.holding:
+                    self.lease.renew()
+                else:
+                    self.lease.take()
+        except Exception as exc:
+            if self.error is None:
+                log.warning("lease_not_renewed", table=self.what, error=str(exc))
+            self.error = str(exc)
+            return
+        if self.error is not None:
+            log.info("lease_renewed_again", table=self.what)
+        self.error = None
+        self.renewals += 1
+
+    def check(self) -> None:
+        """Before a commit: the lease is this writer's until past the commit's
+        start, or :class:`LeaseError` says why not (a renewal is tried first)."""
+        if self.lease.may_commit():
+            return
+        self._refresh()
+        if not self.lease.may_commit():
+            raise LeaseError(
+                f"{self.what}: not committing: this daemon does not hold the table's "
+                f"lease ({self.error or 'expired'})"
+            )
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "held": self.lease.may_commit(),
+            "seconds_left": round(self.lease.seconds_left(), 1),
+            "renewals": self.renewals,
+            "error": self.error,
+        }
+
+    def stop(self) -> None:
+        """Stop renewing and release the lease (a failure is logged: the lease
+        then expires by itself)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.lease.renew_s + 5)
+        try:
+            with self._lock:
+                self.lease.release()
+        except Exception as exc:
+            log.warning("lease_not_released", table=self.what, error=str(exc))

@@ -247,6 +247,10 @@ class CdcSink:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
+    def table_status(self) -> dict[str, Any]:
+        """More of the table's state for ``/v1/status`` (the Delta sink's lease)."""
+        return {}
+
     def _lock(self) -> None:
         # The lock file names this daemon (pid, host, since, data_dir, WAL id),
         # so a second writer is told who holds the stream; the flock fences.

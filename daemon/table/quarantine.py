@@ -136,6 +136,7 @@ class QuarantinedRow:
             "ingest_ts_ns": event.ingest_ts_ns,
             "event_id": event.event_id,
             "event_time_us": event.event_time_us,
+            "producer": event.producer,
         }
 
 

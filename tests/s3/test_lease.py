@@ -18,7 +18,7 @@ from daemon.table.lease import (
     S3Store,
     break_lease,
 )
-from tests.s3.conftest import S3Server
+from tests.s3.server import S3Server
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 import pyarrow as pa
 import pytest
 
-from tests.s3.conftest import S3Server
+from tests.s3.server import S3Server
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,7 +1,7 @@
 """A stand-alone executor process for crash and cluster tests.
 
 ``python -m tests.spark.crash_worker ROOT --batches N --per-batch M [--master URL |
---remote sc://...] [--bad-every K] [--format delta]`` runs the deterministic
+--remote sc://...] [--bad-every K] [--format delta] [--s3 JSON]`` runs the deterministic
 batches 1..N of ``tests.spark.support`` through a real ``SparkExecutor``
 writing under ROOT, printing ``committed <id>`` after each. With
 ``EVENTPLANE_CRASH_AT`` set it SIGKILLs itself at that point.
@@ -14,16 +14,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
+from daemon.config import S3Config
 from daemon.service.metrics import Metrics
 from daemon.spark.executor import SparkExecutor
 from tests.spark.support import make_batches, make_config, say
 
 
 async def run(args: argparse.Namespace) -> int:
-    options = {"format": args.format} if args.format != "parquet" else None
+    options: dict[str, Any] | None = {"format": args.format} if args.format != "parquet" else None
+    if args.s3:  # {"uri": ..., "s3": {the [s3] section}}
+        raw = json.loads(args.s3)
+        options = {**(options or {}), "uri": raw["uri"], "s3": S3Config(**raw["s3"])}
     cfg = make_config(
         Path(args.root), master=args.master, remote=args.remote, stream_options=options
     )
@@ -65,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retries", type=int, default=0, help="failed attempts retried per batch")
     p.add_argument("--bad-every", type=int, default=0, help="every Nth LSN's payload is bad")
     p.add_argument("--format", default="parquet", help="the stream's table format")
+    p.add_argument("--s3", default="", help='the table on S3: {"uri": ..., "s3": {...}}')
     p.add_argument("--pause-before", type=int, default=0, help="wait for a stdin line first")
     return asyncio.run(run(p.parse_args(argv)))
 

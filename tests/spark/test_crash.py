@@ -48,7 +48,9 @@ def run_worker(
     timeout: float = 300,
     bad_every: int = 0,
     table_format: str = "parquet",
+    s3: str = "",
 ) -> subprocess.CompletedProcess[str]:
+    """``s3``: the table on S3, as crash_worker's ``--s3`` JSON."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_PYTHON": sys.executable}
     env.pop(ENV_CRASH_AT, None)
     if crash_at:
@@ -71,6 +73,8 @@ def run_worker(
         cmd += ["--bad-every", str(bad_every)]
     if table_format != "parquet":
         cmd += ["--format", table_format]
+    if s3:
+        cmd += ["--s3", s3]
     return subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )

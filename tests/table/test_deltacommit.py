@@ -70,7 +70,7 @@ def test_a_column_of_nulls_only_has_a_null_count_and_no_bounds(tmp_path: Path) -
 def test_partition_values_and_paths_come_from_the_folders(tmp_path: Path) -> None:
     rel = "collection=orders/date=2026-11-28/hour=13/part-b000000000001-0.parquet"
     _write(tmp_path / rel, pa.table({"lsn": pa.array([1], pa.int64())}))
-    add = deltacommit.add_action(tmp_path, rel, ("lsn",))
+    add = deltacommit.add_action(tmp_path / rel, rel, ("lsn",))
     assert add.partition_values == {"collection": "orders", "date": "2026-11-28", "hour": "13"}
     assert add.path == rel and add.size == (tmp_path / rel).stat().st_size
     assert add.data_change is True

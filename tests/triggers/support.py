@@ -120,7 +120,7 @@ def event(
 _SCHEMA = (
     "lsn BIGINT, core INT, seq BIGINT, collection STRING, op STRING, key STRING, "
     "new STRING, old STRING, ingest_ts TIMESTAMP, batch_id BIGINT, "
-    "event_id STRING, event_time TIMESTAMP, depth INT, source STRING"
+    "event_id STRING, event_time TIMESTAMP, producer STRING, depth INT, source STRING"
 )
 
 
@@ -134,7 +134,8 @@ def batch_df(spark: Any, events: Iterable[Mapping[str, Any]], batch_id: int = 1)
             e["lsn"], e["core"], e["seq"], e["collection"], e["op"], e["key"],
             None if e["new"] is None else json.dumps(e["new"]),
             None if e["old"] is None else json.dumps(e["old"]),
-            ts, batch_id, e.get("event_id"), e.get("event_time"), e["depth"], e["source"],
+            ts, batch_id, e.get("event_id"), e.get("event_time"), e.get("producer"), e["depth"],
+            e["source"],
         )
         for e in events
     ]  # fmt: skip
@@ -156,11 +157,11 @@ async def run_batch(engine: TriggerEngine, spark: Any, df: Any, batch_id: int = 
 
 def doc(e: Mapping[str, Any], batch_id: int = 1) -> bytes:
     """A row document as Spark renders it (without the idempotency key)."""
-    full = {"event_id": None, **e, "ingest_ts": BASE_TS, "batch_id": batch_id}
+    full = {"event_id": None, "producer": None, **e, "ingest_ts": BASE_TS, "batch_id": batch_id}
     full["event_time"] = _doc_time(e.get("event_time"))
     ordered = {k: full[k] for k in (
         "lsn", "core", "seq", "collection", "op", "key", "new", "old", "ingest_ts",
-        "batch_id", "event_id", "event_time", "depth", "source")}  # fmt: skip
+        "batch_id", "event_id", "event_time", "producer", "depth", "source")}  # fmt: skip
     return json.dumps(ordered, separators=(",", ":")).encode()
 
 

@@ -68,7 +68,8 @@ async def test_webhook_gets_exactly_the_rows_when_matches_in_lsn_order(
         "idempotency_key": "large-orders:1",
         "lsn": 1, "core": 1, "seq": 1, "collection": "orders", "op": "insert", "key": "o1",
         "new": {"amount": 1500}, "old": None, "ingest_ts": "2025-01-02T03:04:05.000000Z",
-        "batch_id": 42, "event_id": None, "event_time": None, "depth": 0, "source": "",
+        "batch_id": 42, "event_id": None, "event_time": None, "producer": None, "depth": 0,
+        "source": "",
     }  # fmt: skip
     assert first["rows"][1]["old"] == {"amount": 1500}
     assert sample(metrics, "eventplane_trigger_fires_total", trigger="large-orders") == 4

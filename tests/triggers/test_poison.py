@@ -199,7 +199,7 @@ async def test_dlq_replay_after_fixing_the_trigger_delivers_exactly_the_matching
         "idempotency_key": "big:3", "lsn": 3, "core": 3, "seq": 3, "collection": "orders",
         "op": "insert", "key": "k3", "new": {"amount": {"value": 5000}}, "old": None,
         "ingest_ts": "2025-01-02T03:04:05.000000Z", "batch_id": 1, "event_id": None,
-        "event_time": None, "depth": 0, "source": "",
+        "event_time": None, "producer": None, "depth": 0, "source": "",
     }  # fmt: skip
     assert receiver.requests[0].headers["Idempotency-Key"] == "big:3-3"
     assert engine._store.pending() == []

@@ -50,8 +50,8 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
   // Column positions in InboxSource.SCHEMA.
   private static final int LSN = 0, CORE = 1, SEQ = 2, COLLECTION = 3, OP = 4, KEY = 5;
   private static final int NEW = 6, OLD = 7, INGEST_TS = 8, BATCH_ID = 9, EVENT_ID = 10;
-  private static final int EVENT_TIME = 11, DEPTH = 12, SOURCE = 13;
-  private static final int NEW_VARIANT = 14, OLD_VARIANT = 15;
+  private static final int EVENT_TIME = 11, DEPTH = 12, SOURCE = 13, PRODUCER = 14;
+  private static final int NEW_VARIANT = 15, OLD_VARIANT = 16;
 
   /** The session's parse_json settings, read on the driver. */
   record VariantOptions(boolean allowDuplicateKeys, boolean validateUnicode)
@@ -225,8 +225,8 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
     } else {
       throw error("payload is not a msgpack array (type byte 0x" + Integer.toHexString(b) + ")");
     }
-    if (fields != 8 && fields != 10) {
-      throw error("stored event has " + fields + " fields (8 or 10 expected)");
+    if (fields != 8 && fields != 10 && fields != 11) {
+      throw error("stored event has " + fields + " fields (8, 10 or 11 expected)");
     }
     string(COLLECTION, i, false);
     boolean parse =
@@ -260,7 +260,7 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
     integer(false);
     columns[DEPTH].putInt(i, (int) value);
     string(SOURCE, i, false);
-    if (fields == 10) {
+    if (fields >= 10) {
       string(EVENT_ID, i, true);
       if (integer(true)) {
         columns[EVENT_TIME].putLong(i, value);
@@ -270,6 +270,11 @@ final class InboxReader implements PartitionReader<ColumnarBatch> {
     } else {
       columns[EVENT_ID].putNull(i);
       columns[EVENT_TIME].putNull(i);
+    }
+    if (fields == 11) {
+      string(PRODUCER, i, true);
+    } else {
+      columns[PRODUCER].putNull(i);
     }
     if (at != stop) {
       throw error(

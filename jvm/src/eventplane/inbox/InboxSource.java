@@ -41,7 +41,8 @@ public final class InboxSource implements TableProvider {
           .add("event_id", DataTypes.StringType)
           .add("event_time", DataTypes.TimestampType)
           .add("depth", DataTypes.IntegerType)
-          .add("source", DataTypes.StringType);
+          .add("source", DataTypes.StringType)
+          .add("producer", DataTypes.StringType);
 
   /**
    * {@link #SCHEMA} and {@code new}/{@code old} as VARIANT, parsed here from the JSON text as
