@@ -41,6 +41,15 @@ ingest servers (the same code and config, de-duplication window on), one
 fed requests without a key and one fed a fresh ``Idempotency-Key`` on every
 request, their closed-loop runs alternating ``--repeat`` times so drift on a
 shared machine hits both alike; it reports the median of each and the ratio.
+
+``--secure`` measures what TLS and a producer token cost the same way: a
+plain eventplane ingest server and one with TLS (a P-256 certificate made
+with ``openssl``) and a token scoped to the bench's four collections,
+closed-loop runs alternating ``--repeat`` times, medians and the ratios
+(docs/security.md; aim: at most 10 % more CPU per event at 1000 events per
+request). Then the TLS handshake rate, one connection after another from one
+client: full handshakes, and resumed ones (the session of the previous
+connection offered again).
 """
 
 from __future__ import annotations
@@ -68,6 +77,9 @@ MiB = 1 << 20
 PEERS = ("eventplane", "daemon", "fsync", "sqlite")
 KEYED = "keyed"  # eventplane ingest + WAL, every request with an Idempotency-Key
 KEYS_AIM = 0.95  # issue 14: keyed throughput at most 5 % lower
+SECURE = "secure"  # eventplane ingest + WAL behind TLS and a producer token
+SECURE_CPU_AIM = 1.10  # issue 29: TLS + token at most 10 % more CPU per event
+BENCH_TOKEN = "bench-producer-token"
 TARGET_EVENTS_PER_S = 250_000  # issue 3, section 7
 TARGET_P99_MS = 25.0
 
@@ -83,8 +95,12 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
-async def _serve_eventplane(directory: Path, port_file: Path, cores: int) -> None:
-    from daemon.config import Config, DaemonConfig, IngestConfig, Listen
+async def _serve_eventplane(
+    directory: Path, port_file: Path, cores: int, secure: bool = False
+) -> None:
+    import hashlib
+
+    from daemon.config import Config, DaemonConfig, IngestConfig, Listen, ProducerToken, TlsConfig
     from daemon.ingest.server import IngestServer
     from daemon.service.app import tune_gc
     from daemon.service.metrics import Metrics
@@ -101,9 +117,17 @@ async def _serve_eventplane(directory: Path, port_file: Path, cores: int) -> Non
         request_window_s=defaults.idempotency_window_s,  # as `eventplane run` opens it
         request_max_keys=defaults.idempotency_max_keys,
     )
+    tls, tokens = TlsConfig(), ()
+    if secure:  # the benchmark side made the certificate (_make_certificate)
+        tls = TlsConfig(directory / "tls.crt", directory / "tls.key")
+        digest = hashlib.sha256(BENCH_TOKEN.encode()).hexdigest()
+        scope = ("orders", "customers", "payments", "shipments")  # make_bodies' collections
+        tokens = (ProducerToken("bench", collections=scope, sha256=digest),)
     cfg = Config(
         daemon=DaemonConfig(data_dir=directory, cores=cores),
-        ingest=IngestConfig(listen=Listen("127.0.0.1", 0), max_lag_events=1 << 62),
+        ingest=IngestConfig(
+            listen=Listen("127.0.0.1", 0), max_lag_events=1 << 62, tls=tls, tokens=tokens
+        ),
     )
     server = IngestServer(cfg, wal, Metrics(), lag=lambda: 0)
     tune_gc()  # as `eventplane run` does
@@ -200,8 +224,8 @@ def serve(kind: str, directory: Path, port_file: Path, cores: int) -> int:
     from daemon.service import logs
 
     logs.configure("warning", "console")
-    if kind in ("eventplane", KEYED):
-        coro = _serve_eventplane(directory, port_file, cores)
+    if kind in ("eventplane", KEYED, SECURE):
+        coro = _serve_eventplane(directory, port_file, cores, secure=kind == SECURE)
     elif kind == "fsync":
         coro = _serve_fsync(directory, port_file)
     else:
@@ -278,6 +302,7 @@ class Server:
         packages) instead of this one; ``--baseline`` uses it."""
         self.kind = kind
         self.keyed = kind == KEYED
+        self.secure = kind == SECURE
         self.tree = tree
         self.dir = workdir / (kind if tree is None else f"{kind}-baseline")
         self.dir.mkdir(parents=True)
@@ -285,6 +310,8 @@ class Server:
             self._start_daemon(cores)
             return
         port_file = self.dir / "port"
+        if self.secure:
+            _make_certificate(self.dir)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.bench_ingest", "--serve", kind, "--dir", str(self.dir),
              "--port-file", str(port_file), "--cores", str(cores)],
@@ -296,7 +323,9 @@ class Server:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{kind} server did not start (exit {self.proc.poll()})")
             time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{int(port_file.read_text())}/v1/events"
+        scheme = "https" if self.secure else "http"
+        self.port = int(port_file.read_text())
+        self.url = f"{scheme}://127.0.0.1:{self.port}/v1/events"
 
     def _start_daemon(self, cores: int) -> None:
         import urllib.error
@@ -335,14 +364,31 @@ class Server:
             self.proc.wait()
 
 
+def _make_certificate(directory: Path) -> None:
+    """A self-signed P-256 certificate for 127.0.0.1 (its own CA), as docs/security.md
+    makes them."""
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", "tls.key", "-out", "tls.crt", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        cwd=directory, check=True, capture_output=True,
+    )  # fmt: skip
+
+
 _NDJSON = {"Content-Type": "application/x-ndjson"}
+_SECURE = {**_NDJSON, "Authorization": f"Bearer {BENCH_TOKEN}"}
 _keys = iter(range(1 << 62))
 _KEY_PREFIX = f"bench-{os.getpid()}-{time.time_ns()}"
+# The secure server's client context (closed_loop sets it per server).
+_ssl: dict[str, Any] = {}
 
 
 async def _post(session: Any, url: str, body: bytes, keyed: bool = False) -> int:
     headers = {**_NDJSON, "Idempotency-Key": f"{_KEY_PREFIX}-{next(_keys)}"} if keyed else _NDJSON
-    async with session.post(url, data=body, headers=headers) as resp:
+    ctx = _ssl.get(url)
+    if ctx is not None:
+        headers = _SECURE
+    async with session.post(url, data=body, headers=headers, ssl=ctx or True) as resp:
         payload = await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {payload[:300]!r}")
@@ -447,7 +493,100 @@ LABELS = {
     "fsync": "aiohttp + fdatasync/request",
     "sqlite": "aiohttp + SQLite (FULL)",
     KEYED: "eventplane, Idempotency-Key",
+    SECURE: "eventplane, TLS + token",
 }
+
+
+def _client_context(server: Server) -> Any:
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=str(server.dir / "tls.crt"))
+    _ssl[server.url] = ctx
+    return ctx
+
+
+def handshakes_per_s(server: Server, resume: bool, duration_s: float) -> float:
+    """Connections per second, one after another: TLS handshake, a small GET (so a
+    TLS 1.3 session ticket arrives), close; ``resume`` offers the last session."""
+    import socket
+
+    ctx = _client_context(server)
+    session = None
+    count = 0
+    end = time.monotonic() + duration_s
+    while time.monotonic() < end:
+        with (
+            socket.create_connection(("127.0.0.1", server.port)) as raw,
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1", session=session) as tls,
+        ):
+            tls.sendall(b"GET /nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            while tls.recv(65536):
+                pass
+            if resume:
+                session = tls.session
+        count += 1
+    return count / duration_s
+
+
+async def run_secure(args: argparse.Namespace, workdir: Path) -> list[Result]:
+    """Plain and TLS + token eventplane ingest, closed-loop runs alternating; medians;
+    then the handshake rates (full, resumed)."""
+    bodies = make_bodies(64, args.batch, payload_bytes=args.payload_bytes)
+    servers = [Server("eventplane", workdir, args.cores), Server(SECURE, workdir, args.cores)]
+    _client_context(servers[1])
+    runs: dict[str, list[tuple[float, float]]] = {s.kind: [] for s in servers}
+    try:
+        for _ in range(args.repeat):
+            for server in servers:
+                runs[server.kind].append(
+                    await closed_loop(server, bodies, args.clients, args.warmup, args.duration)
+                )
+        rates = [
+            await asyncio.to_thread(handshakes_per_s, servers[1], resume, args.duration / 2)
+            for resume in (False, True)
+        ]
+    finally:
+        for server in servers:
+            server.stop()
+    results = []
+    for kind, got in runs.items():
+        eps = sorted(e for e, _c in got)
+        cpu = sorted(c for _e, c in got)
+        result = Result(kind, eps[len(eps) // 2], cpu[len(cpu) // 2])
+        result.runs = got
+        results.append(result)
+    args.handshakes = rates
+    return results
+
+
+def render_secure(results: list[Result], args: argparse.Namespace) -> str:
+    plain, secure = results
+    ratio = secure.events_per_s / max(plain.events_per_s, 1e-9)
+    cpu = secure.cpu_us_per_event / max(plain.cpu_us_per_event, 1e-9)
+    full, resumed = args.handshakes
+    lines = [
+        f"TLS + token cost: eventplane ingest + WAL, fsync on, {args.batch} events/request, "
+        f"{args.clients} clients, {args.repeat} alternating runs of {args.duration:g} s, "
+        f"medians; {os.cpu_count()} CPUs; load average before: {args.load_before}",
+        "",
+        f"{'requests':<30} {'events/s':>10} {'CPU µs/ev':>10}",
+        f"{'-' * 30} {'-' * 10} {'-' * 10}",
+    ]
+    for r in results:
+        spread = " ".join(f"{e / 1000:.0f}k" for e, _c in r.runs)
+        lines.append(
+            f"{LABELS[r.peer]:<30} {r.events_per_s:>10,.0f} {r.cpu_us_per_event:>10.2f}"
+            f"   runs: {spread}"
+        )
+    verdict = "met" if cpu <= SECURE_CPU_AIM else "MISSED"
+    lines += [
+        "",
+        f"secure / plain: {ratio:.3f}x events/s, {cpu:.3f}x CPU per event "
+        f"(aim: <= {SECURE_CPU_AIM:.2f}x CPU per event: {verdict})",
+        f"TLS handshakes, one client, one after another: {full:,.0f}/s full, "
+        f"{resumed:,.0f}/s resumed",
+    ]
+    return "\n".join(lines)
 
 
 async def run_keys(args: argparse.Namespace, workdir: Path) -> list[Result]:
@@ -621,12 +760,15 @@ def main(argv: list[str] | None = None) -> int:
         "--keys", action="store_true", help="measure Idempotency-Key on every request vs none"
     )
     parser.add_argument(
+        "--secure", action="store_true", help="measure TLS + a producer token vs plain"
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         help="A/B: also run each of --peers (eventplane, daemon) from this source tree, "
         "rounds alternating (--repeat of them); report CPU per event of both and the ratio",
     )
-    parser.add_argument("--serve", choices=(*PEERS, KEYED), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=(*PEERS, KEYED, SECURE), help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -658,6 +800,12 @@ def main(argv: list[str] | None = None) -> int:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 results = runner.run(run_keys(args, Path(d)))
             print(render_keys(results, args))
+            return 0
+        if args.secure:
+            args.repeat = max(args.repeat, 3)
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                results = runner.run(run_secure(args, Path(d)))
+            print(render_secure(results, args))
             return 0
         for peer in peers:
             print(f"running {peer} ...", file=sys.stderr, flush=True)

@@ -18,7 +18,11 @@ per request).
   and 507 (nothing stored). The wait is the server's ``Retry-After``, else an
   exponential backoff with jitter, each capped by ``max_wait_s``; no retry
   starts once ``retry_for_s`` (attempts and waits) would be exceeded.
-- Not retried: 400, 413, 415, 422 and any other answer, which raise a typed
+- ``token``: sent as ``Authorization: Bearer`` (docs/security.md);
+  ``ssl_context``: for an ``https://`` URL, e.g.
+  ``daemon.security.client_context(ca_file, cert, key)`` for a private CA and
+  a client certificate.
+- Not retried: 400, 401, 403, 413, 415, 422 and any other answer, which raise a typed
   :class:`IngestError` carrying the HTTP status, the server's error word and
   message, and the full JSON body (a 422 has ``errors``: index, field, reason
   per problem).
@@ -42,11 +46,14 @@ import select
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
 from daemon.errors import DaemonError
+
+if TYPE_CHECKING:
+    import ssl
 
 NDJSON = "application/x-ndjson"
 EVENTS_PATH = "/v1/events"
@@ -124,6 +131,15 @@ class BadRequestError(IngestError):
     """400: the body is not valid NDJSON/JSON (``body`` has line, column, position)."""
 
 
+class UnauthorizedError(IngestError):
+    """401: no producer token, or one the daemon does not know; nothing was stored."""
+
+
+class ForbiddenError(IngestError):
+    """403: the token may not write a collection of the request (``body["collection"]``);
+    nothing was stored."""
+
+
 class PayloadTooLargeError(IngestError):
     """413: the body, an event or the event count is over the daemon's limit."""
 
@@ -180,6 +196,8 @@ class IngestConnectionError(IngestError):
 
 _BY_STATUS: dict[int, type[IngestError]] = {
     400: BadRequestError,
+    401: UnauthorizedError,
+    403: ForbiddenError,
     408: RequestTimeoutError,
     413: PayloadTooLargeError,
     415: UnsupportedMediaTypeError,
@@ -361,10 +379,14 @@ class IngestClient:
         key_prefix: str | None = None,
         on_retry: Callable[[Retry], Any] | None = None,
         sleep: Callable[[float], Any] = asyncio.sleep,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         import aiohttp  # only the async client needs it
 
         self.url = _events_url(url)
+        self._headers = _auth_headers(token)
+        self._ssl: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
         self.key_prefix = check_key_prefix(key_prefix or new_key_prefix())
         self._numbers = itertools.count(1)
         self._aiohttp = aiohttp
@@ -413,9 +435,11 @@ class IngestClient:
         if self._session is None:
             connector = aiohttp.TCPConnector(keepalive_timeout=IDLE_REUSE_S)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
-        headers = {"Content-Type": NDJSON, IDEMPOTENCY_KEY: key}
+        headers = {"Content-Type": NDJSON, IDEMPOTENCY_KEY: key, **self._headers}
         try:
-            async with self._session.post(self.url, data=body, headers=headers) as resp:
+            async with self._session.post(
+                self.url, data=body, headers=headers, ssl=self._ssl
+            ) as resp:
                 payload = await resp.read()
                 if resp.status == 200:
                     return _ack(payload, resp.headers.get(REPLAYED))
@@ -450,8 +474,12 @@ class SyncIngestClient:
         key_prefix: str | None = None,
         on_retry: Callable[[Retry], Any] | None = None,
         sleep: Callable[[float], Any] = time.sleep,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.url = _events_url(url)
+        self._headers = _auth_headers(token)
+        self._ssl = ssl_context
         parts = urllib.parse.urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {url!r}")
@@ -505,8 +533,13 @@ class SyncIngestClient:
         ):
             self.close()  # the daemon may have closed it: do not bet a request on it
         if self._conn is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            conn = cls(self._host, self._port, timeout=self._timeout_s)
+            conn: http.client.HTTPConnection
+            if self._https:
+                conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=self._timeout_s, context=self._ssl
+                )
+            else:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
             try:
                 conn.connect()
             except OSError as exc:
@@ -519,7 +552,7 @@ class SyncIngestClient:
 
     def _post(self, body: bytes, key: str) -> Ack:
         conn = self._connect()
-        headers = {"Content-Type": NDJSON, IDEMPOTENCY_KEY: key}
+        headers = {"Content-Type": NDJSON, IDEMPOTENCY_KEY: key, **self._headers}
         try:
             conn.request("POST", self._path, body=body, headers=headers)
             resp = conn.getresponse()
@@ -537,6 +570,14 @@ class SyncIngestClient:
         if resp.status == 200:
             return _ack(payload, resp.getheader(REPLAYED))
         raise error_from_response(resp.status, payload, resp.getheader("Retry-After"))
+
+
+def _auth_headers(token: str | None) -> dict[str, str]:
+    if token is None:
+        return {}
+    if not token or any(c in token for c in "\r\n"):
+        raise ValueError("a producer token is one line of visible characters")
+    return {"Authorization": f"Bearer {token}"}
 
 
 def _closed_by_peer(conn: http.client.HTTPConnection) -> bool:

@@ -66,6 +66,48 @@ class DaemonConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ProducerToken:
+    """One ``[[ingest.tokens]]`` entry: who a producer is, and what it may write.
+
+    It names the producer by the SHA-256 of its bearer token (``sha256``, 64 hex
+    digits: the token itself never appears in a config) or by the subject of
+    its TLS client certificate (``cert_subject``, as ``openssl x509 -noout
+    -subject -nameopt RFC2253`` prints it). docs/security.md is the user's page.
+    """
+
+    name: str
+    collections: tuple[str, ...] = ()  # ("*",): every collection
+    collection_prefixes: tuple[str, ...] = ()
+    sha256: str | None = field(default=None, repr=False)  # lower-case hex; never shown
+    cert_subject: str | None = None
+    # Quota (a token bucket holding one second's worth); None: no limit.
+    max_events_per_s: int | None = None
+    max_bytes_per_s: int | None = None
+
+    def allows(self, collection: str) -> bool:
+        if self.collections == ("*",) or collection in self.collections:
+            return True
+        return any(collection.startswith(p) for p in self.collection_prefixes)
+
+    @property
+    def unrestricted(self) -> bool:
+        return self.collections == ("*",)
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """A listener's TLS files; all None: plain HTTP."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    client_ca: Path | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None
+
+
+@dataclass(frozen=True, slots=True)
 class IngestConfig:
     listen: Listen = Listen("127.0.0.1", 8470)
     max_body_bytes: int = 16 * MiB
@@ -93,11 +135,23 @@ class IngestConfig:
     # Drain (SIGTERM): while producer connections are open, the listener keeps
     # answering 503 draining this long before it closes (docs/ingest.md, "Draining").
     drain_grace_s: float = 1.0
+    # TLS (tls_cert, tls_key, tls_client_ca) and producer tokens: docs/security.md.
+    # ``tokens`` holds the inline [[ingest.tokens]]; the daemon reads tokens_file's
+    # at start and on SIGHUP (daemon.security.load_tokens), not the config loader:
+    # a client command run by an operator need not be able to read it.
+    tls: TlsConfig = TlsConfig()
+    tokens_file: Path | None = None
+    tokens: tuple[ProducerToken, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class AdminConfig:
     listen: Listen = Listen("127.0.0.1", 9470)
+    tls: TlsConfig = TlsConfig()
+    # Hex SHA-256 of the admin bearer token; None: the admin API is open.
+    token_sha256: str | None = field(default=None, repr=False)
+    # /healthz, /readyz and /metrics answer without the token (probes, Prometheus).
+    open_probes: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -511,6 +565,103 @@ def _section(raw: Any, path: str, spec: Mapping[str, Checker], errors: list[str]
     return out
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def _sha256(value: Any, path: str, errors: list[str]) -> Any:
+    """64 hex digits. The value is never shown: a token pasted here by mistake
+    must not reach a terminal or a log."""
+    if isinstance(value, str) and len(value) == 64 and set(value.lower()) <= _HEX:
+        return value.lower()
+    what = f"a string of {len(value)} characters" if isinstance(value, str) else _show(value)
+    errors.append(
+        f"{path}: expected the token's SHA-256 as 64 hex digits "
+        f'(printf %s "$TOKEN" | sha256sum), got {what}'
+    )
+    return None
+
+
+def _names(value: Any, path: str, errors: list[str]) -> Any:
+    if isinstance(value, list) and all(isinstance(c, str) and c for c in value):
+        return tuple(value)
+    errors.append(f"{path}: expected an array of non-empty strings, got {_show(value)}")
+    return None
+
+
+_TOKEN: dict[str, Checker] = {
+    "name": _str(),
+    "sha256": _sha256,
+    "cert_subject": _str(),
+    "collections": lambda v, p, e: _collections(v, p, e),
+    "collection_prefixes": _names,
+    "max_events_per_s": _int(1),
+    "max_bytes_per_s": _int(1),
+}
+
+
+def parse_tokens(raw: Any, path: str, errors: list[str]) -> tuple[ProducerToken, ...]:
+    """``[[ingest.tokens]]`` entries (inline, or a tokens file's); every problem
+    goes to ``errors`` with ``path`` (``ingest.tokens``, or the file's) as its prefix."""
+    out: list[ProducerToken] = []
+    for i, table in enumerate(_array_of_tables(raw, path, errors)):
+        where = f"{path}[{i}]"
+        before = len(errors)
+        got = _section(table, where, _TOKEN, errors)
+        _required(table, ("name",), where, errors)
+        if ("sha256" in table) == ("cert_subject" in table):
+            errors.append(
+                f"{where}: needs exactly one of sha256 (a bearer token's hash) or "
+                "cert_subject (a TLS client certificate's subject)"
+            )
+        if "collections" not in table and "collection_prefixes" not in table:
+            errors.append(
+                f'{where}.collections: required key is missing ("*", or the collections '
+                "this producer may write; or collection_prefixes)"
+            )
+        if len(errors) == before:
+            out.append(ProducerToken(**got))
+    return tuple(out)
+
+
+def check_token_set(tokens: tuple[ProducerToken, ...], path: str, errors: list[str]) -> None:
+    """Names, hashes and subjects are unique across the inline entries and the tokens
+    file (messages name the producers: entries that failed their own checks are gone)."""
+    names: set[str] = set()
+    owners: dict[tuple[str, str], str] = {}
+    for t in tokens:
+        if t.name in names:
+            errors.append(f'{path}: producer name "{t.name}" appears twice')
+        names.add(t.name)
+        for key, value in (("sha256", t.sha256), ("cert_subject", t.cert_subject)):
+            if value is None:
+                continue
+            other = owners.setdefault((key, value), t.name)
+            if other != t.name:
+                errors.append(f'{path}: producers "{other}" and "{t.name}" have the same {key}')
+
+
+_TLS_KEYS = ("tls_cert", "tls_key", "tls_client_ca")
+
+
+def _with_tls(got: dict[str, Any], section: str, errors: list[str]) -> dict[str, Any]:
+    """``tls_cert``, ``tls_key``, ``tls_client_ca`` of a listener -> its ``tls``."""
+    files = {k: got.pop(k) for k in _TLS_KEYS if k in got}
+    if not files:
+        return got
+    if ("tls_cert" in files) != ("tls_key" in files):
+        have, missing = ("tls_cert", "tls_key") if "tls_cert" in files else ("tls_key", "tls_cert")
+        errors.append(f"{section}.{missing}: required with {section}.{have} (PEM files)")
+    elif "tls_client_ca" in files and "tls_cert" not in files:
+        errors.append(
+            f"{section}.tls_client_ca: needs {section}.tls_cert and {section}.tls_key "
+            "(client certificates are checked in a TLS handshake)"
+        )
+    got["tls"] = TlsConfig(files.get("tls_cert"), files.get("tls_key"), files.get("tls_client_ca"))
+    return got
+
+
+_TLS: dict[str, Checker] = {k: _path for k in _TLS_KEYS}
+
 _DAEMON: dict[str, Checker] = {
     "data_dir": _path,
     "cores": _int(1, 256),
@@ -541,8 +692,16 @@ _INGEST: dict[str, Checker] = {
     "idempotency_max_keys": _int(1),
     "max_idempotency_key_bytes": _int(1, 65_535),
     "drain_grace_s": _float(0.0, exclusive=False),
+    **_TLS,
+    "tokens_file": _path,
+    "tokens": lambda v, p, e: parse_tokens(v, p, e),
 }
-_ADMIN: dict[str, Checker] = {"listen": _listen}
+_ADMIN: dict[str, Checker] = {
+    "listen": _listen,
+    **_TLS,
+    "token_sha256": _sha256,
+    "open_probes": _bool,
+}
 _WAL: dict[str, Checker] = {
     "segment_bytes": _int(1 * MiB, 1 * GiB, unit="bytes"),
     "fsync": _choice("always", "interval", "never"),
@@ -843,7 +1002,10 @@ def parse(raw: Mapping[str, Any], source: Path | None = None) -> Config:
     for key, value in raw.items():
         if key in sections:
             checks, cls = sections[key]
-            built[key] = cls(**_section(value, key, checks, errors))
+            got = _section(value, key, checks, errors)
+            if key in ("ingest", "admin"):
+                got = _with_tls(got, key, errors)
+            built[key] = cls(**got)
         elif key == "cdc":
             built["cdc"] = _parse_cdc(value, errors)
         elif key == "triggers":
@@ -893,6 +1055,15 @@ def _cross_checks(cfg: Config, errors: list[str]) -> None:
             "one wins), and with false the CDC writers refuse it, so one such event would "
             "fail every batch of its stream"
         )
+    check_token_set(cfg.ingest.tokens, "ingest.tokens", errors)
+    if cfg.ingest.tls.client_ca is None:
+        for token in cfg.ingest.tokens:
+            if token.cert_subject is not None:
+                errors.append(
+                    f'ingest.tokens: producer "{token.name}": cert_subject needs '
+                    "ingest.tls_client_ca (a client certificate is only asked for, and "
+                    "checked, with it)"
+                )
     for t in cfg.triggers:
         if t.retry.max_backoff_ms < t.retry.initial_backoff_ms:
             errors.append(f"triggers.{t.name}.retry.max_backoff_ms: must be >= initial_backoff_ms")
@@ -919,18 +1090,51 @@ def _resolve_paths(cfg: Config) -> Config:
         resolve(cfg.daemon.data_dir), cfg.daemon.cores, cfg.daemon.shutdown_timeout_s
     )
     data_dir = resolve(cfg.daemon.data_dir)
-    s3 = cfg.s3
-    if s3.credentials_file is not None:
-        s3 = dataclasses.replace(s3, credentials_file=resolve(s3.credentials_file))
+
+    def secret(p: Path | None) -> Path | None:
+        return None if p is None else resolve(credential_path(p))
+
+    def tls(t: TlsConfig) -> TlsConfig:
+        return TlsConfig(secret(t.cert), secret(t.key), secret(t.client_ca))
+
+    s3 = dataclasses.replace(cfg.s3, credentials_file=secret(cfg.s3.credentials_file))
     streams = tuple(
         dataclasses.replace(s, path=data_dir / s.path, s3=s3)
         if s.uri
         else dataclasses.replace(s, path=resolve(s.path))
         for s in cfg.cdc.streams
     )
+    ingest = dataclasses.replace(
+        cfg.ingest, tls=tls(cfg.ingest.tls), tokens_file=secret(cfg.ingest.tokens_file)
+    )
+    admin = dataclasses.replace(cfg.admin, tls=tls(cfg.admin.tls))
     fields = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
-    fields.update(daemon=daemon, s3=s3, cdc=CdcConfig(streams, cfg.cdc.handlers))
+    fields.update(
+        daemon=daemon,
+        s3=s3,
+        cdc=CdcConfig(streams, cfg.cdc.handlers),
+        ingest=ingest,
+        admin=admin,
+    )
     return Config(**fields)
+
+
+# systemd's LoadCredential= puts a unit's secrets in this folder and names it here.
+ENV_CREDENTIALS = "CREDENTIALS_DIRECTORY"
+_CREDENTIAL_PREFIXES = (f"${{{ENV_CREDENTIALS}}}/", f"${ENV_CREDENTIALS}/")
+
+
+def credential_path(p: Path) -> Path:
+    """A secret's path that starts with ``${CREDENTIALS_DIRECTORY}/``: in the folder
+    that variable names (set by systemd for a unit with ``LoadCredential=``, or by
+    hand for ``check-config``); unset, the path stays as written, and the file
+    check says so (docs/security.md, "systemd")."""
+    text = str(p)
+    for prefix in _CREDENTIAL_PREFIXES:
+        folder = os.environ.get(ENV_CREDENTIALS)
+        if text.startswith(prefix) and folder:
+            return Path(folder) / text[len(prefix) :]
+    return p
 
 
 ENV_CONFIG = "EVENTPLANE_CONFIG"

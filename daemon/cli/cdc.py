@@ -230,9 +230,10 @@ def main(
     if args.cdc_command == "retention":
         return retention_main(args, cfg, out)
     if args.cdc_command == "compact":
-        from daemon.cli import compact
+        from daemon.cli import access, compact
 
-        return compact.main(args, cfg, session=session, out=out)
+        admin = access.from_args(args, access.ENV_ADMIN_TOKEN_FILE)
+        return compact.main(args, cfg, session=session, out=out, access=admin)
     if args.cdc_command == "quarantine":
         from daemon.cli import quarantine
 
@@ -369,13 +370,15 @@ def _retention_through_daemon(
     args: argparse.Namespace, cfg: Config, stream: str, held: str, out: TextIO
 ) -> int:
     """The daemon holds the stream: ask it for one retention run (admin API)."""
+    from daemon.cli import access
     from daemon.cli.compact import Unreachable, _call
     from daemon.cli.status import STATUS_PATH, admin_url
 
     base = admin_url(cfg, getattr(args, "url", None)).removesuffix(STATUS_PATH)
     url = f"{base}/v1/cdc/{stream}/retention"
+    admin = access.from_args(args, access.ENV_ADMIN_TOKEN_FILE)
     try:
-        status, doc = _call("POST", url, timeout=600.0)
+        status, doc = _call("POST", url, timeout=600.0, access=admin)
     except Unreachable as exc:
         print(
             f"eventplane cdc retention: stream {stream!r} is locked ({held}) and no daemon "

@@ -1,6 +1,9 @@
 """``eventplane check-config``: the file, then every trigger expression with Spark.
 
 1. Load and validate the file (key paths, types, cross-checks): errors exit 2.
+   Then the files it names for TLS and tokens: each exists and parses, and
+   a secret (a key, the tokens file) is not readable by its group or by
+   everyone (``daemon.security.check_secret_files``); problems exit 2 too.
    A stream's table on S3: the bucket reached, conditional writes refused
    the second time (daemon/table/s3.py, ``check``), or exit 2 saying what
    is wrong in one line.
@@ -68,7 +71,17 @@ def main(
     """
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    from daemon.security import check_secret_files
     from daemon.spark import deltajars
+
+    problems = check_secret_files(cfg)
+    if problems:
+        lines = "\n  ".join(problems)
+        print(
+            f"eventplane: invalid configuration: {cfg.source}: {len(problems)} error(s)\n  {lines}",
+            file=err,
+        )
+        return 2
 
     delta = any(s.format == "delta" for s in cfg.cdc.streams)
     why = deltajars.unavailable(delta, cfg.spark.conf, cfg.spark.remote)

@@ -27,6 +27,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, TextIO
 
+from daemon.cli.access import NO_ACCESS, Access
 from daemon.cli.status import STATUS_PATH, admin_url
 from daemon.config import CdcStream, Config
 
@@ -38,7 +39,11 @@ class Unreachable(Exception):
 
 
 def _call(
-    method: str, url: str, timeout: float = 10.0, body: dict[str, Any] | None = None
+    method: str,
+    url: str,
+    timeout: float = 10.0,
+    body: dict[str, Any] | None = None,
+    access: Access = NO_ACCESS,
 ) -> tuple[int, dict[str, Any]]:
     headers = {"Accept": "application/json"}
     data = None
@@ -47,7 +52,7 @@ def _call(
         headers["Content-Type"] = "application/json"
     request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        with access.urlopen(request, timeout) as resp:
             return int(resp.status), json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         try:
@@ -106,10 +111,17 @@ def _files_line(status: dict[str, Any]) -> str:
     return f"data files now: {status.get('files', 0)} ({shown or 'no partitions'})"
 
 
-def via_daemon(base: str, stream: CdcStream, dry_run: bool, timeout: float, out: TextIO) -> int:
+def via_daemon(
+    base: str,
+    stream: CdcStream,
+    dry_run: bool,
+    timeout: float,
+    out: TextIO,
+    access: Access = NO_ACCESS,
+) -> int:
     """Ask a running daemon; raises Unreachable when none answers."""
     url = f"{base}/v1/cdc/{urllib.parse.quote(stream.name, safe='')}"
-    code, doc = _call("POST", f"{url}/compact" + ("?dry_run=1" if dry_run else ""))
+    code, doc = _call("POST", f"{url}/compact" + ("?dry_run=1" if dry_run else ""), access=access)
     if code >= 400:
         print(f"eventplane cdc compact: the daemon says: {doc.get('message')}", file=sys.stderr)
         return 1
@@ -121,7 +133,7 @@ def via_daemon(base: str, stream: CdcStream, dry_run: bool, timeout: float, out:
     seen: set[tuple[Any, Any]] = set()
     deadline = time.monotonic() + timeout
     while True:
-        code, status = _call("GET", f"{url}/compaction")
+        code, status = _call("GET", f"{url}/compaction", access=access)
         if code >= 400:
             print(f"eventplane cdc compact: {status.get('message')}", file=sys.stderr)
             return 1
@@ -221,7 +233,12 @@ def locally(
 
 
 def main(
-    args: argparse.Namespace, cfg: Config, *, session: Any = None, out: TextIO | None = None
+    args: argparse.Namespace,
+    cfg: Config,
+    *,
+    session: Any = None,
+    out: TextIO | None = None,
+    access: Access = NO_ACCESS,
 ) -> int:
     out = out or sys.stdout
     stream = next((s for s in cfg.cdc.streams if s.name == args.stream), None)
@@ -234,6 +251,6 @@ def main(
         return 1
     base = admin_url(cfg, args.url).removesuffix(STATUS_PATH)
     try:
-        return via_daemon(base, stream, args.dry_run, args.timeout, out)
+        return via_daemon(base, stream, args.dry_run, args.timeout, out, access)
     except Unreachable:
         return locally(cfg, stream, args.dry_run, session, out, base)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from daemon import config as configmod
+from daemon.cli import access
 from daemon.errors import ConfigError
 
 
@@ -24,6 +25,10 @@ def _add_config(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"config file (default: ${configmod.ENV_CONFIG} or ./config.toml)",
     )
+
+
+def _add_admin_access(p: argparse.ArgumentParser) -> None:
+    access.add_arguments(p, access.ENV_ADMIN_TOKEN_FILE, "admin")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--url", help="admin base URL (default: from config admin.listen)")
     p.add_argument("--json", action="store_true", help="print the raw /v1/status JSON")
+    _add_admin_access(p)
 
     p = sub.add_parser(
         "pause",
@@ -62,11 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stage", help="the stage, as `eventplane status` names it (e.g. cdc:all)")
     p.add_argument("--reason", help="why, shown in status and kept with the pause")
     p.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+    _add_admin_access(p)
 
     p = sub.add_parser("resume", help="resume a paused stage; it catches up on what it missed")
     _add_config(p)
     p.add_argument("stage", help="the stage, as `eventplane status` names it (e.g. cdc:all)")
     p.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+    _add_admin_access(p)
 
     p = sub.add_parser("send", help="post NDJSON events from stdin to the ingest API")
     _add_config(p)
@@ -98,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="skip stdin lines before N (a resend with the same --key-prefix)",
     )
+    access.add_arguments(p, access.ENV_TOKEN_FILE, "producer")
 
     p = sub.add_parser("wal", help="inspect, verify or repair the write-ahead log")
     wal_sub = p.add_subparsers(dest="wal_command", required=True, metavar="ACTION")
@@ -186,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--lsn", type=int, action="append", help="only this row (repeatable; default: all)"
         )
         r.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+        _add_admin_access(r)
         if name == "purge":
             r.add_argument("--all", action="store_true", help="every row of the quarantine")
             r.add_argument("--yes", action="store_true", help="do not ask for a confirmation")
@@ -198,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--apply", action="store_true", help="remove them (through the daemon when it runs)"
     )
     q.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+    _add_admin_access(q)
     q = cdc_sub.add_parser(
         "compact",
         help="merge a CDC stream's small files now (through the daemon when it runs)",
@@ -209,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--timeout", type=float, default=3600.0, help="seconds to wait for the daemon (3600)"
     )
+    _add_admin_access(q)
     return parser
 
 
@@ -239,6 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _dispatch(args)
     except ConfigError as exc:
         print(f"eventplane: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except access.AccessError as exc:
+        print(f"eventplane {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -286,11 +301,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "status":
         from daemon.cli import status
 
-        return status.main(args, _load_for_client(args))
+        admin = access.from_args(args, access.ENV_ADMIN_TOKEN_FILE)
+        return status.main(args, _load_for_client(args), access=admin)
     if args.command in ("pause", "resume"):
         from daemon.cli import stages
 
-        return stages.main(args, _load_for_client(args))
+        admin = access.from_args(args, access.ENV_ADMIN_TOKEN_FILE)
+        return stages.main(args, _load_for_client(args), access=admin)
     if args.command == "send":
         from daemon.cli import send
 

@@ -126,6 +126,7 @@ def _through_daemon(
     out: TextIO,
 ) -> int:
     """The daemon holds the stream: it replays or purges (admin API)."""
+    from daemon.cli import access
     from daemon.cli.compact import Unreachable, _call
     from daemon.cli.status import STATUS_PATH, admin_url
 
@@ -134,7 +135,8 @@ def _through_daemon(
     url = f"{base}/v1/cdc/{stream.name}/quarantine/{action}"
     body = {"lsns": sorted(lsns) if lsns is not None else None, "by": quarantine.who()}
     try:
-        status, doc = _call("POST", url, timeout=600.0, body=body)
+        admin = access.from_args(args, access.ENV_ADMIN_TOKEN_FILE)
+        status, doc = _call("POST", url, timeout=600.0, body=body, access=admin)
     except Unreachable as exc:
         _err(f"stream {stream.name!r} is locked and no daemon answers at {url} ({exc})")
         return 1

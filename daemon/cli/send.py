@@ -63,7 +63,8 @@ def ingest_url(cfg: Config, url: str | None = None) -> str:
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{cfg.ingest.listen.port}"
+    scheme = "https" if cfg.ingest.tls.enabled else "http"
+    return f"{scheme}://{host}:{cfg.ingest.listen.port}"
 
 
 class Batch:
@@ -232,6 +233,9 @@ def resend_command(args: argparse.Namespace, prefix: str, size: int, line: int) 
         argv += ["--config", str(args.config)]
     if getattr(args, "url", None):
         argv += ["--url", str(args.url)]
+    for flag in ("token_file", "ca_file", "cert", "key"):
+        if getattr(args, flag, None):
+            argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if size != DEFAULT_BATCH:
         argv += ["--batch", str(size)]
     argv += ["--key-prefix", prefix, "--from-line", str(line)]
@@ -272,6 +276,9 @@ def main(
         for problem in problems:
             print(f"eventplane send: {problem}", file=stderr)
         return EXIT_USAGE
+    from daemon.cli import access
+
+    producer = access.from_args(args, access.ENV_TOKEN_FILE)
     url = ingest_url(cfg, getattr(args, "url", None))
     progress = Progress(stderr, enabled=stderr.isatty(), retry_for=retry_for)
     number = 0
@@ -284,7 +291,13 @@ def main(
         progress.retrying(batch, number, retry, first=retry.attempt == 1)
 
     with SyncIngestClient(
-        url, timeout_s=timeout, retry_for_s=retry_for, key_prefix=prefix, on_retry=on_retry
+        url,
+        timeout_s=timeout,
+        retry_for_s=retry_for,
+        key_prefix=prefix,
+        on_retry=on_retry,
+        token=producer.token,
+        ssl_context=producer.context,
     ) as client:
         for batch in batches(stdin, size, cfg.ingest.max_body_bytes, from_line):
             number += 1

@@ -26,6 +26,7 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from daemon.cli.access import NO_ACCESS, Access
 from daemon.cli.status import (
     DEFAULT_TIMEOUT_S,
     EXIT_HEALTHY,
@@ -56,14 +57,16 @@ def who() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def call(url: str, body: Mapping[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
+def call(
+    url: str, body: Mapping[str, Any], timeout: float, access: Access = NO_ACCESS
+) -> tuple[int, dict[str, Any]]:
     """POST ``body`` as JSON; the status code and the JSON answer (any code)."""
     data = json.dumps(body).encode()
     request = urllib.request.Request(
         url, data=data, method="POST", headers={"Content-Type": "application/json"}
     )
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        with access.urlopen(request, timeout) as resp:
             raw: bytes = resp.read()
             code = int(resp.status)
     except urllib.error.HTTPError as exc:
@@ -78,7 +81,9 @@ def call(url: str, body: Mapping[str, Any], timeout: float) -> tuple[int, dict[s
     return code, doc
 
 
-def main(args: argparse.Namespace, cfg: Config, out: TextIO | None = None) -> int:
+def main(
+    args: argparse.Namespace, cfg: Config, out: TextIO | None = None, access: Access = NO_ACCESS
+) -> int:
     out = sys.stdout if out is None else out
     action: str = args.command  # "pause" | "resume"
     name: str = args.stage
@@ -90,7 +95,7 @@ def main(args: argparse.Namespace, cfg: Config, out: TextIO | None = None) -> in
             body["reason"] = args.reason
     prog = f"eventplane {action}"
     try:
-        code, doc = call(url, body, DEFAULT_TIMEOUT_S)
+        code, doc = call(url, body, DEFAULT_TIMEOUT_S, access)
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         print(f"{prog}: cannot reach {url}: {reason}", file=sys.stderr)

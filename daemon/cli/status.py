@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from daemon.cli.access import NO_ACCESS, Access
 from daemon.config import Config
 
 EXIT_HEALTHY = 0
@@ -46,7 +47,8 @@ class StatusUnavailable(Exception):
 def admin_url(cfg: Config, url: str | None = None) -> str:
     """The ``/v1/status`` URL: ``--url`` if given, else from ``admin.listen``.
 
-    A wildcard listen address is reached through loopback.
+    A wildcard listen address is reached through loopback; a listener with
+    ``[admin] tls_cert`` through https.
     """
     if url:
         base = url.rstrip("/")
@@ -57,15 +59,18 @@ def admin_url(cfg: Config, url: str | None = None) -> str:
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{cfg.admin.listen.port}{STATUS_PATH}"
+    scheme = "https" if cfg.admin.tls.enabled else "http"
+    return f"{scheme}://{host}:{cfg.admin.listen.port}{STATUS_PATH}"
 
 
-def fetch(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+def fetch(
+    url: str, timeout: float = DEFAULT_TIMEOUT_S, access: Access = NO_ACCESS
+) -> dict[str, Any]:
     """GET the status document. Non-2xx answers that carry one are returned too
     (an admin API may answer 503 with the document of an unhealthy daemon)."""
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        with access.urlopen(request, timeout) as resp:
             body: bytes = resp.read()
             code = int(resp.status)
     except urllib.error.HTTPError as exc:
@@ -89,12 +94,14 @@ def fetch(url: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
     return doc
 
 
-def main(args: argparse.Namespace, cfg: Config, out: TextIO | None = None) -> int:
+def main(
+    args: argparse.Namespace, cfg: Config, out: TextIO | None = None, access: Access = NO_ACCESS
+) -> int:
     out = sys.stdout if out is None else out
     url = admin_url(cfg, getattr(args, "url", None))
     timeout = float(getattr(args, "timeout", None) or DEFAULT_TIMEOUT_S)
     try:
-        doc = fetch(url, timeout)
+        doc = fetch(url, timeout, access)
     except StatusUnavailable as exc:
         print(f"eventplane status: {exc}", file=sys.stderr)
         if not exc.reachable:

@@ -5,8 +5,11 @@ consecutive LSNs in request order) and the 200 is sent only after the group
 commit's fdatasync covered them (invariant 1). A rejected request leaves the
 WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
 
-1. Admission: 503 while draining, 429 over the lag limit, 415 content type
-   or content coding, 413 when ``Content-Length`` is over ``ingest.max_body_bytes``.
+1. Admission: 503 while draining, 401 without a producer's token or
+   certificate (when ``[[ingest.tokens]]`` has entries), 429 when the
+   producer's quota is spent (:mod:`daemon.ingest.quota`), 429 over the lag
+   limit, 415 content type or content coding, 413 when ``Content-Length`` is
+   over ``ingest.max_body_bytes``.
 2. Read the body in chunks under the body deadline, its content coding undone
    (:mod:`daemon.ingest.coding`), counting bytes (413 as soon as the count
    passes the limit, 408 at the deadline), holding a share of the ingest
@@ -15,7 +18,9 @@ WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
    invalid UTF-8 included, 413 too many events, 422 per-item errors (index,
    field, reason), a ``new``/``old`` that a CDC writer would refuse included
    (:mod:`daemon.ingest.payload`); the decoders and the slow path that
-   explains a refusal are :mod:`daemon.ingest.validate`.
+   explains a refusal are :mod:`daemon.ingest.validate`. 403 for a
+   collection outside the producer's scope, 429 for a request over its quota
+   (docs/security.md).
    With an ``Idempotency-Key``, first :meth:`IngestServer._claim`: a key the
    de-duplication window knows, with the same body, is answered from the
    original append (200, ``"replayed": true``) without parsing; with another
@@ -55,10 +60,11 @@ from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from daemon.config import Config
+from daemon.config import Config, ProducerToken
 from daemon.errors import DaemonError
 from daemon.ingest.coding import BodyDecoder, CodingError, content_coding
 from daemon.ingest.payload import min_length, problem
+from daemon.ingest.quota import Quotas
 from daemon.ingest.validate import (
     _LBRACE,
     DECODE_ERRORS,
@@ -72,6 +78,7 @@ from daemon.ingest.validate import (
     event_time_us,
     explain_body,
 )
+from daemon.security import CHALLENGE_INGEST, ProducerAuth, ServerTls, bearer_token
 from daemon.service.metrics import Metrics
 from daemon.shard import collection_seed
 from wal.errors import WalClosedError, WalFatalError, WalFullError
@@ -184,7 +191,7 @@ def _idle(conn: Any) -> bool:
 class _CappedSite(web.BaseSite):
     """A TCP site whose protocol factory enforces ``ingest.max_connections``."""
 
-    __slots__ = ("_factory", "_host", "_listener", "_port")
+    __slots__ = ("_factory", "_handshake_timeout_s", "_host", "_listener", "_port", "_tls")
 
     def __init__(
         self,
@@ -193,16 +200,21 @@ class _CappedSite(web.BaseSite):
         port: int,
         factory: Callable[[], asyncio.BaseProtocol],
         backlog: int,
+        tls: ServerTls | None = None,
+        handshake_timeout_s: float = 60.0,
     ) -> None:
         super().__init__(runner, backlog=backlog)
         self._host = host
         self._port = port
         self._factory = factory
+        self._tls = tls
+        self._handshake_timeout_s = handshake_timeout_s
         self._listener: asyncio.Server | None = None
 
     @property
     def name(self) -> str:
-        return f"http://{self._host}:{self.port}"
+        scheme = "https" if self._tls is not None else "http"
+        return f"{scheme}://{self._host}:{self.port}"
 
     @property
     def port(self) -> int:
@@ -213,9 +225,22 @@ class _CappedSite(web.BaseSite):
     async def start(self) -> None:
         await super().start()
         loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(
-            self._factory, self._host, self._port, backlog=self._backlog, reuse_address=True
-        )
+        if self._tls is None:
+            self._listener = await loop.create_server(
+                self._factory, self._host, self._port, backlog=self._backlog, reuse_address=True
+            )
+        else:
+            # The handshake counts against the header deadline's value: a client that
+            # opens a connection and says nothing holds it no longer than that.
+            self._listener = await loop.create_server(
+                self._factory,
+                self._host,
+                self._port,
+                backlog=self._backlog,
+                reuse_address=True,
+                ssl=self._tls.context,
+                ssl_handshake_timeout=self._handshake_timeout_s,
+            )
         self._server = self._listener
 
 
@@ -265,9 +290,21 @@ class IngestServer:
         wal: WalAppender,
         metrics: Metrics,
         lag: Callable[[], int],
+        *,
+        tokens: tuple[ProducerToken, ...] | None = None,
+        tls: ServerTls | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cfg = cfg.ingest
         self._cores = cfg.daemon.cores
+        # Producers (docs/security.md): the daemon passes the inline entries and the
+        # tokens file's (daemon.security.load_tokens); none: ingest is open.
+        self._auth = ProducerAuth(cfg.ingest.tokens if tokens is None else tokens)
+        self._quotas = Quotas(clock)
+        self._quotas.configure(self._auth.tokens)
+        if tls is None and cfg.ingest.tls.enabled:
+            tls = ServerTls(cfg.ingest.tls, "ingest")
+        self.tls = tls
         self._wal = wal
         self._metrics = metrics
         self._lag = lag
@@ -347,10 +384,24 @@ class IngestServer:
         listen = self._cfg.listen
         backlog = min(max(128, self._cfg.max_connections), 4096)
         factory = functools.partial(self._make_protocol, server)
-        self._site = _CappedSite(runner, listen.host, listen.port, factory, backlog)
+        self._site = _CappedSite(
+            runner,
+            listen.host,
+            listen.port,
+            factory,
+            backlog,
+            tls=self.tls,
+            handshake_timeout_s=self._cfg.header_timeout_s,
+        )
         await self._site.start()
         self._metrics.ingest_connections.set_function(lambda: float(len(server.connections)))
-        log.info("ingest.listening", url=self.url, cores=self._cores)
+        log.info(
+            "ingest.listening",
+            url=self.url,
+            cores=self._cores,
+            producers=len(self._auth.tokens),
+            client_certificates=self.tls is not None and self.tls.tls.client_ca is not None,
+        )
 
     @property
     def port(self) -> int:
@@ -362,7 +413,13 @@ class IngestServer:
     def url(self) -> str:
         host = self._cfg.listen.host
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{host}:{self.port}"
+
+    def set_tokens(self, tokens: tuple[ProducerToken, ...]) -> None:
+        """The producer entries from now on (SIGHUP); requests being handled keep theirs."""
+        self._auth = ProducerAuth(tokens)
+        self._quotas.configure(tokens)
 
     @property
     def draining(self) -> bool:
@@ -498,12 +555,101 @@ class IngestServer:
             404, "not_found", f"no such endpoint {request.path}; use POST {PATH}"
         ).response()
 
-    def _admit(self, request: web.BaseRequest) -> tuple[bool, str | None]:
+    def _authenticate(self, request: web.BaseRequest) -> ProducerToken | None:
+        """The request's producer: its bearer token's entry, else its verified client
+        certificate's; None when ingest has no producer entries (open). 401 otherwise."""
+        auth = self._auth
+        if not auth.enabled:
+            return None
+        header = request.headers.get(hdrs.AUTHORIZATION)
+        token = bearer_token(header)
+        if token is not None:
+            producer = auth.by_token(token)
+            if producer is not None:
+                return producer
+            raise self._unauthorized(
+                "the bearer token is not one of ingest's producer tokens", invalid=True
+            )
+        transport = request.transport
+        peercert = transport.get_extra_info("peercert") if transport is not None else None
+        producer = auth.by_certificate(peercert)
+        if producer is not None:
+            return producer
+        if header is not None:
+            raise self._unauthorized(
+                'the Authorization header is not "Bearer <token>"', invalid=True
+            )
+        if peercert:
+            raise self._unauthorized(
+                "this client certificate's subject is no producer's cert_subject, and the "
+                "request has no bearer token"
+            )
+        raise self._unauthorized("send the producer's token: Authorization: Bearer <token>")
+
+    def _unauthorized(self, why: str, *, invalid: bool = False) -> Rejection:
+        challenge = CHALLENGE_INGEST + (', error="invalid_token"' if invalid else "")
+        return Rejection(
+            401,
+            "unauthorized",
+            f"{why}; nothing was stored (docs/security.md)",
+            headers={hdrs.WWW_AUTHENTICATE: challenge},
+        )
+
+    def _charge(self, producer: ProducerToken | None, events: int, nbytes: int) -> None:
+        """429 when the request is over its producer's quota (daemon.ingest.quota)."""
+        if producer is None:
+            return
+        wait = self._quotas.charge(producer.name, events, nbytes)
+        if wait is not None:
+            raise self._over_quota(producer, wait, f"{events} events, {nbytes} bytes")
+
+    def _over_quota(self, producer: ProducerToken, wait: int, what: str) -> Rejection:
+        self._metrics.ingest_quota_refusals.labels(producer=producer.name).inc()
+        limits = ", ".join(
+            f"{key} = {value}"
+            for key, value in (
+                ("max_events_per_s", producer.max_events_per_s),
+                ("max_bytes_per_s", producer.max_bytes_per_s),
+            )
+            if value is not None
+        )
+        return Rejection(
+            429,
+            "over_quota",
+            f'producer "{producer.name}" is over its quota ({limits}): {what}; '
+            f"nothing was stored; retry in {wait} s",
+            retry_after=wait,
+            producer=producer.name,
+        )
+
+    def _check_scope(self, producer: ProducerToken, events: list[InEvent]) -> None:
+        """403 unless ``producer`` may write every event's collection."""
+        allowed: set[str] = set()
+        for i, ev in enumerate(events):
+            collection = ev.collection
+            if collection in allowed:
+                continue
+            if not producer.allows(collection):
+                raise Rejection(
+                    403,
+                    "forbidden",
+                    f'producer "{producer.name}" may not write collection {collection!r} '
+                    f"(event {i}); nothing of this request was stored",
+                    collection=collection,
+                    index=i,
+                    producer=producer.name,
+                )
+            allowed.add(collection)
+
+    def _admit(self, request: web.BaseRequest) -> tuple[bool, str | None, ProducerToken | None]:
         """Step 1. Cheap checks before reading a byte of body; returns whether the body
-        is NDJSON, and the content coding to undo (None for none)."""
+        is NDJSON, the content coding to undo (None for none) and the producer."""
         c = self._cfg
         if self._draining:
             raise self._draining_rejection()
+        producer = self._authenticate(request)
+        if producer is not None and (wait := self._quotas.admit(producer.name)) is not None:
+            raise self._over_quota(producer, wait, "its last second's worth is spent")
         lag = self._lag()
         if lag > c.max_lag_events:
             raise Rejection(
@@ -552,14 +698,15 @@ class IngestServer:
                 close=True,
                 limit=self._max_body,
             )
-        return ndjson, coding
+        return ndjson, coding, producer
 
     async def _post_events(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         nbytes = 0
         try:
-            # Step 1. Admission.
-            ndjson, coding = self._admit(request)
+            # Step 1. Admission (a producer's token or certificate included).
+            ndjson, coding, producer = self._admit(request)
+            scope = None if producer is None or producer.unrestricted else producer
             key = self._request_key(request)
             # Step 2. Read the body within the deadline and the memory budget.
             # A compressed body's Content-Length says nothing of its decoded size.
@@ -582,17 +729,21 @@ class IngestServer:
                 nbytes = len(body)
                 if key is None:
                     # Steps 3 and 4. Parse, validate, shard, encode.
-                    items = self._parse(body, ndjson)
+                    items = self._parse(body, ndjson, scope)
+                    self._charge(producer, len(items), nbytes)
                     # Step 5. One append: atomic, consecutive LSNs, returns after fdatasync.
                     first, last = await self._append(items, None)
                 else:
                     tag = RequestTag(key, request_digest(body, ndjson))
                     stored = await self._claim(tag)
                     if stored is not None:
+                        if scope is not None:
+                            self._parse(body, ndjson, scope)  # a replay is in scope too
                         self._m_replays.inc()
                         return self._ack(stored[0], stored[1], nbytes, started, replayed=True)
                     try:
-                        items = self._parse(body, ndjson)
+                        items = self._parse(body, ndjson, scope)
+                        self._charge(producer, len(items), nbytes)
                     except BaseException:
                         self._release(tag, None)
                         raise
@@ -620,6 +771,8 @@ class IngestServer:
             log.info("ingest.wal_space_back", full_s=round(time.time() - self.wal_full[0], 3))
             self.wal_full = None
         self._m_events.inc(len(items))
+        if producer is not None:
+            self._metrics.ingest_producer_events.labels(producer=producer.name).inc(len(items))
         return self._ack(first, last, nbytes, started)
 
     def _ack(
@@ -816,7 +969,7 @@ class IngestServer:
 
     # -- parsing (steps 3 and 4) ---------------------------------------------
 
-    def _parse(self, body: bytes, ndjson: bool) -> CoreSections:
+    def _parse(self, body: bytes, ndjson: bool, scope: ProducerToken | None = None) -> CoreSections:
         if not body or body.isspace():
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
         # UTF-8, once per body: msgspec checks the strings it decodes, not the text of
@@ -851,6 +1004,8 @@ class IngestServer:
             self._check_count(len(events))
         if not events:
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
+        if scope is not None:
+            self._check_scope(scope, events)
         items = self._encode(events)
         if items is None:
             self._explain(body, ndjson)

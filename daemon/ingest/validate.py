@@ -160,8 +160,7 @@ def _check_payload_layout() -> None:
     plain_long = encode_stored(plain)
     short = _stored_payload("c", "update", "k", new, None, 123)
     if (
-        encode_stored(every)
-        != _stored_payload("c", "update", "k", new, None, 123, "e-1", t, "svc")
+        encode_stored(every) != _stored_payload("c", "update", "k", new, None, 123, "e-1", t, "svc")
         # The 10-element form is StoredEvent's encoding without its trailing
         # nil producer (fixarray 11 -> 10); the short form also without the
         # nil event_id and event_time_us (fixarray 11 -> 8).
@@ -195,6 +194,7 @@ class Rejection(Exception):
         *,
         close: bool = False,
         retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
         **details: Any,
     ) -> None:
         super().__init__(message)
@@ -202,9 +202,12 @@ class Rejection(Exception):
         self.body: dict[str, Any] = {"error": error, "message": message, **details}
         self.close = close
         self.retry_after = retry_after
+        self.headers = headers
 
     def response(self) -> web.Response:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        headers = dict(self.headers) if self.headers else {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         try:
             body = _json(self.body)
         except UnicodeEncodeError:

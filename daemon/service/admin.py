@@ -29,6 +29,12 @@ never delays a health check, and so the two can bind different interfaces.
 - ``POST /v1/cdc/{stream}/quarantine/{replay|purge}``, JSON body ``{"lsns":
   [..] | null, "by": "..."}``: ``eventplane cdc quarantine replay|purge``
   while the daemon runs (docs/cdc.md, "Quarantine").
+
+With ``[admin] token_sha256`` set, every ``/v1/*`` request needs
+``Authorization: Bearer <token>`` (or a client certificate, when
+``[admin] tls_client_ca`` asks for one: the handshake checked it), else 401;
+``/healthz``, ``/readyz`` and ``/metrics`` stay open unless ``open_probes =
+false`` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -42,9 +48,10 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from daemon.config import Config
+from daemon.config import AdminConfig, Config
 from daemon.errors import DaemonError, UnknownStreamError
 from daemon.plane.stages import PAUSE_TEXT_CHARS, StagesNotRunningError, UnknownStageError
+from daemon.security import CHALLENGE_ADMIN, ServerTls, bearer_token, token_matches
 from daemon.service.metrics import Metrics
 
 log = structlog.get_logger("eventplane.admin")
@@ -62,6 +69,8 @@ STALL_S = 2.0
 MAX_PAUSE_BODY_BYTES = 16 * 1024
 # A quarantine replay/purge body lists LSNs: ~2 MiB holds 100k of them.
 MAX_QUARANTINE_BODY_BYTES = 2 * 1024 * 1024
+# What probes and Prometheus read; open without the token unless open_probes = false.
+PROBE_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 class StageControl(Protocol):
@@ -102,8 +111,13 @@ class AdminServer:
         compaction: Any = None,
         retention: Callable[[str], Awaitable[dict[str, Any]]] | None = None,
         quarantine: Callable[..., Awaitable[dict[str, Any]]] | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         self._listen = cfg.admin.listen
+        if tls is None and cfg.admin.tls.enabled:
+            tls = ServerTls(cfg.admin.tls, "admin")
+        self.tls = tls
+        self._access = cfg.admin
         self._stages = stages
         self._metrics = metrics
         self._status = status
@@ -119,8 +133,41 @@ class AdminServer:
         self._ticker: asyncio.Task[None] | None = None
         self._last_tick = 0.0
 
+    def set_access(self, admin: AdminConfig) -> None:
+        """The token hash and ``open_probes`` from now on (SIGHUP)."""
+        self._access = admin
+
+    @web.middleware
+    async def _authorize(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        access = self._access
+        expected = access.token_sha256
+        if expected is None or (access.open_probes and request.path in PROBE_PATHS):
+            return await handler(request)
+        header = request.headers.get("Authorization")
+        if token_matches(bearer_token(header), expected):
+            return await handler(request)
+        transport = request.transport
+        if transport is not None and transport.get_extra_info("peercert"):
+            return await handler(request)  # tls_client_ca's CA signed it: the handshake said so
+        challenge = CHALLENGE_ADMIN + (', error="invalid_token"' if header else "")
+        return web.Response(
+            status=401,
+            body=_encode(
+                {
+                    "error": "unauthorized",
+                    "message": "the admin API needs its token: Authorization: Bearer <token> "
+                    "(eventplane commands: --token-file or $EVENTPLANE_ADMIN_TOKEN_FILE; "
+                    "docs/security.md)",
+                }
+            ),
+            content_type="application/json",
+            headers={"WWW-Authenticate": challenge},
+        )
+
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._authorize])
         app.router.add_get("/metrics", self._get_metrics)
         app.router.add_get("/healthz", self._get_healthz)
         app.router.add_get("/readyz", self._get_readyz)
@@ -137,7 +184,13 @@ class AdminServer:
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=30.0)
         await runner.setup()
         self._runner = runner
-        self._site = web.TCPSite(runner, self._listen.host, self._listen.port, reuse_address=True)
+        self._site = web.TCPSite(
+            runner,
+            self._listen.host,
+            self._listen.port,
+            reuse_address=True,
+            ssl_context=None if self.tls is None else self.tls.context,
+        )
         await self._site.start()
         self._last_tick = self._now()
         self._ticker = asyncio.create_task(self._tick(), name="admin-loop-ticker")
@@ -153,7 +206,8 @@ class AdminServer:
     def url(self) -> str:
         host = self._listen.host
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     async def stop(self, timeout_s: float) -> None:
         if self._ticker is not None:

@@ -17,8 +17,9 @@ Reading :meth:`Daemon.serve` tells the whole story:
 
 Signal handlers only flip state: the first SIGTERM/SIGINT sets
 ``should_exit``, a second sets ``force_exit`` (skip the drain: everything
-acknowledged is in the WAL already). SIGHUP asks for a reload of triggers and
-log level, applied by the main loop between batches.
+acknowledged is in the WAL already). SIGHUP asks for a reload of triggers, the
+log level, the producer tokens (inline and ``ingest.tokens_file``), the admin
+token and both listeners' TLS files, applied by the main loop between batches.
 
 A start-up failure is one ``startup.failed`` event (the step, the error, what
 to do, the exit code), then the same drain; the process exits with the code
@@ -41,6 +42,7 @@ from typing import Any
 import structlog
 import uvloop
 
+from daemon import security
 from daemon.config import Config
 from daemon.errors import ConfigError, DaemonError
 from daemon.ingest.server import IngestServer
@@ -191,7 +193,16 @@ class Daemon:
         self.wal.set_batch_listener(self.plane.on_durable_batches)
         await self.plane.start()
 
-        # Step 4. Listeners: admin first so /healthz answers while ingest binds.
+        # Step 4. Listeners: admin first so /healthz answers while ingest binds. Their
+        # secrets first of all: a bad file is a configuration error (exit 2).
+        self.startup_step = "the listeners' TLS files and the producer tokens"
+        tokens = await asyncio.to_thread(security.load_tokens, cfg.ingest)
+        admin_tls = security.ServerTls(cfg.admin.tls, "admin") if cfg.admin.tls.enabled else None
+        ingest_tls = (
+            security.ServerTls(cfg.ingest.tls, "ingest") if cfg.ingest.tls.enabled else None
+        )
+        for event, fields in security.open_warnings(cfg, security.ProducerAuth(tokens)):
+            log.warning(event, **fields)
         self.startup_step = f"the admin listener ([admin] listen = {cfg.admin.listen})"
         from daemon.service.triggers import StagePauses
 
@@ -206,10 +217,13 @@ class Daemon:
             compaction=getattr(self.executor, "compaction", None),
             retention=getattr(self.executor, "run_retention", None),
             quarantine=getattr(self.executor, "quarantine_action", None),
+            tls=admin_tls,
         )
         await self.admin.start()
         self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"
-        self.ingest = IngestServer(cfg, self.wal, self.metrics, lag=self.plane.max_lag)
+        self.ingest = IngestServer(
+            cfg, self.wal, self.metrics, lag=self.plane.max_lag, tokens=tokens, tls=ingest_tls
+        )
         wal = self.wal
         self.metrics.ingest_idempotency_keys.set_function(lambda: float(wal.request_keys()))
         await self.ingest.start()
@@ -222,8 +236,8 @@ class Daemon:
         self._watchdog.start()
         log.info(
             "eventplane.ready",
-            ingest=f"http://{cfg.ingest.listen.host}:{self.ingest.port}",
-            admin=f"http://{cfg.admin.listen.host}:{self.admin.port}",
+            ingest=self.ingest.url,
+            admin=self.admin.url,
             cores=cfg.daemon.cores,
             spark=not isinstance(self.executor, NullExecutor),
             startup_s=round(time.monotonic() - t0, 3),
@@ -366,21 +380,27 @@ class Daemon:
             self.notifier.ready()
 
     async def _apply_reload(self, configmod: Any) -> None:
-        """Apply ``[[triggers]]`` and ``[log] level`` from the file, or neither.
+        """Apply ``[[triggers]]``, ``[log] level`` and the listeners' secrets from the
+        file, or none of them.
 
-        1. Load and validate the whole file; an invalid one changes nothing.
+        1. Load and validate the whole file, read the tokens file and build both
+           listeners' TLS contexts; any problem changes nothing.
         2. Triggers: the engine checks the new set with Spark and swaps it in
            between batches, or keeps the old set; a daemon that started
            without triggers but with Spark gets a trigger stage now. Without
            Spark at all (no streams, handlers or triggers at start) triggers
            cannot run until a restart starts it: said, and not applied.
-        3. The log level, then ``reload.done`` with what changed.
+        3. The secrets: producer tokens, the admin token, the TLS contexts of new
+           handshakes (open connections keep theirs); the log level; then
+           ``reload.done`` with what changed.
         """
         from daemon.service.triggers import trigger_changes
 
-        # Step 1. Load the whole file
+        # Step 1. Load the whole file, and the secrets it names
         try:
             new = await asyncio.to_thread(configmod.load, self.cfg.source)
+            tokens = await asyncio.to_thread(security.load_tokens, new.ingest)
+            tls_swaps = await asyncio.to_thread(self._tls_swaps, new)
         except DaemonError as exc:
             log.error("reload.rejected", error=str(exc))
             return
@@ -410,14 +430,46 @@ class Daemon:
         after: dict[str, Any] = dict(self.triggers.triggers) if self.triggers is not None else {}
         if not not_applied:
             self.metrics.init_triggers(names)
-        # Step 3. The log level; what changed
+        # Step 3. Secrets, the log level; what changed
+        for swap in tls_swaps:
+            swap()
+        if self.ingest is not None:
+            self.ingest.set_tokens(tokens)
+        if self.admin is not None:
+            self.admin.set_access(new.admin)
         logs.set_level(new.log.level)
         done: dict[str, Any] = {
             f"triggers_{what}": which for what, which in trigger_changes(before, after).items()
         }
         if not_applied:
             done.update(triggers_not_applied=not_applied, restart_needed=True)
-        log.info("reload.done", log_level=new.log.level, **done)
+        log.info(
+            "reload.done",
+            log_level=new.log.level,
+            producers=len(tokens),
+            tls_reloaded=len(tls_swaps),
+            **done,
+        )
+
+    def _tls_swaps(self, new: Config) -> list[Callable[[], None]]:
+        """Step 1 of a reload for TLS: a new context per TLS listener, built now (its
+        files read and checked); applying one is the returned call. A listener
+        that starts or stops speaking TLS needs a restart: a ConfigError."""
+        swaps: list[Callable[[], None]] = []
+        for section, listener, tls in (
+            ("ingest", self.ingest, new.ingest.tls),
+            ("admin", self.admin, new.admin.tls),
+        ):
+            if listener is None:
+                continue
+            current = listener.tls
+            if (current is None) != (not tls.enabled):
+                raise ConfigError(
+                    [f"{section}.tls_cert: turning TLS on or off needs a restart"], section
+                )
+            if current is not None:
+                swaps.append(current.prepare(tls))
+        return swaps
 
     async def _add_trigger_stage(self, new: Config) -> list[str]:
         """The first triggers of a daemon that started without any: a started,

@@ -90,6 +90,19 @@ class Metrics:
             "and body (nothing stored again).",
             registry=r,
         )
+        self.ingest_producer_events = Counter(
+            p + "ingest_producer_events_total",
+            "Events accepted from each producer of [[ingest.tokens]] (by its name).",
+            ["producer"],
+            registry=r,
+        )
+        self.ingest_quota_refusals = Counter(
+            p + "ingest_quota_refusals_total",
+            "Requests refused with 429 because the producer was over its "
+            "max_events_per_s or max_bytes_per_s.",
+            ["producer"],
+            registry=r,
+        )
         self.ingest_idempotency_keys = Gauge(
             p + "ingest_idempotency_keys",
             "Request keys in the de-duplication window (ingest.idempotency_max_keys bounds it).",

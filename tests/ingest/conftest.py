@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -92,10 +93,15 @@ async def start_ingest(tmp_path: Path, wal: Any, metrics: Metrics) -> AsyncItera
     servers: list[IngestServer] = []
 
     async def start(
-        *, lag: Callable[[], int] = lambda: 0, cores: int = 4, wal_: Any = None, **ingest: Any
+        *,
+        lag: Callable[[], int] = lambda: 0,
+        cores: int = 4,
+        wal_: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        **ingest: Any,
     ) -> IngestServer:
         cfg = make_cfg(tmp_path, cores=cores, **ingest)
-        server = IngestServer(cfg, wal if wal_ is None else wal_, metrics, lag)
+        server = IngestServer(cfg, wal if wal_ is None else wal_, metrics, lag, clock=clock)
         await server.start()
         servers.append(server)
         return server
@@ -147,10 +153,13 @@ async def baseline(
 async def start_admin(tmp_path: Path, metrics: Metrics) -> AsyncIterator[Callable[..., Any]]:
     servers: list[AdminServer] = []
 
-    async def start(**kw: Any) -> AdminServer:
+    async def start(*, admin: AdminConfig | None = None, **kw: Any) -> AdminServer:
         kw.setdefault("status", lambda: {"healthy": True})
         kw.setdefault("ready", lambda: True)
-        server = AdminServer(make_cfg(tmp_path), metrics, **kw)
+        cfg = make_cfg(tmp_path)
+        if admin is not None:
+            cfg = dataclasses.replace(cfg, admin=admin)
+        server = AdminServer(cfg, metrics, **kw)
         await server.start()
         servers.append(server)
         return server
@@ -162,3 +171,11 @@ async def start_admin(tmp_path: Path, metrics: Metrics) -> AsyncIterator[Callabl
 
 def replace_ingest(cfg: Config, **kw: Any) -> Config:
     return dataclasses.replace(cfg, ingest=dataclasses.replace(cfg.ingest, **kw))
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Two CAs and their certificates, made once per session (tests/ingest/certs.py)."""
+    from tests.ingest.certs import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,18 @@ def test_bench_ingest_keys_compares_keyed_and_unkeyed_requests(
     assert rc == 0, text
     assert "eventplane, Idempotency-Key" in text
     assert "keyed / unkeyed:" in text
+
+
+def test_bench_ingest_secure_compares_tls_and_token_with_plain(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--duration", "0.3", "--warmup", "0.1", "--clients", "2", "--batch", "100"]
+    rc = bench_ingest.main([*argv, "--secure", "--repeat", "1"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "eventplane, TLS + token" in text
+    assert "secure / plain:" in text
+    full, resumed = (
+        float(x.replace(",", "")) for x in re.findall(r"([\d,]+)/s (?:full|resumed)", text)
+    )
+    assert full > 0 and resumed > 0

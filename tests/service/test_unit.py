@@ -184,3 +184,37 @@ def test_sysusers_creates_the_units_user(tmp_path: Path, unit: dict[str, list[st
     assert proc.returncode == 0, proc.stderr
     assert f"Creating user '{_one(unit, 'User')}'" in proc.stdout + proc.stderr
     assert "ignoring" not in proc.stdout + proc.stderr
+
+
+CREDENTIALS = ROOT / "systemd" / "eventplane-credentials.conf"
+
+
+def test_credentials_dropin_loads_every_secret_the_config_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each LoadCredential= copies a root-only file under /etc/eventplane/credentials,
+    and the config the drop-in shows names exactly those copies; that config is
+    valid with $CREDENTIALS_DIRECTORY pointing at them."""
+    from daemon.config import parse
+
+    loaded = parse_unit(CREDENTIALS.read_text())["Service"]["LoadCredential"]
+    names = {}
+    for value in loaded:
+        name, _, source = value.partition(":")
+        assert source == f"/etc/eventplane/credentials/{name}"
+        names[name] = source
+    shown = "\n".join(
+        line.removeprefix("#").strip()
+        for line in CREDENTIALS.read_text().splitlines()
+        if re.match(r"#   (\[|\w+ = )", line)
+    )
+    referenced = re.findall(r"\$\{CREDENTIALS_DIRECTORY\}/([\w.]+)", shown)
+    assert sorted(referenced) == sorted(names)
+
+    import tomllib
+
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    cfg = parse(tomllib.loads(shown))
+    assert cfg.ingest.tls.key == tmp_path / "ingest.key"
+    assert cfg.ingest.tokens_file == tmp_path / "tokens.toml"
+    assert cfg.admin.tls.cert == tmp_path / "admin.crt"
