@@ -26,7 +26,8 @@ WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
    original append (200, ``"replayed": true``) without parsing; with another
    body, 422; a key whose first request is still in flight waits for it.
 4. Shard and encode each event (:class:`daemon.events.StoredEvent`, one
-   ``ingest_ts_ns`` per request; 413 for an event over ``max_event_bytes``).
+   ``ingest_ts_ns`` per request, the authenticated producer's name; 413 for
+   an event over ``max_event_bytes``).
 5. One ``wal.append`` for all events, carrying the key; 507 if the WAL's
    volume is full (nothing was written; retry once space is freed), 503 if
    the WAL is failed or closed.
@@ -707,6 +708,7 @@ class IngestServer:
             # Step 1. Admission (a producer's token or certificate included).
             ndjson, coding, producer = self._admit(request)
             scope = None if producer is None or producer.unrestricted else producer
+            name = None if producer is None else producer.name  # stored with each event
             key = self._request_key(request)
             # Step 2. Read the body within the deadline and the memory budget.
             # A compressed body's Content-Length says nothing of its decoded size.
@@ -729,7 +731,7 @@ class IngestServer:
                 nbytes = len(body)
                 if key is None:
                     # Steps 3 and 4. Parse, validate, shard, encode.
-                    items = self._parse(body, ndjson, scope)
+                    items = self._parse(body, ndjson, scope, name)
                     self._charge(producer, len(items), nbytes)
                     # Step 5. One append: atomic, consecutive LSNs, returns after fdatasync.
                     first, last = await self._append(items, None)
@@ -742,7 +744,7 @@ class IngestServer:
                         self._m_replays.inc()
                         return self._ack(stored[0], stored[1], nbytes, started, replayed=True)
                     try:
-                        items = self._parse(body, ndjson, scope)
+                        items = self._parse(body, ndjson, scope, name)
                         self._charge(producer, len(items), nbytes)
                     except BaseException:
                         self._release(tag, None)
@@ -969,7 +971,15 @@ class IngestServer:
 
     # -- parsing (steps 3 and 4) ---------------------------------------------
 
-    def _parse(self, body: bytes, ndjson: bool, scope: ProducerToken | None = None) -> CoreSections:
+    def _parse(
+        self,
+        body: bytes,
+        ndjson: bool,
+        scope: ProducerToken | None = None,
+        producer: str | None = None,
+    ) -> CoreSections:
+        """Steps 3 and 4: the body's events, checked against ``scope`` and stored
+        with the ``producer``'s name (None: ingest is open)."""
         if not body or body.isspace():
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
         # UTF-8, once per body: msgspec checks the strings it decodes, not the text of
@@ -1006,7 +1016,7 @@ class IngestServer:
             raise Rejection(400, "empty", "the body holds no events; nothing was stored")
         if scope is not None:
             self._check_scope(scope, events)
-        items = self._encode(events)
+        items = self._encode(events, producer)
         if items is None:
             self._explain(body, ndjson)
             raise _disagreement(None)
@@ -1026,7 +1036,7 @@ class IngestServer:
                 limit=self._max_events,
             )
 
-    def _encode(self, events: list[InEvent]) -> CoreSections | None:
+    def _encode(self, events: list[InEvent], producer: str | None = None) -> CoreSections | None:
         """Step 4. ``(core, payload)`` per event, split by core (``CoreSections``);
         None when an op/new/old, ``id`` length or ``time`` range rule is broken, or
         a CDC writer would refuse ``new`` or ``old`` (:mod:`daemon.ingest.payload`).
@@ -1083,14 +1093,20 @@ class IngestServer:
                 key = ev.key
                 eid = ev.event_id
                 etime = ev.event_time
-                if eid is None and etime is None:  # the short form (validate._stored_payload)
+                # The forms of validate._stored_payload: short (8), long (10), producer (11).
+                if eid is None and etime is None and producer is None:
                     payload = encode((collection, op, key, new, old, ts, 0, ""))
                 else:
                     if eid is not None and len(eid) > max_id:
                         return None
                     if etime is not None and (etime := event_time_us(etime)) is None:
                         return None
-                    payload = encode((collection, op, key, new, old, ts, 0, "", eid, etime))
+                    if producer is None:
+                        payload = encode((collection, op, key, new, old, ts, 0, "", eid, etime))
+                    else:
+                        payload = encode(
+                            (collection, op, key, new, old, ts, 0, "", eid, etime, producer)
+                        )
                 size = len(payload)
                 if size > max_event:
                     self._event_too_large(i, size)

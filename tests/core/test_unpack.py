@@ -28,6 +28,7 @@ FIELDS = (
     "event_time_us",
     "depth",
     "source",
+    "producer",
 )
 
 # Lengths that cross every msgpack size class: fixstr (< 32), str8/bin8 (< 256),
@@ -47,8 +48,8 @@ _int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 
 @st.composite
 def stored(draw: Any) -> bytes:
-    """One payload as the WAL holds it: ingest's short or long form, or an
-    emit action's ``encode(StoredEvent)`` with a depth and a source."""
+    """One payload as the WAL holds it: ingest's short, long or producer form,
+    or an emit action's ``encode(StoredEvent)`` with a depth and a source."""
     collection, key = draw(_text), draw(_text)
     new, old = draw(_json), draw(_json)
     op = draw(st.sampled_from(["insert", "update", "delete"]))
@@ -56,12 +57,15 @@ def stored(draw: Any) -> bytes:
     form = draw(st.sampled_from(["ingest", "derived"]))
     event_id = draw(st.one_of(st.none(), _text))
     event_time = draw(st.one_of(st.none(), _int64))
+    producer = draw(st.one_of(st.none(), _text))
     if form == "ingest":
-        return _stored_payload(collection, op, key, new, old, ts, event_id, event_time)
+        return _stored_payload(collection, op, key, new, old, ts, event_id, event_time, producer)
     depth = draw(st.integers(min_value=0, max_value=2**31 - 1))
     source = draw(_text)
     return encode(
-        StoredEvent(collection, op, key, new, old, ts, depth, source, event_id, event_time)
+        StoredEvent(
+            collection, op, key, new, old, ts, depth, source, event_id, event_time, producer
+        )
     )
 
 
@@ -105,6 +109,7 @@ def test_the_batch_table_is_the_same_with_and_without_the_field_reader() -> None
                 10**18 + i,
                 f"e{i}" if i % 4 == 0 else None,
                 i * 1000 if i % 5 == 0 else None,
+                "svc" if i % 3 == 0 else None,
             ),
         )
         for i in range(100)

@@ -338,3 +338,35 @@ def test_bearer_header_forms() -> None:
         "Bearer": None,
     }
     assert {k: security.bearer_token(k) for k in cases} == cases
+
+
+async def test_each_stored_event_names_the_producer_whose_token_sent_it(
+    start_ingest: StartIngest, http: aiohttp.ClientSession, wal: Wal
+) -> None:
+    """Who wrote it: an authenticated request's events are stored with the
+    token entry's name (the 11-field form), event id and time kept; an open
+    ingest stores none."""
+    guarded = await start_ingest(tokens=TOKENS)
+    batch = [event(1), event(2, collection="payments", id="evt-2", time=1_700_000_000_000)]
+    status, _, _ = await post(http, guarded, ndjson(batch), bearer(ORDERS_TOKEN))
+    assert status == 200
+    status, _, _ = await post(
+        http, guarded, ndjson([event(3, collection="audit.x")]), bearer(AUDIT_TOKEN)
+    )
+    assert status == 200
+    got = {e.key: e for _, _, e in stored(wal)}
+    assert {k: e.producer for k, e in got.items()} == {
+        "k1": "orders-svc", "k2": "orders-svc", "k3": "auditor",
+    }  # fmt: skip
+    assert got["k2"].event_id == "evt-2" and got["k2"].event_time_us == 1_700_000_000_000_000
+    assert [r.payload[0] for r in wal.read(1)] == [0x9B, 0x9B, 0x9B]
+
+
+async def test_an_open_ingest_stores_events_without_a_producer(
+    start_ingest: StartIngest, http: aiohttp.ClientSession, wal: Wal
+) -> None:
+    server = await start_ingest()
+    status, _, _ = await post(http, server, ndjson([event(1)]))
+    assert status == 200
+    assert [e.producer for _, _, e in stored(wal)] == [None]
+    assert [r.payload[0] for r in wal.read(1)] == [0x98]  # the short form, as before

@@ -53,7 +53,14 @@ def event_for(lsn: int, keys: int = 50, ns_per_lsn: int = 1000, bad_every: int =
     if bad_every and lsn % bad_every == 0:
         new = BAD_NEW
     old = None if op == "insert" else json.dumps({"amount": lsn % 7}).encode()
-    return StoredEvent(collection, op, key, new, old, BASE_TS_NS + lsn * ns_per_lsn)
+    ts = BASE_TS_NS + lsn * ns_per_lsn
+    # Every third event came from an authenticated producer (the 11-field form).
+    return StoredEvent(collection, op, key, new, old, ts, producer=producer_of(lsn))
+
+
+def producer_of(lsn: int) -> str | None:
+    """The producer ``event_for`` names for event ``lsn``."""
+    return "orders-svc" if lsn % 3 == 0 else None
 
 
 def make_batches(

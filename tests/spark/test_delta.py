@@ -525,3 +525,42 @@ async def test_retention_deletes_expired_days_and_delta_readers_see_them_gone(
     old = spark.read.format("delta").option("versionAsOf", before).load(str(table))
     assert sorted(r.lsn for r in old.collect()) == batch_lsns(batches)
     assert ex.status()["streams"]["all"]["retention"]["partitions_removed"] == 1
+
+
+async def test_a_delta_table_made_before_the_producer_column_gets_it_and_reads_whole(
+    spark: Any, executor_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table whose files and schema predate ``producer`` (the earlier column
+    list put in place for batch 1): when the stream opens again, the column is
+    added to the table (a metadata-only commit); batch 1's rows read null,
+    batch 2's the producer each event was sent by, for Spark and delta-rs."""
+    from deltalake import DeltaTable
+
+    from daemon.table import delta
+    from daemon.table.delta import DeltaSink
+    from tests.spark.support import producer_of
+
+    earlier = tuple(c for c in DELTA_COLUMNS if c != "producer")
+    monkeypatch.setattr(DeltaSink, "_table_columns", lambda self: earlier)
+    stats = ",".join(c for c in delta.STATS_COLUMNS if c != "producer")
+    properties = {**delta.DELTA_PROPERTIES, "delta.dataSkippingStatsColumns": stats}
+    monkeypatch.setattr(delta, "DELTA_PROPERTIES", properties)
+    first, second = make_batches(2, 60)
+    ex = await executor_factory(stream_options=DELTA)
+    assert not await ex.execute(first)
+    await ex.stop()
+    table = tmp_path / "cdc" / "all"
+    assert "producer" not in {f.name for f in DeltaTable(str(table)).schema().fields}
+    monkeypatch.undo()
+
+    ex = await executor_factory(stream_options=DELTA)
+    assert not await ex.execute(second)
+
+    wanted = {n: None for n in batch_lsns([first])} | {
+        n: producer_of(n) for n in batch_lsns([second])
+    }
+    rows = spark.read.format("delta").load(str(table)).select("lsn", "producer").collect()
+    assert {r.lsn: r.producer for r in rows} == wanted
+    assert any(wanted.values())
+    dt = DeltaTable(str(table)).to_pyarrow_table(columns=["lsn", "producer"])
+    assert dict(zip(dt["lsn"].to_pylist(), dt["producer"].to_pylist(), strict=True)) == wanted

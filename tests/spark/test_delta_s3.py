@@ -22,7 +22,7 @@ from daemon.table.lease import LeaseHeldError
 from daemon.table.ledger import read_ledger
 from daemon.table.location import S3Files
 from tests.s3.server import S3Server
-from tests.spark.support import batch_lsns, make_batches
+from tests.spark.support import batch_lsns, make_batches, producer_of
 from tests.spark.test_crash import run_worker
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
@@ -115,8 +115,10 @@ async def test_every_reader_reads_the_table_from_the_bucket(
     dt = DeltaTable(table_uri, storage_options=opts)
     everything = batch_lsns(batches)
     assert sorted(dt.to_pandas(columns=["lsn"])["lsn"]) == everything
-    polars = pl.read_delta(table_uri, storage_options=opts, columns=["lsn", "new_json"])
+    polars = pl.read_delta(table_uri, storage_options=opts, columns=["lsn", "new_json", "producer"])
     assert sorted(polars["lsn"].to_list()) == everything
+    who = dict(zip(polars["lsn"].to_list(), polars["producer"].to_list(), strict=True))
+    assert who == {n: producer_of(n) for n in everything}
     assert json.loads(polars.filter(pl.col("lsn") == 7)["new_json"][0])["amount"] == 70
     # Each file's add action has the statistics a filter on lsn prunes by.
     adds = pa.table(dt.get_add_actions(flatten=True)).to_pydict()

@@ -16,7 +16,7 @@ import pytest
 
 from daemon.cli import cdc as cdccmd
 from daemon.cli.main import build_parser
-from daemon.config import Config, DaemonConfig, IngestConfig, Listen
+from daemon.config import Config, DaemonConfig, IngestConfig, Listen, ProducerToken
 from daemon.events import StoredEvent, encode
 from daemon.ingest.server import IngestServer
 from daemon.plane.batch import MicroBatch, Slice
@@ -57,8 +57,14 @@ def records_of(events: Sequence[StoredEvent], first_lsn: int) -> list[Record]:
     return out
 
 
-async def ingest_over_http(tmp_path: Path, events: list[dict[str, Any]]) -> list[Record]:
-    """POST ``events`` to a real ingest server backed by a real WAL; the records stored."""
+async def ingest_over_http(
+    tmp_path: Path,
+    events: list[dict[str, Any]],
+    tokens: tuple[ProducerToken, ...] = (),
+    token: str | None = None,
+) -> list[Record]:
+    """POST ``events`` to a real ingest server backed by a real WAL (with
+    producer ``tokens``, sending ``token``); the records stored."""
     wal = await asyncio.to_thread(
         Wal.open,
         tmp_path / "wal",
@@ -69,7 +75,7 @@ async def ingest_over_http(tmp_path: Path, events: list[dict[str, Any]]) -> list
     )
     cfg = Config(
         daemon=DaemonConfig(data_dir=tmp_path / "ingest", cores=CORES),
-        ingest=IngestConfig(listen=Listen("127.0.0.1", 0)),
+        ingest=IngestConfig(listen=Listen("127.0.0.1", 0), tokens=tokens),
     )
     server = IngestServer(cfg, wal, Metrics(), lambda: 0)
     await server.start()
@@ -80,7 +86,10 @@ async def ingest_over_http(tmp_path: Path, events: list[dict[str, Any]]) -> list
             http.post(
                 server.url + "/v1/events",
                 data=body,
-                headers={"Content-Type": "application/x-ndjson"},
+                headers={
+                    "Content-Type": "application/x-ndjson",
+                    **({"Authorization": f"Bearer {token}"} if token else {}),
+                },
             ) as resp,
         ):
             assert resp.status == 200, await resp.text()
@@ -226,3 +235,50 @@ def test_a_summary_left_half_written_is_removed_when_the_stream_opens(tmp_path: 
     sink.close()
     assert not litter[0].exists()
     assert litter[1].exists()  # only the summary's own temp names are ours
+
+
+async def test_the_producer_whose_token_sent_an_event_is_in_every_table_format(
+    spark: Any, executor_factory: Any, tmp_path: Path
+) -> None:
+    """Who wrote it: two producers' requests over real HTTP with their tokens,
+    one batch into a Parquet and a Delta stream: each row's ``producer`` is
+    the token entry's name, for Spark and for delta-rs."""
+    import hashlib
+
+    from deltalake import DeltaTable
+
+    from daemon.spark import deltajars
+
+    if deltajars.missing():
+        pytest.skip("needs Delta Lake's jars (make delta-jars)")
+    tokens = tuple(
+        ProducerToken(name, collections=("*",), sha256=hashlib.sha256(name.encode()).hexdigest())
+        for name in ("orders-svc", "billing")
+    )
+    new = {"amount": 5}
+    records = await ingest_over_http(
+        tmp_path,
+        [{"collection": "orders", "op": "insert", "key": f"o{i}", "new": new} for i in range(3)],
+        tokens,
+        "orders-svc",
+    )
+    records += await ingest_over_http(
+        tmp_path / "b",
+        [{"collection": "bills", "op": "insert", "key": "b1", "new": new, "id": "evt-9"}],
+        tokens,
+        "billing",
+    )
+    # The second WAL's LSNs start at 1 too: one LSN sequence for the batch.
+    records = [Record(i + 1, r.core, i + 1, r.payload) for i, r in enumerate(records)]
+    delta = await executor_factory(streams=(("lake", ("*",)),), stream_options={"format": "delta"})
+    await delta.execute(batch_of(1, records))
+    expected = [(1, "orders-svc"), (2, "orders-svc"), (3, "orders-svc"), (4, "billing")]
+    rows = spark.read.format("delta").load(str(tmp_path / "cdc" / "lake"))
+    assert [tuple(r) for r in rows.select("lsn", "producer").orderBy("lsn").collect()] == expected
+    dt = DeltaTable(str(tmp_path / "cdc" / "lake")).to_pyarrow_table(columns=["lsn", "producer"])
+    assert sorted(zip(dt["lsn"].to_pylist(), dt["producer"].to_pylist(), strict=True)) == expected
+    await delta.stop()
+    flat = await executor_factory(streams=(("flat", ("*",)),))
+    await flat.execute(batch_of(1, records))
+    table = spark.read.parquet(str(tmp_path / "cdc" / "flat"))
+    assert [tuple(r) for r in table.select("lsn", "producer").orderBy("lsn").collect()] == expected

@@ -346,3 +346,23 @@ async def test_config_trigger_specs_run_unchanged(
     engine = await make_engine(specs, spark)
     await run_batch(engine, spark, batch_df(spark, mixed_events()))
     assert receiver.all_lsns == [4]
+
+
+async def test_a_when_on_producer_matches_and_the_row_names_the_producer(
+    spark: Any, make_engine: Any, receiver: Receiver
+) -> None:
+    """Who wrote it, in triggers: ``when`` can test ``producer``, and each row
+    an action gets carries it (null for an event sent to an open ingest)."""
+    s = Spec(
+        name="from-billing", collection="orders", on=("insert",),
+        when="producer = 'billing' OR producer IS NULL", action=webhook(receiver.url),
+    )  # fmt: skip
+    engine = await make_engine([s], spark)
+    events = [
+        {**event(1, new={"a": 1}), "producer": "billing"},
+        {**event(2, new={"a": 2}), "producer": "orders-svc"},
+        event(3, new={"a": 3}),
+    ]
+    await run_batch(engine, spark, batch_df(spark, events, batch_id=7), batch_id=7)
+    rows = [row for r in receiver.requests for row in r.body["rows"]]
+    assert [(row["lsn"], row["producer"]) for row in rows] == [(1, "billing"), (3, None)]
