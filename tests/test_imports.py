@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("wal", "daemon", "triggers")
 # (importer prefix, imported prefixes it must not use): docs/design.md, "Where each step lives".
 FORBIDDEN = [
+    ("daemon.metrics", ("daemon", "wal", "triggers")),
     ("wal", ("daemon", "triggers")),
     ("triggers", ("daemon.ingest", "daemon.service", "daemon.cli")),
     # The table layer sits below the executor; daemon.spark.session (the
@@ -127,6 +128,24 @@ def test_no_module_of_the_project_imports_in_a_circle() -> None:
 def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import() -> None:
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(edges) == [["a", "b", "c"]]
+
+
+# The layers above the service layer: the service itself and the CLI that starts it.
+ABOVE_SERVICE = ("daemon.service", "daemon.cli")
+
+
+def test_nothing_below_the_service_layer_imports_it() -> None:
+    """The plane, the executor, the table layer, ingest, the WAL and the trigger
+    engine write metrics through ``daemon.metrics``; ``service/`` depends on them,
+    never the other way round."""
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph().items()
+        if not any(module == a or module.startswith(a + ".") for a in ABOVE_SERVICE)
+        for target in targets
+        if target == "daemon.service" or target.startswith("daemon.service.")
+    )
+    assert wrong == []
 
 
 @pytest.mark.parametrize(("importer", "banned"), FORBIDDEN, ids=[f[0] for f in FORBIDDEN])

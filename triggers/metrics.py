@@ -1,6 +1,6 @@
 """The metric seams the trigger engine writes to, typed structurally.
 
-``daemon.service.metrics.Metrics`` satisfies :class:`TriggerMetrics` (prometheus
+``daemon.metrics.Metrics`` satisfies :class:`TriggerMetrics` (prometheus
 ``Counter``/``Gauge``/``Histogram``); the package never imports it.
 """
 

@@ -79,8 +79,8 @@ from daemon.ingest.validate import (
     event_time_us,
     explain_body,
 )
+from daemon.metrics import Metrics
 from daemon.security import CHALLENGE_INGEST, ProducerAuth, ServerTls, bearer_token
-from daemon.service.metrics import Metrics
 from daemon.shard import collection_seed
 from wal.errors import WalClosedError, WalFatalError, WalFullError
 from wal.format import CoreSections, EncodedSection, RequestEntry, RequestTag, crc32c

@@ -44,7 +44,7 @@ from wal.reader import RecordBatch
 
 if TYPE_CHECKING:
     from daemon.config import ConsumerConfig
-    from daemon.service.metrics import Metrics
+    from daemon.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 

@@ -48,8 +48,8 @@ from wal.record import Record
 
 if TYPE_CHECKING:
     from daemon.config import Config
+    from daemon.metrics import Metrics
     from daemon.plane.batch import Executor
-    from daemon.service.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 

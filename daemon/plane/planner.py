@@ -86,8 +86,8 @@ from daemon.plane.watermarks import Backfill
 
 if TYPE_CHECKING:
     from daemon.config import MicrobatchConfig
+    from daemon.metrics import Metrics
     from daemon.plane.watermarks import Watermarks
-    from daemon.service.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 

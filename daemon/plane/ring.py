@@ -36,7 +36,7 @@ from wal.reader import RecordBatch
 from wal.record import Record
 
 if TYPE_CHECKING:
-    from daemon.service.metrics import Metrics
+    from daemon.metrics import Metrics
 
 # Thresholds of docs/consumers.md (backpressure).
 THROTTLE_AT = 0.85

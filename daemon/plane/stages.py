@@ -53,8 +53,8 @@ from daemon.plane.watermarks import Pause
 
 if TYPE_CHECKING:
     from daemon.config import MicrobatchConfig
+    from daemon.metrics import Metrics
     from daemon.plane.watermarks import Watermarks
-    from daemon.service.metrics import Metrics
 
 log = structlog.get_logger("eventplane.stages")
 

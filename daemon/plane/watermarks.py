@@ -51,8 +51,8 @@ from typing import TYPE_CHECKING, Any
 from daemon.errors import DaemonError, IdentityMismatchError, LsnRegressionError
 
 if TYPE_CHECKING:
+    from daemon.metrics import Metrics
     from daemon.plane.batch import MicroBatch
-    from daemon.service.metrics import Metrics
 
 FORMAT = "eventplane-watermarks"
 # Written while a stage is paused; without one the file is written as version

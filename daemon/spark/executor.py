@@ -85,8 +85,8 @@ from daemon.errors import (
     UnknownStreamError,
     error_text,
 )
+from daemon.metrics import Metrics
 from daemon.plane.batch import BatchStage, MicroBatch, SessionAware
-from daemon.service.metrics import Metrics
 from daemon.spark import deltajars, frame, rawinbox
 from daemon.spark import session as sparkmod
 from daemon.table import sparkio
