@@ -1,7 +1,9 @@
 """Typed errors of the daemon package.
 
-Retry policy lives on the class (``retriable``) so dispatch code asks the
-error, not a string. Messages say what happened, where, and what to do.
+Retry policy lives on the class (``retriable``) where a caller reads it: the
+ingest client (daemon/client.py) retries an ``IngestError`` only when it says
+so. The planner retries every failed micro-batch with backoff, whatever its
+type. Messages say what happened, where, and what to do.
 """
 
 from __future__ import annotations
@@ -36,9 +38,7 @@ class ConsumerFailedError(DaemonError):
 
 
 class ExecutorError(DaemonError):
-    """A micro-batch failed to execute; retried with backoff."""
-
-    retriable = True
+    """A micro-batch failed to execute; the planner retries it with backoff."""
 
 
 class UnknownStreamError(DaemonError):

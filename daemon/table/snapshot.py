@@ -59,6 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from daemon.errors import DaemonError
+
 T = TypeVar("T")
 
 META_DIR = "_eventplane"
@@ -73,7 +75,7 @@ DEFAULT_WAIT_S = 10.0
 MAX_ATTEMPTS = 100
 
 
-class SnapshotError(Exception):
+class SnapshotError(DaemonError):
     """No consistent listing of the table could be taken."""
 
 

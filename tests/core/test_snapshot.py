@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.errors import DaemonError
 from daemon.table import snapshot
 from daemon.table.snapshot import (
     SnapshotError,
@@ -165,8 +166,10 @@ def test_a_table_that_never_stops_changing_is_an_error_not_a_hang(table: Path) -
 
 def test_a_damaged_generation_file_says_what_to_do(table: Path) -> None:
     (table / "_eventplane" / "generation").write_text("garbage")
-    with pytest.raises(SnapshotError, match="Remove it"):
+    with pytest.raises(SnapshotError, match="Remove it") as err:
         snapshot.snapshot(table)
+    assert isinstance(err.value, DaemonError)  # one family: ``except DaemonError`` catches it
+    assert issubclass(TableBusyError, DaemonError)
 
 
 def test_a_missing_table_is_file_not_found(tmp_path: Path) -> None:
