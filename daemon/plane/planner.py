@@ -1,64 +1,21 @@
-"""Micro-batch planner: per-core pending slices, a durable plan log, and the run loop.
+"""Micro-batch planner: pending slices per core, a durable plan log, and the run loop.
 
-Consumers add delivered records to their core's pending slice. The planner
-closes one slice per core into a :class:`~daemon.plane.batch.MicroBatch` and runs
-it. One batch runs at a time, so batches commit in id order and watermarks
-only move forward.
+Consumers add delivered records to their core's pending slice; the planner
+closes one slice per core into a batch and runs one batch at a time, so
+batches commit in id order and watermarks only move forward. Batch protocol
+(Spark's offset-log rule):
 
-When a batch closes: ``microbatch.interval_ms`` is the time from an event's
-delivery to its batch's commit that the planner aims for. It closes a batch
-when its oldest pending event has waited ``interval_ms`` less the expected run
-time (``RUN_TIME_MARGIN`` x the slowest of the last ``RECENT_BATCHES`` runs),
-and sooner when a core reaches ``max_rows`` (``catchup_max_rows`` while it
-catches up) or its memory budget. With fast batches that is about once per
-interval; a slower executor gets batches closed sooner, so rows do not wait a
-whole interval and then a run on top of it (a batch that is due while another
-runs starts right after it commits, prepared meanwhile if the executor can).
-With none running, a batch waits at least a quarter of the interval
-(``IDLE_MIN_WAIT``) after its oldest row, so that a burst's first batch is not
-its first few rows alone.
-
-How much a slice takes: everything the core has pending, up to
-``catchup_max_rows``. Rows that piled up while a batch ran (more than
-``max_rows`` of them: the executor is behind) go out in one large batch, as
-a Structured Streaming source without a per-trigger limit does; every batch
-pays a fixed cost in Spark (a few hundred ms for a CDC write here), so many
-``max_rows`` batches would keep the executor behind for longer.
-
-Batch protocol (Spark's offset-log rule):
-
-1. Close one slice per core and give the batch the next id.
+1. Close one slice per core, the next id (:mod:`daemon.plane.closing`).
 2. Append ``batch_id -> {core: (first_lsn, last_lsn)}`` to the plan log and
-   fsync it, *before* anything runs.
-3. ``await executor.execute(batch, stages)`` for the stages level with the
-   batch (``daemon.plane.stages``); if it fails as a whole (or every stage fails),
-   retry with exponential backoff, same id and same rows, forever (a batch
-   is never dropped). A stage that fails on its own falls behind: it re-runs
-   the batch later from its plan, and the others go on (invariant 6).
-4. Commit: each stage's progress moves for the batches it committed; the
-   watermarks of the batch's cores move once every stage committed it.
+   fsync it, *before* anything runs (:mod:`daemon.plane.planlog`).
+3. Execute for the stages level with the batch; a batch that fails whole is
+   retried with backoff, same id and same rows, forever. A stage that fails
+   on its own falls behind and catches up later (:mod:`daemon.plane.behind`).
+4. Commit: stages' progress moves, then the watermarks once every stage has it.
 
-Closing ahead: while batch N runs (step 3), an executor that prepares
-(``Preparer``) gets batch N+1 early: it goes through steps 1-2 and
-``executor.prepare``, and runs right after N's step 4 (``run``). N+1 closes
-when N is expected to commit less N+1's preparation (``ahead_due``), not
-before its rows' own deadline, and at once only when a core's slice cannot
-grow (``catchup_max_rows`` rows, or the memory budget). Its rows cannot
-commit before N has and N+1 has run, so an earlier close would only push
-the rows that arrive meanwhile into N+2, a run later; and a backlog that
-builds while N runs goes out in one batch, not in ``max_rows`` pieces.
-
-After a crash, plans above the persisted watermarks' ``batch_id`` are read
-back from the WAL and re-run first with their own ids (the executor's sinks
-dedupe by batch id), and consumers resume after the highest planned LSN.
-
-A CDC stream new to the data_dir may **backfill** (``start = "earliest"`` or
-an LSN): the planner then commits chunks of the WAL below the live batches
-to it, between live batches, before it joins them (:meth:`Planner._backfill`;
-docs/cdc.md, "Adding a stream: backfill").
-
-The plan log's format and recovery: :mod:`daemon.plane.planlog`; pending
-parts and their memory cost: :mod:`daemon.plane.parts`.
+After a crash, plans above the persisted watermarks are re-run first with
+their own ids; new CDC streams may backfill (:mod:`daemon.plane.backfill`).
+Why: docs/design.md, "Micro-batches" and "Invariants".
 """
 
 from __future__ import annotations
@@ -66,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import math
 import queue
 import threading
 import time
@@ -77,12 +33,21 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from daemon.errors import DaemonError, LsnRegressionError, error_text
+from daemon.plane.backfill import BackfillError, _BackfillRun
 from daemon.plane.batch import Executor, MicroBatch, Preparer, Slice
-from daemon.plane.parts import Part, Rows, first_lsn, last_lsn, part_bytes, split_part
-from daemon.plane.planlog import PlanLog, PlanLogError, Ranges
-from daemon.plane.stages import WHOLE_BATCH, StageTracker, stage_names
+from daemon.plane.behind import CatchUp
+from daemon.plane.closing import (
+    ETA_BATCHES,
+    IDLE_MIN_WAIT,
+    RECENT_BATCHES,
+    RUN_TIME_MARGIN,
+    ClosingPolicy,
+    _Pending,
+)
+from daemon.plane.parts import Part, Rows, first_lsn, last_lsn, part_bytes
+from daemon.plane.planlog import PlanLog, Ranges
+from daemon.plane.stages import StageTracker, stage_names
 from daemon.plane.tasks import uncancellable, wait_event
-from daemon.plane.watermarks import Backfill
 
 if TYPE_CHECKING:
     from daemon.config import MicrobatchConfig
@@ -91,62 +56,21 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+__all__ = [
+    "IDLE_MIN_WAIT",
+    "RUN_TIME_MARGIN",
+    "BackfillError",
+    "PlanMismatchError",
+    "Planner",
+]
+
 # Rewrite the plan log once this many of its entries are covered by persisted
 # watermarks: about 17 minutes of 1 s batches, a few tens of KiB of file.
 COMPACT_AFTER = 1024
 
-# The close deadline (module docstring) expects the next run to take this
-# many times the slowest of the last RECENT_BATCHES runs: room for the next
-# one's variance, and for delivery before and the actions' hand-off after.
-RECENT_BATCHES = 8
-RUN_TIME_MARGIN = 1.25
-
-# While batch N runs, N+1 closes when N is expected to commit, less the time
-# its input takes to prepare (module docstring, "Closing ahead"). N's run is
-# expected to take the shortest of the last ETA_BATCHES runs: closing late
-# costs more than closing early. Late, N+1 builds its input in its own run,
-# with Spark idle, and on a busy machine that run took about twice as long
-# as a prepared one (1.7-2.4 s against 0.8-1.3 s for 20-35k rows); early,
-# only the rows that arrive in between wait for N+2. The shortest also
-# ignores a stalled or retried run. The margin covers the plan log's fsync
-# and the hand-over to ``prepare``.
-ETA_BATCHES = 3
-CLOSE_AHEAD_MARGIN_S = 0.05
-
-# With no batch running, a batch closes no sooner than this share of
-# ``interval_ms`` after its oldest row's delivery (``idle_close_due``). When
-# the last runs took about the interval (large batches under load), the close
-# deadline falls on the first row's delivery, so the first batch of a burst
-# closed with the first ring run in it and the burst's rows waited behind a
-# whole run of that near-empty batch: in a 1M-event run here, 4,096 rows and
-# 1.3 s of Spark before the rows that piled up meanwhile could start. Waiting a
-# quarter of the interval lets them join it; at most that is added to the
-# first row's commit, where a separate batch adds a whole run to the others'.
-IDLE_MIN_WAIT = 0.25
-
 
 class PlanMismatchError(DaemonError):
     """A re-run batch's rows read back from the WAL do not match its plan."""
-
-
-class BackfillError(DaemonError):
-    """A new stream's backfill cannot start (below the retained floor, say)."""
-
-
-# A backfill logs its progress at most this often (cdc.backfill_progress).
-BACKFILL_LOG_S = 5.0
-
-
-class _BackfillRun:
-    """A backfill's position in this process: per core, the next LSN to take."""
-
-    __slots__ = ("done_at_start", "logged", "next", "started")
-
-    def __init__(self, next_lsns: list[int], done: int, started: float) -> None:
-        self.next = next_lsns
-        self.done_at_start = done
-        self.started = started
-        self.logged = started
 
 
 class _Reaper:
@@ -182,38 +106,12 @@ class _Reaper:
             self._queue.put(None)
 
 
-class _Pending:
-    __slots__ = (
-        "catching_up",
-        "inflight",
-        "last_lsn",
-        "nbytes",
-        "parts",
-        "room",
-        "rows",
-    )
-
-    def __init__(self) -> None:
-        # (part, part_bytes, when it was delivered: the planner's clock)
-        self.parts: list[tuple[Part, int, float]] = []
-        self.rows = 0
-        self.nbytes = 0
-        # Bytes of this core's slice in the running batch: still in memory
-        # (and decoded by the executor) until the batch commits, so they
-        # count against the same budget as the pending parts.
-        self.inflight = 0
-        self.last_lsn = 0
-        self.catching_up = False
-        self.room = asyncio.Event()
-        self.room.set()
-
-
 SliceLoader = Callable[[int, int, int], Awaitable[Sequence[Part]]]
 # (core, first LSN, last LSN, at most this many rows) -> that core's first rows.
 ChunkReader = Callable[[int, int, int, int], Awaitable[Sequence[Part]]]
 
 
-class Planner:
+class Planner(CatchUp, ClosingPolicy):
     """Closes slices into batches, plans them durably, runs them, commits them."""
 
     def __init__(
@@ -434,234 +332,6 @@ class Planner:
         return changed
 
     # ------------------------------------------------------------------
-    # Backfill: a new CDC stream fills from the WAL below the live batches
-
-    def prepare_backfills(self, wall: Callable[[], float] = time.time) -> list[str]:
-        """Start or resume the backfills of the executor's CDC streams; returns the
-        stages whose backfill started now (the caller persists the watermarks
-        before any batch runs, so a restart resumes them).
-
-        A stream backfills only when it is new to this data_dir: no progress
-        recorded for its stage and nothing in its ledger. Its progress is then
-        the watermarks' batch id P; it fills each core c up to the core's
-        watermark ``until[c]``: exactly the events of batches 1..P, since a
-        watermark moves only over batches every stage committed (or an idle
-        core). Every later event of the core is in a batch above P, which the
-        stream runs from its plan once filled: no gap, no overlap. Chunks get
-        the ids 1, 2, ... in the stream's ledger, all at most P, so they never
-        meet an id the stream takes from the planner (all above P).
-
-        Raises BackfillError for a start below the WAL's retained floor.
-        """
-        start_of = getattr(self.executor, "stream_start", None)
-        position = getattr(self.executor, "stream_position", None)
-        if not callable(start_of) or not callable(position):
-            return []
-        wm = self.watermarks
-        started: list[str] = []
-        for name in self.stages.names:
-            spec = start_of(name)
-            if spec is None:
-                continue  # not a CDC stream
-            last_id, high = position(name)
-            if name in wm.backfill:
-                bf = wm.backfill[name]
-                self._backfills[name] = self._backfill_run(bf, high)
-                log.info(
-                    "cdc.backfill_resumed",
-                    stage=name,
-                    start_lsn=bf.start,
-                    until=list(bf.until),
-                    chunks_committed=last_id,
-                    **self._progress(name),
-                )
-                continue
-            if spec == "head":
-                continue
-            if name not in self._new_stages or last_id or high:
-                log.info(
-                    "cdc.start_ignored",
-                    stage=name,
-                    start=spec,
-                    message=f"stream {name} has progress in this data_dir or rows in its "
-                    "table: start applies only to a new stream; it goes on where it is",
-                )
-                continue
-            floor = self._retained_floor()
-            first = floor if spec == "earliest" else int(spec)
-            if first < floor:
-                raise BackfillError(
-                    f"stage {name}: start = {spec} is below the WAL's retained floor "
-                    f"(LSN {floor}): the events in between were removed (invariant 9). "
-                    f'Use start = "earliest" (LSN {floor}) or a later LSN'
-                )
-            progress = self.stages.progress(name)
-            until = tuple(wm.lsns)
-            if progress == 0 or first > max(until):
-                log.info(
-                    "cdc.backfill_skipped",
-                    stage=name,
-                    start_lsn=first,
-                    until=list(until),
-                    message="nothing below the live batches from this start: "
-                    "the stream starts with the live batches",
-                )
-                continue
-            bf = Backfill(first, until, wall(), max(until) - first + 1)
-            wm.backfill[name] = bf
-            self._backfills[name] = self._backfill_run(bf, high)
-            started.append(name)
-            log.info(
-                "cdc.backfill_started",
-                stage=name,
-                start=spec,
-                start_lsn=first,
-                until=list(until),
-                hand_over_after_batch=progress,
-                events_total=bf.total,
-            )
-        return started
-
-    def _backfill_run(self, bf: Backfill, high: Mapping[int, int]) -> _BackfillRun:
-        nxt = [max(bf.start, high.get(c, 0) + 1) for c in range(self.cores)]
-        run = _BackfillRun(nxt, 0, self._clock())
-        run.done_at_start = bf.total - self._remaining(bf, run)
-        return run
-
-    @staticmethod
-    def _remaining(bf: Backfill, run: _BackfillRun) -> int:
-        """Events still to fill: an LSN distance over the cores not done (LSNs are
-        global, so one core's range spans the others' events: an upper bound)."""
-        todo = [c for c, n in enumerate(run.next) if n <= bf.until[c]]
-        if not todo:
-            return 0
-        return max(bf.until[c] for c in todo) - min(run.next[c] for c in todo) + 1
-
-    def _progress(self, name: str) -> dict[str, Any]:
-        bf = self.watermarks.backfill.get(name)
-        run = self._backfills.get(name)
-        if bf is None or run is None:
-            return {}
-        remaining = self._remaining(bf, run)
-        done = max(bf.total - remaining, 0)
-        elapsed = self._clock() - run.started
-        rate = (done - run.done_at_start) / elapsed if elapsed > 0 else 0.0
-        return {
-            "events_done": done,
-            "events_total": bf.total,
-            "events_remaining": remaining,
-            "rate_per_s": round(rate, 1),
-            "eta_s": round(remaining / rate, 1) if rate > 0 else None,
-        }
-
-    def backfill_report(self, name: str) -> dict[str, Any] | None:
-        """A backfilling stage's progress for status (None when not backfilling)."""
-        bf = self.watermarks.backfill.get(name)
-        if bf is None:
-            return None
-        run = self._backfills.get(name)
-        return {
-            "start_lsn": bf.start,
-            "until": list(bf.until),
-            "since": bf.since,
-            "next_lsns": list(run.next) if run else None,
-            **self._progress(name),
-        }
-
-    def backfill_floor(self) -> int | None:
-        """Lowest LSN - 1 that a running backfill still needs (WAL retention)."""
-        needs = [
-            n
-            for name, run in self._backfills.items()
-            if (bf := self.watermarks.backfill.get(name)) is not None
-            for c, n in enumerate(run.next)
-            if n <= bf.until[c]
-        ]
-        return min(needs) - 1 if needs else None
-
-    async def _read_chunk_whole(self, core: int, first: int, last: int, limit: int) -> list[Part]:
-        """A chunk from ``load_slice`` (reads the whole range; tests)."""
-        rows = list(Rows(await self._load_slice(core, first, last)))
-        return [rows[:limit]] if rows else []
-
-    async def _backfill(self, name: str) -> None:
-        """Commit the next chunk of ``name``'s backfill, or finish it.
-
-        Each core takes its events from its next LSN up to its ``until``, at
-        most ``max_rows`` of them; more only when the stream has fewer chunk ids
-        left (its progress P minus the ledger's last id) than ``max_rows``
-        chunks, so that the last chunk id stays at most P. A chunk is a batch
-        for this stage alone: the ledger's exactly-once checks apply (a
-        re-run id must have the same ranges; a new one must start above every
-        committed LSN of its cores). The ledger is the position: after a
-        restart the backfill continues after its last committed chunk.
-        """
-        bf = self.watermarks.backfill[name]
-        run = self._backfills[name]
-        last_id, _ = self.executor.stream_position(name)  # type: ignore[attr-defined]
-        ids_left = self.stages.progress(name) - last_id
-        slices: dict[int, Slice] = {}
-        limits: dict[int, int] = {}
-        for core, first in enumerate(run.next):
-            until = bf.until[core]
-            if first > until:
-                continue
-            limit = max(self.cfg.max_rows, math.ceil((until - first + 1) / max(ids_left, 1)))
-            limits[core] = limit
-            rows = Rows(await self._read_chunk(core, first, until, limit))
-            if not rows:
-                run.next[core] = until + 1  # no event of this core left below the hand-over
-                continue
-            slices[core] = Slice(core, rows[0].lsn, rows[-1].lsn, rows)
-        if not slices:
-            self._finish_backfill(name)
-            return
-        if ids_left <= 0:  # pragma: no cover - the limit above takes everything by then
-            raise BackfillError(f"stage {name}: no chunk id left below its hand-over batch")
-        batch = MicroBatch(last_id + 1, slices)
-        with structlog.contextvars.bound_contextvars(batch_id=batch.batch_id, backfill=name):
-            failures = await self._call(batch, [name])
-        if name in failures:
-            self.stages.failed(name, batch.batch_id, failures[name])
-            return
-        self.stages.chunk_committed(name)
-        for core, sl in slices.items():
-            # A short read took everything of the core up to ``until``.
-            done = sl.rows < limits[core] or sl.last_lsn >= bf.until[core]
-            run.next[core] = bf.until[core] + 1 if done else sl.last_lsn + 1
-        log.debug("cdc.backfill_chunk", stage=name, chunk=batch.batch_id, rows=batch.rows)
-        self._reaper.give(batch)
-        del batch
-        now = self._clock()
-        if now - run.logged >= BACKFILL_LOG_S:
-            run.logged = now
-            log.info("cdc.backfill_progress", stage=name, chunk=last_id + 1, **self._progress(name))
-
-    def _finish_backfill(self, name: str) -> None:
-        bf = self.watermarks.backfill.pop(name)
-        run = self._backfills.pop(name, None)
-        last_id, high = self.executor.stream_position(name)  # type: ignore[attr-defined]
-        log.info(
-            "cdc.backfill_done",
-            stage=name,
-            start_lsn=bf.start,
-            until=list(bf.until),
-            chunks=last_id,
-            high_lsns={str(c): v for c, v in sorted(high.items())},
-            seconds=round(self._clock() - run.started, 3) if run else None,
-            hand_over_after_batch=self.stages.progress(name),
-            message=f"stream {name} is filled up to the batch it was added at; it now "
-            "runs the batches planned since, then joins the live ones",
-        )
-        self._wake.set()
-
-    def _due_rows(self, p: _Pending) -> int:
-        """Pending rows that make a batch due before its deadline. A slice takes up
-        to ``catchup_max_rows`` whatever the mode: a backlog that built up while
-        a batch ran goes out in few large batches, not many ``max_rows`` ones."""
-        return self.cfg.catchup_max_rows if p.catching_up else self.cfg.max_rows
-
-    # ------------------------------------------------------------------
     # Run loop
 
     def request_stop(self) -> None:
@@ -723,100 +393,8 @@ class Planner:
             del batch
         # A batch closed ahead stays planned: a restart re-runs it from the plan log.
 
-    def _deadline_passed(self) -> bool:
-        due = self.idle_close_due()
-        return due is not None and due <= self._clock()
-
     def _sync_stages(self, batch_id: int) -> tuple[str, ...]:
         return self.stages.sync(stage_names(self.executor), batch_id)
-
-    async def _run_behind(self, live_waiting: bool = False) -> None:
-        """Stages behind the live batches re-run the plans they missed, oldest
-        first, while their backoff allows and no live batch is due.
-
-        At least one behind batch runs per call when one is due, so a stage
-        that recovered catches up even under steady load: the live batches it
-        waits for grow meanwhile (their deadline is per row, not per batch),
-        so there are fewer of them to catch up with.
-        """
-        ran = False
-        while not self._stopping and self.executor.ready():
-            if ran and (live_waiting or self._due_by_size() or self._deadline_passed()):
-                return
-            todo = self.stages.due(self._live_id)
-            if todo is None:
-                filling = self.stages.backfill_due()
-                if filling is None:
-                    return
-                await self._backfill(filling)
-                self._advance()
-                ran = True
-                continue
-            bid, names = todo
-            ranges = self._logged.get(bid)
-            if ranges is None:  # pragma: no cover - plans stay until every stage is past them
-                raise PlanLogError(f"stages {names} need batch {bid}, but its plan is gone")
-            batch = await self._load(bid, ranges)
-            with structlog.contextvars.bound_contextvars(batch_id=bid):
-                failures = await self._call(batch, names)
-            self._record(bid, names, failures)
-            log.info(
-                "stage_caught_up_batch",
-                batch_id=bid,
-                stages=[n for n in names if n not in failures],
-                failed=sorted(failures),
-                behind=max(self._live_id - bid, 0),
-            )
-            self._advance()
-            self._reaper.give(batch)
-            del batch
-            ran = True
-
-    async def _call(self, batch: MicroBatch, names: Sequence[str]) -> dict[str, BaseException]:
-        """Run ``batch`` for ``names``; the stages that failed, each with its error
-        (every one of them when the executor raised: the batch failed whole)."""
-        try:
-            if not self._named_stages or tuple(names) == (WHOLE_BATCH,):
-                await self.executor.execute(batch)
-                return {}
-            return dict(await self.executor.execute(batch, names) or {})
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            return dict.fromkeys(names, exc)
-
-    def _record(
-        self,
-        batch_id: int,
-        names: Sequence[str],
-        failures: Mapping[str, Any],
-        quiet: bool = False,
-    ) -> None:
-        for name in names:
-            if name in failures:
-                self.stages.failed(name, batch_id, failures[name], quiet=quiet)
-            else:
-                self.stages.succeeded(name, batch_id)
-
-    def _advance(self) -> None:
-        """Move the watermarks over every batch that all stages have committed."""
-        floor = min(self.stages.floor(), self._live_id)
-        wm = self.watermarks
-        moved = False
-        while wm.batch_id < floor:
-            bid = wm.batch_id + 1
-            ranges = self._logged.get(bid)
-            if ranges is None:  # pragma: no cover - every planned id is logged
-                raise PlanLogError(f"batch {bid} is committed by every stage but has no plan")
-            wm.commit_ranges(bid, ranges)
-            moved = True
-        self.stages.publish(self._live_id)
-        if moved and self._on_commit is not None:
-            self._on_commit()
-
-    def _live_done(self, batch_id: int) -> None:
-        self._live_id = max(self._live_id, batch_id)
-        self._advance()
 
     async def run_once(self) -> MicroBatch | None:
         """Steps 1-4 for one batch; None when nothing is pending."""
@@ -896,54 +474,6 @@ class Planner:
             self._eta_runs[prepared].append(self._last_run_s)
         return ahead
 
-    def expected_duration_s(self, prepared: bool = False) -> float:
-        """What the batch starting now is expected to take at least: the shortest
-        of the last ``ETA_BATCHES`` runs of batches prepared ahead (``prepared``)
-        or not; of any runs while there are none of that kind (0 before the
-        first).
-
-        Apart, because a batch that builds its input in the run takes longer by
-        that build. Mixed, a few such runs would make a prepared batch look
-        slower than it is; its successor would then close after it committed,
-        build its input in the run, and be one more such run.
-        """
-        recent = list(self._eta_runs[prepared]) or list(self._run_times)[-ETA_BATCHES:]
-        if not recent:
-            return 0.0
-        return min(recent)
-
-    def ahead_due(self, running_eta: float) -> float | None:
-        """When (planner clock) the batch after the running one is due, the running
-        one being expected to commit at ``running_eta``; None while nothing is
-        pending. The later of the rows' own deadline and that commit less the
-        next batch's preparation (``CLOSE_AHEAD_MARGIN_S`` on top)."""
-        due = self.close_due()
-        if due is None:
-            return None
-        rows = sum(p.rows for p in self._pending)
-        lead = CLOSE_AHEAD_MARGIN_S + self._prepare_s(rows)
-        return max(due, running_eta - lead)
-
-    def _prepare_s(self, rows: int) -> float:
-        """The executor's estimate of how long preparing ``rows`` takes (0 when it
-        gives none)."""
-        estimate = getattr(self._preparer, "prepare_seconds", None)
-        return float(estimate(rows)) if callable(estimate) else 0.0
-
-    def _ahead_full(self) -> bool:
-        """While a batch runs: some core's pending slice cannot grow. It holds all
-        a slice may take (``catchup_max_rows``), or pending plus running bytes
-        are at the core's budget."""
-        limit = self.cfg.catchup_max_rows
-        return any(p.rows >= limit or (p.rows and not p.room.is_set()) for p in self._pending)
-
-    def _due_by_size(self) -> bool:
-        """Some core's pending slice makes a batch due now: it reached its row
-        limit, or it cannot grow (pending plus running bytes at the budget)."""
-        return any(
-            p.rows >= self._due_rows(p) or (p.rows and not p.room.is_set()) for p in self._pending
-        )
-
     async def _close_and_plan(self) -> MicroBatch | None:
         """Steps 1-2: the next batch, planned durably; None when nothing is pending."""
         # Step 1. Close one slice per core.
@@ -980,80 +510,6 @@ class Planner:
                 return True
             await wait_event(self._wake, remaining)
         return False
-
-    def expected_run_s(self) -> float:
-        """What the close deadline expects the next batch's run to take (seconds)."""
-        if not self._run_times:
-            return 0.0
-        return min(RUN_TIME_MARGIN * max(self._run_times), self.cfg.interval_ms / 1000)
-
-    def close_due(self) -> float | None:
-        """When (planner clock) the next batch is due so that its oldest row commits
-        ``interval_ms`` after delivery; None while nothing is pending."""
-        oldest = self._oldest_delivery()
-        if oldest is None:
-            return None
-        return oldest + self.cfg.interval_ms / 1000 - self.expected_run_s()
-
-    def idle_close_due(self) -> float | None:
-        """``close_due`` for a batch that closes while none runs: not before its
-        oldest row has waited ``IDLE_MIN_WAIT`` of the interval."""
-        oldest = self._oldest_delivery()
-        if oldest is None:
-            return None
-        interval = self.cfg.interval_ms / 1000
-        return oldest + max(interval - self.expected_run_s(), IDLE_MIN_WAIT * interval)
-
-    def _oldest_delivery(self) -> float | None:
-        """Planner clock when the oldest pending row was delivered; None when none is."""
-        return min((p.parts[0][2] for p in self._pending if p.parts), default=None)
-
-    def _close(self) -> MicroBatch | None:
-        slices: dict[int, Slice] = {}
-        taken_bytes: dict[int, int] = {}
-        for core, p in enumerate(self._pending):
-            if not p.rows:
-                continue
-            before = p.nbytes
-            taken = self._take(p, self.cfg.catchup_max_rows)
-            taken_bytes[core] = before - p.nbytes
-            p.inflight += taken_bytes[core]
-            slices[core] = Slice(core, first_lsn(taken[0]), last_lsn(taken[-1]), Rows(taken))
-        if not slices:
-            return None
-        batch = MicroBatch(self._next_id, slices)
-        self._next_id += 1
-        self._open[batch.batch_id] = batch.ranges()
-        self._open_bytes[batch.batch_id] = taken_bytes
-        return batch
-
-    @staticmethod
-    def _take(p: _Pending, limit: int) -> list[Part]:
-        """Remove up to ``limit`` rows from the front of ``p``, splitting one part if needed."""
-        if p.rows <= limit:
-            taken = [part for part, _, _ in p.parts]
-            p.parts, p.rows, p.nbytes = [], 0, 0
-            return taken
-        taken = []
-        rows = 0
-        i = 0
-        while rows < limit:
-            part, size, delivered = p.parts[i]
-            if rows + len(part) <= limit:
-                taken.append(part)
-                rows += len(part)
-                p.nbytes -= size
-                i += 1
-                continue
-            head, tail = split_part(part, limit - rows)
-            taken.append(head)
-            rows = limit
-            tail_bytes = part_bytes(tail)
-            p.nbytes -= size - tail_bytes
-            p.parts[i] = (tail, tail_bytes, delivered)
-        del p.parts[:i]
-        p.rows -= rows
-        return taken
 
     async def _reload(self, batch_id: int, ranges: Ranges) -> MicroBatch:
         """Rebuild a planned batch from the WAL for a re-run after a restart."""
