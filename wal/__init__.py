@@ -10,8 +10,8 @@ from wal.errors import (
     WalLockedError,
     WalReadError,
 )
-from wal.log import FsyncMode, ReadIterator, Wal
-from wal.reader import RecordBatch
+from wal.log import FsyncMode, Wal
+from wal.reader import ReadIterator, RecordBatch
 from wal.record import Record
 
 __all__ = [

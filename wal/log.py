@@ -30,7 +30,7 @@ import uuid
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from itertools import accumulate, chain
+from itertools import chain
 from operator import itemgetter
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
@@ -47,7 +47,6 @@ from wal.errors import (
 )
 from wal.files import (
     IDENTITY,
-    NO_SPACE,
     OutOfSpace,
     create_segment,
     cut_torn_tail,
@@ -57,24 +56,34 @@ from wal.files import (
     write_identity,
 )
 from wal.format import (
-    FRAME_CRC_OFFSET,
-    FRAME_CRC_START,
     FRAME_HEADER_SIZE,
     MAX_FRAME_BYTES,
     SECTION_HEADER_SIZE,
     SEGMENT_HEADER_SIZE,
     CoreSections,
-    EncodedFrame,
-    EncodedSection,
     RequestEntry,
     RequestTag,
-    check_positions,
-    crc32c,
     encode_request_table,
     encode_sections,
     sections_of,
 )
-from wal.reader import ReadBuf, RecordBatch, frame_batches, frame_records, segment_frames
+from wal.group import (
+    _check_sections,
+    _free_bytes,
+    _merge,
+    _pwrite_all,
+    _restamp,
+    _section_batches,
+    _Waiter,
+)
+from wal.reader import (
+    ReadBuf,
+    ReadIterator,
+    RecordBatch,
+    frame_batches,
+    frame_records,
+    segment_frames,
+)
 from wal.record import Record
 from wal.requests import RequestWindow, check_tag, load_snapshot, save_snapshot
 from wal.segments import Segment, scan, segment_files
@@ -93,73 +102,9 @@ Listener = Callable[[list[Record]], None]
 BatchListener = Callable[[list[RecordBatch]], None]
 GroupObserver = Callable[[int, int, float], None]
 MIN_SEGMENT_BYTES: Final = 4096  # tests rotate tiny segments; the config asks for >= 1 MiB
-_PER_EVENT_BYTES: Final = 8  # one u32 LSN delta + one u32 length per event
 _core_of = itemgetter(0)
 _payload_of = itemgetter(1)
 T = TypeVar("T")
-
-
-class _Waiter:
-    """One append() call waiting for its group's fdatasync."""
-
-    __slots__ = (
-        "error",
-        "event",
-        "future",
-        "n",
-        "nbytes",
-        "request",
-        "result",
-        "sections",
-    )
-
-    def __init__(
-        self,
-        n: int,
-        sections: list[EncodedSection],
-        future: asyncio.Future[tuple[int, int]] | None,
-        event: threading.Event | None,
-        request: RequestTag | None,
-    ) -> None:
-        self.n = n  # events
-        self.sections = sections  # one per core, cores ascending; deltas from this append's start
-        self.request = request
-        self.nbytes = sum(len(s.blob) for s in sections) + _PER_EVENT_BYTES * n
-        if request is not None:
-            self.nbytes += len(request.key) + 32
-        self.future = future
-        self.event = event
-        self.result: tuple[int, int] | None = None
-        self.error: BaseException | None = None
-
-    def settle(self, on_loop: asyncio.AbstractEventLoop | None) -> None:
-        """Hand the result (or error) to whoever waits; ``on_loop``: the loop we run on, if any."""
-        if self.event is not None:
-            self.event.set()
-            return
-        fut = self.future
-        if fut is None:
-            return
-        loop = fut.get_loop()
-        if loop is on_loop:
-            _settle_future(fut, self.result, self.error)
-            return
-        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody is waiting
-            loop.call_soon_threadsafe(_settle_future, fut, self.result, self.error)
-
-
-def _settle_future(
-    fut: asyncio.Future[tuple[int, int]],
-    result: tuple[int, int] | None,
-    error: BaseException | None,
-) -> None:
-    if fut.done():  # the caller was cancelled; the events are durable all the same
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        assert result is not None
-        fut.set_result(result)
 
 
 class Wal:
@@ -933,144 +878,3 @@ class Wal:
             f"Wal({str(self.directory)!r}, wal_id={self.wal_id}, head={self._head}, "
             f"segments={len(self._segments)}, fsync={self._fsync})"
         )
-
-
-class ReadIterator(chain[T]):
-    """What :meth:`Wal.read` and :meth:`Wal.read_batches` return: a ``chain`` (so
-    ``next`` runs in C) whose :meth:`close` releases the segment file at once."""
-
-    __slots__ = ("_frames",)
-    _frames: Generator[Iterable[T], None, None]
-
-    @classmethod
-    def over(cls, frames: Generator[Iterable[T], None, None]) -> ReadIterator[T]:
-        it = cls.from_iterable(frames)
-        assert isinstance(it, ReadIterator)
-        it._frames = frames
-        return it
-
-    def close(self) -> None:
-        """Release the open segment (fd / mmap). Do not iterate further afterwards."""
-        self._frames.close()
-
-    def __enter__(self) -> ReadIterator[T]:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _check_sections(n: int, sections: list[EncodedSection]) -> None:
-    """What :class:`CoreSections` promises: per section where that costs no pass
-    per event, then the positions in one pass (:func:`check_positions`). Only
-    the order of each section's positions is taken on trust."""
-    if n < 1 or not sections:
-        raise ValueError("append() needs at least one event")
-    total = 0
-    prev = -1
-    for core, deltas, lens, blob in sections:
-        k = len(deltas)
-        if not isinstance(core, int) or not prev < core < 1 << 32:
-            raise ValueError(f"append(): section cores must ascend in [0, 2**32), got {core!r}")
-        if (
-            not k
-            or len(lens) != k
-            or deltas.typecode != "I"
-            or lens.typecode != "I"
-            or deltas[0] < 0
-            or deltas[-1] >= n
-            or not isinstance(blob, bytes)
-            or len(blob) != sum(lens)
-        ):
-            raise ValueError(f"append(): core {core}'s section is not a valid one of {n} events")
-        total += k
-        prev = core
-    if total != n:
-        raise ValueError(f"append(): the sections hold {total} events, not {n}")
-    why = check_positions(sections, n)  # the one pass per event (~2-20 ns)
-    if why is not None:
-        raise ValueError(f"append(): {why}")
-
-
-def _merge(group: list[_Waiter]) -> list[EncodedSection]:
-    """The group's sections, per core: each append's deltas moved to its place
-    in the group, lengths and payloads concatenated (C-level, per core)."""
-    by_core: dict[int, list[tuple[int, EncodedSection]]] = {}
-    base = 0
-    for w in group:
-        for sec in w.sections:
-            by_core.setdefault(sec.core, []).append((base, sec))
-        base += w.n
-    out: list[EncodedSection] = []
-    for core in sorted(by_core):
-        runs = by_core[core]
-        if len(runs) == 1:
-            base, sec = runs[0]
-            if base:
-                sec = sec._replace(deltas=array("I", map(base.__add__, sec.deltas)))
-            out.append(sec)
-            continue
-        deltas = array("I")
-        lens = array("I")
-        for base, sec in runs:
-            deltas.extend(map(base.__add__, sec.deltas) if base else sec.deltas)
-            lens.extend(sec.lens)
-        out.append(EncodedSection(core, deltas, lens, b"".join(sec.blob for _, sec in runs)))
-    return out
-
-
-def _section_batches(first: int, frame: EncodedFrame) -> list[RecordBatch]:
-    """The group's events as one RecordBatch per core, from the encoded sections.
-
-    The per-event work is two C-level passes (LSNs, offsets); the payload bytes
-    are the section's blob, already joined for the write.
-    """
-    out: list[RecordBatch] = []
-    base_seqs = frame.base_seqs
-    for core, deltas, lens, blob in frame.sections:
-        k = len(deltas)
-        if deltas[-1] == k - 1:  # deltas ascend from >= 0: the section is 0 .. k-1
-            lsns = array("Q", range(first, first + k))
-        else:
-            lsns = array("Q", map(first.__add__, deltas))
-        offsets = array("Q", accumulate(lens, initial=0))
-        out.append(RecordBatch(core, lsns, base_seqs[core], offsets, blob))
-    return out
-
-
-def _pwrite_all(fd: int, parts: list[Any], offset: int, size: int) -> None:
-    """Write ``parts`` at ``offset``; ENOSPC / EDQUOT raise :class:`OutOfSpace`."""
-    try:
-        written = os.pwritev(fd, parts, offset) if len(parts) < 1024 else 0
-        if written == size:
-            return
-        # A short write (a filling volume, a signal): the next call fails or goes on.
-        data = memoryview(b"".join(parts))
-        while written < size:
-            n = os.pwrite(fd, data[written:], offset + written)
-            if n <= 0:
-                raise OSError(errno.EIO, f"pwrite wrote {n} bytes at offset {offset + written}")
-            written += n
-    except OSError as exc:
-        if exc.errno in NO_SPACE:
-            raise OutOfSpace(exc.errno, exc.strerror) from exc
-        raise
-
-
-def _free_bytes(directory: Path) -> int | None:
-    """Bytes an unprivileged writer may still use on ``directory``'s volume (None: unknown)."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def _restamp(parts: list[Any], segment_no: int) -> None:
-    """Point an encoded frame at another segment (rotation decided after encoding)."""
-    head = parts[0]
-    head[FRAME_CRC_START + 4 : FRAME_CRC_START + 8] = segment_no.to_bytes(4, "little")
-    crc = crc32c(memoryview(head)[FRAME_CRC_START:])
-    for part in parts[1:]:
-        crc = crc32c(part, crc)
-    head[FRAME_CRC_OFFSET : FRAME_CRC_OFFSET + 4] = crc.to_bytes(4, "little")

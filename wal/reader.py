@@ -12,9 +12,9 @@ import os
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Iterator
-from itertools import accumulate, islice, repeat
-from typing import Any
+from collections.abc import Generator, Iterable, Iterator
+from itertools import accumulate, chain, islice, repeat
+from typing import Any, TypeVar
 
 from wal.errors import WalCorruptionError, WalReadError
 from wal.format import (
@@ -28,6 +28,8 @@ from wal.format import (
 )
 from wal.record import Record
 from wal.segments import Segment
+
+T = TypeVar("T")
 
 ReadBuf = bytes | mmap.mmap
 PREAD_CHUNK = 4 * 1024 * 1024  # active-segment reads: big enough to amortise the syscall
@@ -237,3 +239,28 @@ def _pread_frames(fd: int, seg: Segment, off: int, end: int) -> Iterator[tuple[R
             yield buf, frame
             local += frame.size
         off += local
+
+
+class ReadIterator(chain[T]):
+    """What :meth:`Wal.read` and :meth:`Wal.read_batches` return: a ``chain`` (so
+    ``next`` runs in C) whose :meth:`close` releases the segment file at once."""
+
+    __slots__ = ("_frames",)
+    _frames: Generator[Iterable[T], None, None]
+
+    @classmethod
+    def over(cls, frames: Generator[Iterable[T], None, None]) -> ReadIterator[T]:
+        it = cls.from_iterable(frames)
+        assert isinstance(it, ReadIterator)
+        it._frames = frames
+        return it
+
+    def close(self) -> None:
+        """Release the open segment (fd / mmap). Do not iterate further afterwards."""
+        self._frames.close()
+
+    def __enter__(self) -> ReadIterator[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
