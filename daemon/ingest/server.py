@@ -46,13 +46,10 @@ from __future__ import annotations
 import asyncio
 import codecs
 import functools
-import re
-import struct
 import time
 from array import array
-from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Protocol, cast
+from typing import Any, Protocol
 from zlib import crc32
 
 import structlog
@@ -64,7 +61,14 @@ from aiohttp.web_protocol import RequestPayloadError
 from daemon.config import Config, ProducerToken
 from daemon.errors import DaemonError
 from daemon.ingest.coding import BodyDecoder, CodingError, content_coding
+from daemon.ingest.idempotency import (
+    REPLAYED,
+    Idempotency,
+    request_digest,
+)
+from daemon.ingest.listener import ByteBudget, _CappedSite, _idle, _Refuse
 from daemon.ingest.payload import min_length, problem
+from daemon.ingest.producers import Producers
 from daemon.ingest.quota import Quotas
 from daemon.ingest.validate import (
     _LBRACE,
@@ -80,10 +84,10 @@ from daemon.ingest.validate import (
     explain_body,
 )
 from daemon.metrics import Metrics
-from daemon.security import CHALLENGE_INGEST, ProducerAuth, ServerTls, bearer_token
+from daemon.security import ProducerAuth, ServerTls
 from daemon.shard import collection_seed
 from wal.errors import WalClosedError, WalFatalError, WalFullError
-from wal.format import CoreSections, EncodedSection, RequestEntry, RequestTag, crc32c
+from wal.format import CoreSections, EncodedSection, RequestEntry, RequestTag
 
 log = structlog.get_logger("eventplane.ingest")
 
@@ -95,18 +99,6 @@ JSON_TYPES = frozenset({"application/json"})
 LINGER_S = 2.0
 # How often a drain looks at its connections (IngestServer.stop).
 DRAIN_POLL_S = 0.02
-IDEMPOTENCY_KEY: Final = "Idempotency-Key"
-REPLAYED: Final = "Idempotent-Replayed"
-# What a request key's digest is: the algorithm, the content type, CRC32C and length
-# of the body as read (decoded). It tells an honest retry (same bytes) from a
-# key reused for another request; it is not a defence against a forged body.
-_DIGEST = struct.Struct("<BBxxIQ")
-_DIGEST_CRC32C_LEN = 1
-_VISIBLE_ASCII: Final = re.compile(rb"[!-~]+")
-
-
-def request_digest(body: bytes, ndjson: bool) -> bytes:
-    return _DIGEST.pack(_DIGEST_CRC32C_LEN, ndjson, crc32c(body), len(body))
 
 
 class WalAppender(Protocol):
@@ -119,170 +111,7 @@ class WalAppender(Protocol):
     def find_request(self, key: bytes) -> RequestEntry | None: ...
 
 
-class ByteBudget:
-    """A FIFO byte semaphore: requests hold their body size while they run."""
-
-    __slots__ = ("_free", "_refusal", "_waiters", "limit")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._free = limit
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-        self._refusal: Callable[[], BaseException] | None = None
-
-    @property
-    def free(self) -> int:
-        return self._free
-
-    async def acquire(self, n: int) -> None:
-        n = min(n, self.limit)
-        if not self._waiters and n <= self._free:
-            self._free -= n
-            return
-        if self._refusal is not None:
-            raise self._refusal()
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (n, fut)
-        self._waiters.append(entry)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.release(n)  # granted, then cancelled before we could use it
-            elif not fut.done():
-                self._waiters.remove(entry)
-                self._wake()
-            raise
-
-    def refuse(self, error: Callable[[], BaseException]) -> None:
-        """From now on an acquire that would wait raises ``error()``, and so does
-        every acquire waiting now (the drain answers them instead of letting them wait)."""
-        self._refusal = error
-        while self._waiters:
-            _n, fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_exception(error())
-
-    def release(self, n: int) -> None:
-        self._free += min(n, self.limit)
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self._waiters[0][0] <= self._free:
-            n, fut = self._waiters.popleft()
-            if not fut.done():
-                self._free -= n
-                fut.set_result(None)
-
-
-# -- the listener ----------------------------------------------------------------
-
-
-def _idle(conn: Any) -> bool:
-    """Whether an aiohttp connection waits for its next request head: no request
-    is being read, handled, answered, or its refused body read away.
-
-    aiohttp has no public word for it; ``RequestHandler._waiter`` is the future its
-    loop awaits between requests. Were it renamed, every connection would
-    count as busy and the drain would wait its half budget, not end early.
-    """
-    return getattr(conn, "_waiter", None) is not None
-
-
-class _CappedSite(web.BaseSite):
-    """A TCP site whose protocol factory enforces ``ingest.max_connections``."""
-
-    __slots__ = ("_factory", "_handshake_timeout_s", "_host", "_listener", "_port", "_tls")
-
-    def __init__(
-        self,
-        runner: web.BaseRunner,
-        host: str,
-        port: int,
-        factory: Callable[[], asyncio.BaseProtocol],
-        backlog: int,
-        tls: ServerTls | None = None,
-        handshake_timeout_s: float = 60.0,
-    ) -> None:
-        super().__init__(runner, backlog=backlog)
-        self._host = host
-        self._port = port
-        self._factory = factory
-        self._tls = tls
-        self._handshake_timeout_s = handshake_timeout_s
-        self._listener: asyncio.Server | None = None
-
-    @property
-    def name(self) -> str:
-        scheme = "https" if self._tls is not None else "http"
-        return f"{scheme}://{self._host}:{self.port}"
-
-    @property
-    def port(self) -> int:
-        if self._listener is not None and self._listener.sockets:
-            return int(self._listener.sockets[0].getsockname()[1])
-        return self._port
-
-    async def start(self) -> None:
-        await super().start()
-        loop = asyncio.get_running_loop()
-        if self._tls is None:
-            self._listener = await loop.create_server(
-                self._factory, self._host, self._port, backlog=self._backlog, reuse_address=True
-            )
-        else:
-            # The handshake counts against the header deadline's value: a client that
-            # opens a connection and says nothing holds it no longer than that.
-            self._listener = await loop.create_server(
-                self._factory,
-                self._host,
-                self._port,
-                backlog=self._backlog,
-                reuse_address=True,
-                ssl=self._tls.context,
-                ssl_handshake_timeout=self._handshake_timeout_s,
-            )
-        self._server = self._listener
-
-
-class _Refuse(asyncio.Protocol):
-    """A connection over the cap: write a canned 503, half-close, drain briefly, close."""
-
-    def __init__(self, response: bytes | None, grace_s: float, done: Callable[[], None]) -> None:
-        self._response = response
-        self._grace_s = grace_s
-        self._done = done
-        self._transport: asyncio.Transport | None = None
-        self._timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's TCPTransport is not an asyncio.Transport subclass: cast, do not check.
-        transport = cast(asyncio.Transport, transport)
-        self._transport = transport
-        if self._response is None:  # even the refusals are over the cap
-            transport.abort()
-            return
-        transport.write(self._response)
-        if transport.can_write_eof():
-            transport.write_eof()
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self._grace_s, transport.abort)
-
-    def data_received(self, data: bytes) -> None:
-        pass  # the request is not read: it was answered before it arrived
-
-    def eof_received(self) -> bool:
-        if self._transport is not None:
-            self._transport.close()
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._done()
-
-
-class IngestServer:
+class IngestServer(Producers, Idempotency):
     """The ingest listener. ``start()`` binds ``ingest.listen`` (port 0 picks one)."""
 
     def __init__(
@@ -306,7 +135,7 @@ class IngestServer:
         if tls is None and cfg.ingest.tls.enabled:
             tls = ServerTls(cfg.ingest.tls, "ingest")
         self.tls = tls
-        self._wal = wal
+        self._wal: WalAppender = wal
         self._metrics = metrics
         self._lag = lag
         c = self._cfg
@@ -556,92 +385,6 @@ class IngestServer:
             404, "not_found", f"no such endpoint {request.path}; use POST {PATH}"
         ).response()
 
-    def _authenticate(self, request: web.BaseRequest) -> ProducerToken | None:
-        """The request's producer: its bearer token's entry, else its verified client
-        certificate's; None when ingest has no producer entries (open). 401 otherwise."""
-        auth = self._auth
-        if not auth.enabled:
-            return None
-        header = request.headers.get(hdrs.AUTHORIZATION)
-        token = bearer_token(header)
-        if token is not None:
-            producer = auth.by_token(token)
-            if producer is not None:
-                return producer
-            raise self._unauthorized(
-                "the bearer token is not one of ingest's producer tokens", invalid=True
-            )
-        transport = request.transport
-        peercert = transport.get_extra_info("peercert") if transport is not None else None
-        producer = auth.by_certificate(peercert)
-        if producer is not None:
-            return producer
-        if header is not None:
-            raise self._unauthorized(
-                'the Authorization header is not "Bearer <token>"', invalid=True
-            )
-        if peercert:
-            raise self._unauthorized(
-                "this client certificate's subject is no producer's cert_subject, and the "
-                "request has no bearer token"
-            )
-        raise self._unauthorized("send the producer's token: Authorization: Bearer <token>")
-
-    def _unauthorized(self, why: str, *, invalid: bool = False) -> Rejection:
-        challenge = CHALLENGE_INGEST + (', error="invalid_token"' if invalid else "")
-        return Rejection(
-            401,
-            "unauthorized",
-            f"{why}; nothing was stored (docs/security.md)",
-            headers={hdrs.WWW_AUTHENTICATE: challenge},
-        )
-
-    def _charge(self, producer: ProducerToken | None, events: int, nbytes: int) -> None:
-        """429 when the request is over its producer's quota (daemon.ingest.quota)."""
-        if producer is None:
-            return
-        wait = self._quotas.charge(producer.name, events, nbytes)
-        if wait is not None:
-            raise self._over_quota(producer, wait, f"{events} events, {nbytes} bytes")
-
-    def _over_quota(self, producer: ProducerToken, wait: int, what: str) -> Rejection:
-        self._metrics.ingest_quota_refusals.labels(producer=producer.name).inc()
-        limits = ", ".join(
-            f"{key} = {value}"
-            for key, value in (
-                ("max_events_per_s", producer.max_events_per_s),
-                ("max_bytes_per_s", producer.max_bytes_per_s),
-            )
-            if value is not None
-        )
-        return Rejection(
-            429,
-            "over_quota",
-            f'producer "{producer.name}" is over its quota ({limits}): {what}; '
-            f"nothing was stored; retry in {wait} s",
-            retry_after=wait,
-            producer=producer.name,
-        )
-
-    def _check_scope(self, producer: ProducerToken, events: list[InEvent]) -> None:
-        """403 unless ``producer`` may write every event's collection."""
-        allowed: set[str] = set()
-        for i, ev in enumerate(events):
-            collection = ev.collection
-            if collection in allowed:
-                continue
-            if not producer.allows(collection):
-                raise Rejection(
-                    403,
-                    "forbidden",
-                    f'producer "{producer.name}" may not write collection {collection!r} '
-                    f"(event {i}); nothing of this request was stored",
-                    collection=collection,
-                    index=i,
-                    producer=producer.name,
-                )
-            allowed.add(collection)
-
     def _admit(self, request: web.BaseRequest) -> tuple[bool, str | None, ProducerToken | None]:
         """Step 1. Cheap checks before reading a byte of body; returns whether the body
         is NDJSON, the content coding to undo (None for none) and the producer."""
@@ -794,75 +537,6 @@ class IngestServer:
         return web.Response(
             body=b'{"accepted":%d,"first_lsn":%d,"last_lsn":%d}' % (n, first, last),
             content_type="application/json",
-        )
-
-    def _request_key(self, request: web.BaseRequest) -> bytes | None:
-        """The request's ``Idempotency-Key`` (visible ASCII, 1 to max bytes), or None."""
-        raw = request.headers.get(IDEMPOTENCY_KEY)
-        if raw is None:
-            return None
-        key = raw.encode("utf-8", "surrogateescape")
-        if not 0 < len(key) <= self._max_key or _VISIBLE_ASCII.fullmatch(key) is None:
-            raise Rejection(
-                400,
-                "bad_idempotency_key",
-                f"the {IDEMPOTENCY_KEY} header must be 1 to {self._max_key} visible ASCII "
-                f"characters (ingest.max_idempotency_key_bytes), got {len(key)} bytes; "
-                "nothing was stored",
-                limit=self._max_key,
-            )
-        return key
-
-    async def _claim(self, tag: RequestTag) -> tuple[int, int] | None:
-        """Step 3 for a keyed request: the stored LSNs of an earlier request with this
-        key and body (a replay), or None once this request is the one to store it.
-
-        Runs on the event loop without a suspension between the look-ups and
-        the registration, so two requests with one key never both store it.
-        """
-        while True:
-            held = self._in_flight.get(tag.key)
-            if held is not None:
-                digest, outcome = held
-                if digest != tag.digest:
-                    raise self._key_reused(tag, None)
-                # Wait for the first attempt; shielded: this request going away
-                # must not cancel the other one's outcome.
-                await asyncio.shield(outcome)
-                continue  # stored: the window has it now; not stored: try ourselves
-            entry = self._wal.find_request(tag.key)
-            if entry is not None:
-                if entry.digest != tag.digest:
-                    raise self._key_reused(tag, entry)
-                return entry.first_lsn, entry.last_lsn
-            future: asyncio.Future[tuple[int, int] | None] = (
-                asyncio.get_running_loop().create_future()
-            )
-            self._in_flight[tag.key] = (tag.digest, future)
-            return None
-
-    def _release(self, tag: RequestTag, outcome: tuple[int, int] | None) -> None:
-        _digest, future = self._in_flight.pop(tag.key)
-        future.set_result(outcome)
-
-    def _settle(self, tag: RequestTag, appending: asyncio.Future[tuple[int, int]]) -> None:
-        stored = not appending.cancelled() and appending.exception() is None
-        self._release(tag, appending.result() if stored else None)
-
-    def _key_reused(self, tag: RequestTag, entry: RequestEntry | None) -> Rejection:
-        key = tag.key.decode("ascii")
-        where = (
-            f"LSN {entry.first_lsn}..{entry.last_lsn}"
-            if entry is not None
-            else "a request still being stored"
-        )
-        return Rejection(
-            422,
-            "idempotency_key_reused",
-            f"{IDEMPOTENCY_KEY} {key!r} was used for another request body ({where}); "
-            "a retry must send the same body, a new request needs a new key; "
-            "nothing was stored",
-            key=key,
         )
 
     async def _append(self, items: CoreSections, tag: RequestTag | None) -> tuple[int, int]:
