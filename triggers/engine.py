@@ -12,44 +12,18 @@ Lifecycle::
     errors = await asyncio.to_thread(engine.reload, specs, spark)  # SIGHUP
     await engine.stop()
 
-Guarantees (docs/design.md, invariants 6 and 8): ``finish`` returns only when each
-action call of the batch succeeded or sits in SQLite (retry queue or DLQ,
-``synchronous = FULL``), so the batch's watermark never covers an event whose
-action could still be lost. A crash before the commit re-runs the batch and
-repeats its actions (at least once); every row carries ``"<trigger>:<lsn>"``
-and every call ``Idempotency-Key: <trigger>:<first_lsn>-<last_lsn>`` so that
-receivers can drop repeats. A call's key is fixed when its chunk is formed
-and stays with its rows through retries, the DLQ and replays (``rows.Chunk``).
-Stored rows are whole documents, so the retry queue never needs the WAL (it
-adds nothing to the retention floor).
+Per batch: ``run_in_spark`` evaluates every trigger's ``when`` (rows it fails
+on are poison rows, for that trigger's DLQ); ``finish`` calls each trigger's
+action per chunk, one after another in LSN order, and returns only when each
+call succeeded or sits in SQLite (retry queue or DLQ), so the batch's
+watermark never covers an action that could still be lost (invariants 6 and
+8). Every call carries ``Idempotency-Key: <trigger>:<first_lsn>-<last_lsn>``,
+fixed when its chunk is formed. A trigger whose action is failing, or that an
+operator paused, has its chunks queued at once instead of attempted; the
+retry queue's loop (:mod:`triggers.retries`) delivers them later.
 
-A failing action does not hold the batches: once a trigger's call failed
-with a retriable error (a timeout, a refused connection, a 5xx), the
-trigger's next chunks, in this batch and later ones, are not attempted in
-``finish`` but queued at once (``trigger_calls_deferred``), until one of its
-calls succeeds again (the retry loop keeps trying, off the batch path). So a
-webhook receiver that hangs costs a batch at most one ``timeout_s``, once,
-instead of one per chunk per batch, and the CDC tables keep their pace.
-
-Pausing one trigger (``pause_trigger``; ``eventplane pause trigger:<name>``):
-its ``when`` is still evaluated in every batch, but its calls are not made:
-each chunk is queued in the retry queue at once, with its key, and the retry
-loop leaves a paused trigger's entries alone. The pause is a row of the store,
-so it survives restarts; the batches, the CDC tables and the WAL do not wait
-for a paused trigger (its rows are whole documents in the store, not in the
-WAL). Resumed, its queued chunks are due at once and go out in LSN order
-before its newer ones. What it holds is its queued rows (``paused`` in
-:meth:`status`).
-
-Ordering: a trigger's calls for one batch go out one after another in LSN
-order (so per key too). A call that fails is retried later, possibly after
-newer rows of the same trigger were delivered; receivers that care order by
-the ``lsn`` in each row.
-
-Poison rows: a row a trigger's ``when`` fails on (``triggers.evaluate``)
-goes to that trigger's DLQ in ``finish``'s transaction, marked as never
-evaluated; the rest of the batch is delivered. Replayed, such rows are
-evaluated again with Spark before the action sees them (``_retry_one``).
+Why, and the guarantees in full: docs/triggers.md ("Delivery guarantees",
+"Retries and the DLQ", "Poison rows").
 """
 
 from __future__ import annotations
