@@ -2,43 +2,25 @@
 
 A request is atomic: its events go to the WAL in one ``append`` (one frame,
 consecutive LSNs in request order) and the 200 is sent only after the group
-commit's fdatasync covered them (invariant 1). A rejected request leaves the
-WAL untouched. The request steps, marked in :meth:`IngestServer._post_events`:
+commit's fdatasync covered them (invariant 1); a rejected request leaves the
+WAL untouched. The steps, marked in :meth:`IngestServer._post_events`:
 
-1. Admission: 503 while draining, 401 without a producer's token or
-   certificate (when ``[[ingest.tokens]]`` has entries), 429 when the
-   producer's quota is spent (:mod:`daemon.ingest.quota`), 429 over the lag
-   limit, 415 content type or content coding, 413 when ``Content-Length`` is
-   over ``ingest.max_body_bytes``.
-2. Read the body in chunks under the body deadline, its content coding undone
-   (:mod:`daemon.ingest.coding`), counting bytes (413 as soon as the count
-   passes the limit, 408 at the deadline), holding a share of the ingest
-   memory budget.
-3. Parse and validate whole: 400 malformed (line, column, byte position),
-   invalid UTF-8 included, 413 too many events, 422 per-item errors (index,
-   field, reason), a ``new``/``old`` that a CDC writer would refuse included
-   (:mod:`daemon.ingest.payload`); the decoders and the slow path that
-   explains a refusal are :mod:`daemon.ingest.validate`. 403 for a
-   collection outside the producer's scope, 429 for a request over its quota
-   (docs/security.md).
-   With an ``Idempotency-Key``, first :meth:`IngestServer._claim`: a key the
-   de-duplication window knows, with the same body, is answered from the
-   original append (200, ``"replayed": true``) without parsing; with another
-   body, 422; a key whose first request is still in flight waits for it.
-4. Shard and encode each event (:class:`daemon.events.StoredEvent`, one
-   ``ingest_ts_ns`` per request, the authenticated producer's name; 413 for
-   an event over ``max_event_bytes``).
-5. One ``wal.append`` for all events, carrying the key; 507 if the WAL's
-   volume is full (nothing was written; retry once space is freed), 503 if
-   the WAL is failed or closed.
+1. Admission before a byte of body (``_admit``): draining (503), producer and
+   quota (401, 429; :mod:`daemon.ingest.producers`), lag (429), content type
+   and coding (415), ``Content-Length`` (413).
+2. Read the body under its deadline and the memory budget (408, 413;
+   :mod:`daemon.ingest.coding`, :mod:`daemon.ingest.listener`).
+3. With an ``Idempotency-Key``, a replay is answered from the first append
+   (:mod:`daemon.ingest.idempotency`); else parse and validate whole, the
+   producer's scope included (400, 403, 413, 422; :mod:`daemon.ingest.validate`,
+   :mod:`daemon.ingest.payload`), then charge its quota (429).
+4. Shard and encode each event (:class:`daemon.events.StoredEvent`; 413 for an
+   event over ``max_event_bytes``).
+5. One ``wal.append`` for all events, carrying the key (507 volume full, 503
+   WAL failed or closed).
 6. 200 ``{"accepted": n, "first_lsn": a, "last_lsn": b}``.
 
-Slow clients cannot hold the daemon: headers must arrive within
-``ingest.header_timeout_s`` of the connection opening or of the previous
-response (aiohttp's idle keep-alive timer only fires while no complete request
-head has arrived, so it is the header deadline), the body within
-``ingest.body_timeout_s``, and connections beyond ``ingest.max_connections``
-get a canned 503 and are closed. ``docs/ingest.md`` is the user-facing page.
+Slow and many clients, draining, and every status code: docs/ingest.md.
 """
 
 from __future__ import annotations
