@@ -54,7 +54,7 @@ from daemon.plane.batch import MicroBatch
 from daemon.service.metrics import Metrics
 from daemon.spark.executor import SparkExecutor
 from daemon.spark.session import build_session
-from daemon.table import compact
+from daemon.table import compact, compactmerge, compactplan
 from daemon.table.parquet import CdcSink
 
 
@@ -75,7 +75,7 @@ class MergeClock:
         self.merges = 0
         self.spark = 0
         self._write = compact.write_merged
-        self._spark = compact.write_merged_spark
+        self._spark = compactmerge.write_merged_spark
 
     def __enter__(self) -> MergeClock:
         def write(*args: Any) -> None:
@@ -91,12 +91,12 @@ class MergeClock:
             self._spark(*args)
 
         compact.write_merged = write  # type: ignore[assignment]
-        compact.write_merged_spark = spark  # type: ignore[assignment]
+        compactmerge.write_merged_spark = spark  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
         compact.write_merged = self._write  # type: ignore[assignment]
-        compact.write_merged_spark = self._spark  # type: ignore[assignment]
+        compactmerge.write_merged_spark = self._spark  # type: ignore[assignment]
 
 
 async def ingest(
@@ -143,7 +143,7 @@ async def ingest(
 
 
 def files_per_partition(table: Path) -> dict[str, int]:
-    return {d.name: len(compact.data_files(d)) for d in compact.partitions(table)}
+    return {d.name: len(compactplan.data_files(d)) for d in compactplan.partitions(table)}
 
 
 def check_once(spark: Any, table: Path, events: int) -> None:

@@ -27,6 +27,8 @@ FORBIDDEN = [
         (
             "daemon.spark.executor",
             "daemon.spark.frame",
+            "daemon.spark.lifecycle",
+            "daemon.spark.maintenance",
             "daemon.spark.rawinbox",
             "daemon.spark.warmup",
             "daemon.service",

@@ -165,7 +165,7 @@ def locally(
     cfg: Config, stream: CdcStream, dry_run: bool, session: Any, out: TextIO, base: str
 ) -> int:
     """No daemon answered: lock the stream and compact with our own Spark."""
-    from daemon.table import compact
+    from daemon.table import compact, compactplan
     from daemon.table.delta import sink_class
     from daemon.table.errors import CdcStreamLockedError
     from daemon.table.ledger import read_ledger
@@ -186,9 +186,11 @@ def locally(
     owned = False
     try:
         if dry_run:
-            _print_plans(stream, [p.to_json() for p in compact.plan_stream(sink, full=True)], out)
+            _print_plans(
+                stream, [p.to_json() for p in compactplan.plan_stream(sink, full=True)], out
+            )
             return 0
-        if not compact.plan_stream(sink, full=True):
+        if not compactplan.plan_stream(sink, full=True):
             print(f"stream {stream.name!r} ({stream.path}): nothing to compact", file=out)
             return 0
         if session is None:
@@ -207,7 +209,7 @@ def locally(
             owned = True
         print(f"stream {stream.name!r}: no daemon at {base}; compacting here", file=out)
 
-        def started(p: compact.Progress) -> None:
+        def started(p: compactplan.Progress) -> None:
             j = p.to_json()
             print(
                 f"  compacting {j['partition']}: {j['inputs']} files "
@@ -223,7 +225,7 @@ def locally(
             return 1
         for p in done:
             print("  " + describe_progress(p.to_json()), file=out)
-        counts = compact.file_counts(sink)
+        counts = compactplan.file_counts(sink)
         print(_files_line({"files": sum(counts.values()), "files_per_partition": counts}), file=out)
         return 0
     finally:

@@ -1,62 +1,23 @@
 """The Spark executor: one planned micro-batch -> one DataFrame -> every consumer.
 
-``SparkExecutor`` implements ``daemon.plane.batch.Executor``:
+``SparkExecutor`` implements ``daemon.plane.batch.Executor``. ``start()`` checks
+the configuration (handlers, stream paths, ledgers; raises ``ConfigError``) and
+builds the SparkSession in the background (:mod:`daemon.spark.lifecycle`).
+``execute(batch)`` runs all py4j work in one worker thread; per batch:
 
-- ``start()`` checks what can be checked without Spark (handler imports, CDC
-  stream paths, ledger identity, interrupted commits) and raises on a bad
-  configuration; then it builds the SparkSession in the background, with
-  backoff on failure. The WAL and ingest never wait for Spark; ``ready()``
-  tells the planner when batches can be handed over.
-- ``execute(batch)`` runs all py4j work in the executor's own worker thread
-  (one thread: Spark work is serialized, and a minutes-long job never holds a
-  slot of the loop's shared default pool). Per batch, in that thread:
+1. the slices' rows go into an inbox file (raw, or Parquet when the jar is
+   missing; done ahead by ``prepare`` for a batch the planner closed early),
+   or one Arrow table for non-local masters;
+2. -> DataFrame (:mod:`daemon.spark.frame`), built only when something reads it;
+3. each ``BatchStage.run_in_spark`` (triggers); its ``finish`` starts at once;
+4. meanwhile each CDC stream commits its rows exactly once (``daemon.table``);
+5. each ``[[cdc.handlers]]`` function gets ``(df, batch_id)``.
 
-  1. the slices' rows go into a file in ``<data_dir>/spark-inbox`` (local
-     masters): raw, the WAL payloads as they are, which the daemon's jar
-     decodes inside Spark's tasks (:mod:`daemon.spark.rawinbox`), or, when the
-     session cannot load the jar, Parquet, decoded here a chunk at a time.
-     For a batch the planner closed ahead, done already by ``prepare`` in a
-     second thread while the previous batch ran in Spark. Other masters get
-     the rows as one Arrow table;
-  2. -> DataFrame with ``new``/``old`` parsed to VARIANT (``batch_frame`` in
-     :mod:`daemon.spark.frame`), built only when something reads it: a
-     stage, a handler, or a CDC stream that cannot write the raw file
-     without a Spark job (a raw inbox file, ``spark.direct_write`` and a
-     jar with ``DirectWrite``: ``sparkio.RawInbox``);
-     persisted, after step 3, when more than one of those reads it;
-  3. each ``BatchStage.run_in_spark`` (triggers) computes its result, and
-     the stage's ``finish`` (the webhook calls) starts on the loop at once;
-  4. meanwhile each CDC stream commits its rows exactly once
-     (``daemon.table.parquet``): a trigger's calls do not wait for the CDC write
-     of their batch, most of a run (docs/triggers.md, "End to end");
-  5. each ``[[cdc.handlers]]`` function gets ``(df, batch_id)``.
-
-  ``execute`` returns once every stage is done: the thread's steps and every
-  ``finish``. Steps 3-5 are stages (``stage_names()``: the BatchStage's name,
-  ``cdc:<stream>``, ``handler:<pkg.mod:func>``), and ``execute(batch, stages)``
-  runs only the ones asked for. A stage that fails does not stop the others:
-  ``execute`` returns the failed stages with their errors once every other one
-  is done (invariant 6), and the planner re-runs the batch for the failed ones later
-  (``daemon.plane.stages``). A failure of steps 1-2, or of every stage asked for,
-  fails the whole batch: it raises, and the planner retries it with the same
-  id and rows (and counts it in ``eventplane_microbatch_outcomes_total``);
-  ``status()`` shows it.
-- A lost session (the driver JVM died, its SparkContext stopped, a Spark
-  Connect server forgot the session) is rebuilt, not retried forever. It is
-  noticed after a batch fails as a whole (``probe_session``, one bounded call
-  in the worker thread) and, for free, before a batch starts
-  (``session_exited``). Then the executor is not ready (the planner holds
-  its batches), PySpark's references to the old session are dropped
-  (``forget_session``) and a new one is built with the start-up backoff;
-  each ``SessionAware`` stage adopts it (``on_session``). The failed batch
-  re-runs with the same id and rows, and the CDC ledgers commit it once.
-  ``needs_restart()`` turns true after ``health.session_restart_attempts``
-  failed builds in a row.
-- Compaction (``daemon.table.compact``): a ``CompactionService`` merges the
-  streams' small files in its own thread, on the same session, beside the
-  batches (``compaction``; status per stream under ``streams``).
-- ``stop()`` waits for the batch in flight, stops compaction, closes the
-  streams and stops the session it built.
+Steps 3-5 are stages (``stage_names()``); a failed stage does not stop the
+others (invariant 6), a failure of steps 1-2 fails the batch. A lost session
+is rebuilt (:mod:`daemon.spark.lifecycle`); retention and quarantine actions
+run beside the batches (:mod:`daemon.spark.maintenance`), compaction in its
+own thread (``daemon.table.compact``). The why: docs/cdc.md, "The executor".
 """
 
 from __future__ import annotations
@@ -64,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import enum
 import functools
 import importlib
 import shutil
@@ -82,17 +42,18 @@ from daemon.errors import (
     ConfigError,
     DaemonError,
     ExecutorError,
-    UnknownStreamError,
     error_text,
 )
 from daemon.metrics import Metrics
-from daemon.plane.batch import BatchStage, MicroBatch, SessionAware
+from daemon.plane.batch import BatchStage, MicroBatch
 from daemon.spark import deltajars, frame, rawinbox
 from daemon.spark import session as sparkmod
+from daemon.spark.lifecycle import SessionLife, State, _Status
+from daemon.spark.maintenance import StreamMaintenance
 from daemon.table import sparkio
 from daemon.table.compact import CompactionService
 from daemon.table.crash import crash_point
-from daemon.table.delta import DeltaSink, sink_class
+from daemon.table.delta import sink_class
 from daemon.table.layout import CDC_COLUMNS
 from daemon.table.parquet import CdcSink
 from daemon.table.sink import CommitResult
@@ -106,13 +67,6 @@ Handler = Callable[[Any, int], Any]
 # this share (an exponentially weighted mean over the last few batches).
 PREP_SAMPLE_MIN_ROWS = 1000
 PREP_EWMA = 0.3
-
-
-class State(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
 
 
 def uses_inbox(cfg: Config) -> bool:
@@ -165,29 +119,7 @@ def handler_stage(ref: str) -> str:
     return f"handler:{ref}"
 
 
-@dataclass(slots=True)
-class _Status:
-    state: State = State.STARTING
-    session_error: str | None = None  # the last failed build, until one succeeds
-    session_attempts: int = 0  # builds tried since the session was (last) lost
-    session_failures: int = 0  # failed builds in a row (needs_restart)
-    session_rebuilds: int = 0  # sessions rebuilt after one was lost
-    session_lost: str | None = None  # why the last session was lost
-    session_lost_at: float | None = None
-    last_rebuild_at: float | None = None
-    last_batch_id: int | None = None
-    last_batch_rows: int | None = None
-    last_batch_duration_s: float | None = None
-    last_committed_at: float | None = None
-    batches_committed: int = 0
-    batches_failed: int = 0
-    last_error: str | None = None
-    last_error_batch_id: int | None = None
-    last_error_at: float | None = None
-    streams: dict[str, int] = field(default_factory=dict)  # name -> last committed batch
-
-
-class SparkExecutor:
+class SparkExecutor(SessionLife, StreamMaintenance):
     """Runs micro-batches on Spark; see the module docstring for the flow."""
 
     def __init__(
@@ -495,84 +427,6 @@ class SparkExecutor:
             "handlers": [ref for ref, _ in self._handlers],
         }
 
-    # -- retention -----------------------------------------------------------
-
-    async def _retention_loop(self) -> None:
-        """Each stream with ``retention``: remove its expired partitions every
-        ``retention_check_s`` (daemon/table/retention.py). Runs in a thread of
-        its own, never in the batch thread: a batch does not wait for it."""
-        due = {s.name: 0.0 for s in self._sinks if s.stream.retention_s is not None}
-        while True:
-            now = time.monotonic()
-            for sink in self._sinks:
-                if sink.name not in due or due[sink.name] > now:
-                    continue
-                due[sink.name] = now + sink.stream.retention_check_s
-                await self.run_retention(sink.name)
-            await asyncio.sleep(max(0.05, min(due.values()) - time.monotonic()))
-
-    async def run_retention(self, stream: str) -> dict[str, Any]:
-        """One retention run of ``stream`` now; its result (also in ``status()``)."""
-        from daemon.table import retention
-
-        sink = next((s for s in self._sinks if s.name == stream), None)
-        if sink is None or sink.stream.retention_s is None:
-            raise ExecutorError(f"no CDC stream {stream!r} with retention")
-        entry = self._retention.setdefault(stream, {"partitions_removed": 0})
-        try:
-            async with self._retention_lock:
-                if isinstance(sink, DeltaSink):
-                    spark = self._session if self.ready() else None
-                    if spark is None:
-                        raise ExecutorError("Spark is not ready: retention runs once it is")
-                    result = await asyncio.to_thread(sink.apply_retention, spark)
-                else:
-                    result = await asyncio.to_thread(retention.apply, sink.stream, sink=sink)
-        except Exception as exc:
-            self.metrics.cdc_retention_runs.labels(stream, "failed").inc()
-            entry.update(last_run_at=time.time(), last_error=f"{type(exc).__name__}: {exc}")
-            log.warning("cdc.retention_failed", stream=stream, error=entry["last_error"])
-            return {"stream": stream, "error": entry["last_error"]}
-        self.metrics.cdc_retention_runs.labels(stream, "ok").inc()
-        self.metrics.cdc_retention_removed.labels(stream).inc(len(result.removed))
-        entry.update(
-            last_run_at=time.time(),
-            last_error=None,
-            partitions_removed=entry["partitions_removed"] + len(result.removed),
-            oldest_kept=result.oldest_kept,
-        )
-        return result.to_json()
-
-    # -- quarantine ----------------------------------------------------------
-
-    async def quarantine_action(
-        self, stream: str, action: str, lsns: set[int] | None, by: str | None = None
-    ) -> dict[str, Any]:
-        """``replay`` or ``purge`` the quarantined rows of ``stream`` (all, or
-        ``lsns``) in the batch thread, so never beside one of its commits."""
-        sink = next((s for s in self._sinks if s.name == stream), None)
-        if sink is None:
-            raise UnknownStreamError(f"no CDC stream {stream!r}")
-        loop = asyncio.get_running_loop()
-        if action == "purge":
-            n = await loop.run_in_executor(self._pool, sink.purge_quarantine, lsns, by)
-            result: dict[str, Any] = {"stream": stream, "purged": n}
-        elif action == "replay":
-            spark = self._session
-            if spark is None or not self.ready():
-                raise ExecutorError("Spark is not ready: try the replay again shortly")
-
-            def frame_of(batch: MicroBatch) -> Any:
-                return frame.batch_frame(spark, batch, None, 1)[0]
-
-            result = await loop.run_in_executor(
-                self._pool, sink.replay_quarantine, spark, frame_of, lsns
-            )
-        else:
-            raise ExecutorError(f"unknown quarantine action {action!r}")
-        self.metrics.cdc_quarantined_rows.labels(stream).set(sink.quarantined)
-        return {**result, "quarantined": sink.quarantined}
-
     # -- start-up ----------------------------------------------------------
 
     def _load_handlers(self) -> list[tuple[str, Handler]]:
@@ -629,154 +483,6 @@ class SparkExecutor:
                 sink.close()
             raise
         return sinks
-
-    async def _boot(self, lost: Any | None = None) -> None:
-        """Build the session, retrying with backoff; a routine that only ends by success.
-
-        ``lost``: the session this one replaces; PySpark forgets it first.
-        """
-        loop = asyncio.get_running_loop()
-        mb = self.cfg.microbatch
-        st = self._status
-        delay = mb.retry_initial_ms / 1000
-        started = time.monotonic()
-        st.session_attempts = 0
-        if lost is not None:
-            await loop.run_in_executor(self._pool, self._forget, lost)
-        while True:
-            st.session_attempts += 1
-            try:
-                session = await loop.run_in_executor(self._pool, self._build)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                st.session_failures += 1
-                st.session_error = f"{type(exc).__name__}: {exc}"
-                log.error(
-                    "spark_session_failed",
-                    attempt=st.session_attempts,
-                    failures_in_a_row=st.session_failures,
-                    retry_in_s=delay,
-                    error=st.session_error,
-                    rebuild=lost is not None,
-                )
-                await self._sleep(delay)
-                delay = min(delay * 2, mb.retry_max_ms / 1000)
-                continue
-            if st.state is not State.STARTING:  # stop() raced us
-                return
-            self._session = session
-            st.session_error = None
-            st.session_failures = 0
-            seconds = round(time.monotonic() - started, 3)
-            if lost is not None:
-                st.session_rebuilds += 1
-                st.last_rebuild_at = time.time()
-                self.metrics.spark_session_rebuilds.inc()
-                log.info(
-                    "spark_session_rebuilt",
-                    seconds=seconds,
-                    attempts=st.session_attempts,
-                    reason=st.session_lost,
-                    **self.status()["spark"],
-                )
-            else:
-                log.info("spark_session_ready", seconds=seconds, **self.status()["spark"])
-            self._mark_ready()
-            return
-
-    def _build(self) -> Any:
-        """Worker thread: build, and remember the session even if boot is cancelled;
-        then warm it up (``_warm_up``) before any batch runs on it."""
-        session = self._factory()
-        self._built = session
-        self._adopt(session)
-        self._warm_up(session)
-        return session
-
-    def _warm_up(self, session: Any) -> None:
-        """Worker thread: run the batch path once on synthetic rows into a scratch
-        table (daemon/spark/warmup.py), so that the first real batch finds the
-        JVM's classes loaded and its hot code compiled. Local masters only: the
-        driver JVM is the one that writes. A failure is logged, never raised:
-        without the warm-up the first batch is only slower."""
-        rows = self.cfg.spark.warmup_rows
-        if rows <= 0 or self.cfg.spark.remote or not self.cfg.spark.master.startswith("local"):
-            return
-        if self._status.state is not State.STARTING:  # stop() came meanwhile
-            return
-        from daemon.spark import warmup
-
-        try:
-            done = warmup.warm_session(
-                session, self.cfg, rows, self._parallelism(session), self._inbox is not None
-            )
-        except Exception as exc:
-            log.warning("spark_warmup_failed", error=f"{type(exc).__name__}: {exc}")
-            return
-        log.info("spark_session_warmed", **done)
-
-    def _adopt(self, session: Any) -> None:
-        """Worker thread, between batches: stages that keep the session take this one."""
-        self._cores = None  # the new session's parallelism is asked again
-        for stage in self._stages:
-            if isinstance(stage, SessionAware):
-                stage.on_session(session)
-
-    # -- a lost session ------------------------------------------------------
-
-    def _connect(self) -> bool:
-        return bool(self.cfg.spark.remote)
-
-    def _exited(self) -> str | None:
-        """Why the session we own is gone, known without asking Spark (or None)."""
-        if not self._owns_session or self._status.state is not State.READY:
-            return None
-        return sparkmod.session_exited(self._session, self._connect())
-
-    def _probe(self) -> str | None:
-        """Worker thread, after a batch failed: why the session is lost (or None)."""
-        try:
-            return sparkmod.probe_session(self._session, self._connect())
-        except Exception:  # a probe that breaks must not hide the batch's own error
-            log.exception("spark_session_probe_failed")
-            return None
-
-    def _forget(self, session: Any) -> None:
-        """Worker thread: drop PySpark's references to a lost session (bounded)."""
-        try:
-            sparkmod.forget_session(session, self._connect())
-        except Exception:  # the build that follows reports what is still wrong
-            log.exception("spark_session_forget_failed")
-
-    async def _check_session(self) -> None:
-        """After a failed batch: rebuild the session if it is lost."""
-        if not self._owns_session or self._status.state is not State.READY:
-            return
-        loop = asyncio.get_running_loop()
-        reason = await loop.run_in_executor(self._pool, self._probe)
-        if reason is not None and self._status.state is State.READY:
-            self._lose(reason)
-
-    def _lose(self, reason: str) -> None:
-        """The session is gone: hold batches and rebuild it in the background."""
-        st = self._status
-        lost, self._session, self._built = self._session, None, None
-        st.state = State.STARTING
-        st.session_lost = reason
-        st.session_lost_at = time.time()
-        self._ready.clear()
-        log.error(
-            "spark_session_lost",
-            reason=reason,
-            rebuilds_before=st.session_rebuilds,
-            **self.status()["spark"],
-        )
-        self._boot_task = asyncio.create_task(self._boot(lost), name="spark-session-rebuild")
-
-    def _mark_ready(self) -> None:
-        self._status.state = State.READY
-        self._ready.set()
 
     def _close_in_thread(self) -> None:
         for sink in self._sinks:

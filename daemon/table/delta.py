@@ -607,9 +607,9 @@ class DeltaSink(CdcSink):
         OPTIMIZE job, which takes both cores); a ``variant = true`` table
         (which delta-rs cannot open) takes Spark's.
         Due once ``compact_min_files`` batches committed since the last one
-        (``full``: now). Returns the :class:`~daemon.table.compact.Progress`
+        (``full``: now). Returns the :class:`~daemon.table.compactplan.Progress`
         shown in status, or None when not due."""
-        from daemon.table.compact import Progress
+        from daemon.table.compactplan import Progress
 
         if not full and self.commits_since_optimize < self.stream.compact_min_files:
             return None

@@ -27,3 +27,16 @@ class CdcQuarantineLimitError(CdcError):
 
 class CdcLayoutError(CdcError):
     """The stream's partition_by differs from the layout its table was written with."""
+
+
+class CompactionError(CdcError):
+    """A compaction failed; it was rolled back (or rolls forward on its next run)."""
+
+
+class CompactionUnsupportedError(CompactionError):
+    """The file system cannot swap two folders atomically (renameat2 RENAME_EXCHANGE)."""
+
+
+class PartitionGoneError(CompactionError):
+    """The planned partition (or some of its files) went before the compaction
+    claimed it: retention removed it. Nothing was done; not a failure."""

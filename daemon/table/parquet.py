@@ -1,75 +1,25 @@
 """Exactly-once CDC tables: Parquet partitioned by ``collection``, one ledger per stream.
 
-Layout of a stream's ``path``::
+A stream's ``path`` holds ``collection=X/part-b<B>-...parquet`` (published
+files, named by batch; ``part-c<C>-...`` after a compaction) and, under
+``_eventplane/`` (which no reader lists), ``ledger.json`` (the commit
+record), ``pending/b<B>.json`` (intents), ``staging/b<B>/``, ``lock``,
+``generation`` (snapshot.py) and ``compact/`` (compact.py).
 
-    <path>/collection=orders/part-b000000000042-00000-<uuid>.c000.snappy.parquet
-    <path>/_eventplane/ledger.json          committed batches (the commit record)
-    <path>/_eventplane/pending/b<id>.json   commit intent: staged file -> final file
-    <path>/_eventplane/staging/b<id>/       where Spark writes a batch (invisible)
-    <path>/_eventplane/lock                 flock: one writer per stream; names the holder
-    <path>/_eventplane/generation           seqlock around changes that remove files (snapshot.py)
-    <path>/_common_metadata                 the table's schema (also in each collection=...)
-    <path>/_eventplane/compact/c<id>.json   compaction intent (daemon/table/compact.py)
-    <path>/_eventplane/compact/c<id>/       where a compaction builds a partition folder
+Commit protocol for batch B (:meth:`CdcSink.commit`, steps marked in the code):
 
-Readers (``spark.read.parquet(path)``, pyarrow, DuckDB) skip every path
-component that starts with ``_`` or ``.``, so only published files are seen.
-Published names carry the batch id, which is how recovery recognises them;
-files a compaction merged are named ``part-c<id>-b<first>-b<last>-...`` (the
-batches they hold) and are never orphans (:mod:`daemon.table.compact`).
-Publishing and the ledger write take ``CdcSink.commit_lock``, under which a
-compaction swaps a partition folder and records itself.
-
-Commit protocol for batch B of stream S (the steps are marked in the code):
-
-0. **Idempotency.** If the ledger's last committed id >= B, the batch is
-   committed: check that its recorded per-core LSN ranges equal the batch's
-   (same id must mean same rows) and return without writing. A pending commit
-   intent left by an earlier attempt is completed first (roll forward).
-1. **Stage.** Spark writes the stream's rows of B under ``staging/b<B>/``,
-   which is emptied first, so a failed attempt's leftovers are replaced. A
-   batch in a raw inbox file is written without a Spark job, by Spark's own
-   Parquet writer in the driver, one thread per split (:class:`RawInbox`,
-   ``DirectWrite.java``): the same files, without the job's fixed cost.
-2. **Intent.** fsync every staged file, then write ``pending/b<B>.json``
-   listing each staged file and its final name (atomic replace + fsync).
-   This is the point of no return: from here the commit only rolls forward.
-3. **Publish.** Rename each staged file to its final name in its
-   ``collection=...`` folder (each rename is atomic, so a reader never sees a
-   partial file), then fsync the touched folders.
-4. **Ledger.** Append ``(B, per-core LSN ranges, rows, files)`` to the ledger,
-   which also carries the WAL id and ``cores`` (identity, invariant 13);
-   atomic replace + fsync. The batch is committed for this stream.
+0. **Idempotency.** B at or below the ledger's last id: same ranges, or refuse.
+1. **Stage.** B's rows written under ``staging/b<B>/`` (:mod:`daemon.table.parquetwrite`).
+2. **Intent.** fsync the staged files, write ``pending/b<B>.json``: the point
+   of no return.
+3. **Publish.** Rename each staged file into its partition folder; fsync.
+4. **Ledger.** Append B's ranges, rows and files to the ledger: committed.
 5. **Clean.** Remove the intent and the staging folder.
 
-After step 4 the stream makes sure the table root and every ``collection=...``
-folder hold a ``_common_metadata`` file (a Parquet footer without rows) with
-the schema of the files it writes (:meth:`CdcSink._write_summaries`): Spark
-infers a table's schema from that file when it is there, and otherwise from
-any one data file, so a table with files from before ``event_id`` and
-``event_time`` existed would show those columns or not by chance.
-
-Recovery when a stream opens (before the first batch):
-
-- a ledger from another WAL or another ``cores`` count refuses to start;
-- every intent above the ledger's last id is rolled forward (steps 3-5;
-  renames already done are recognised), intents at or below it are removed;
-- staging folders without an intent are rolled back (deleted): Spark wrote
-  them, but nothing was promised;
-- interrupted compactions roll forward (their folder swap happened) or back
-  (:func:`daemon.table.compact.recover`);
-- published-looking files (``part-b<id>-*``) with an id above the ledger's
-  last and no intent are orphans and are deleted, as are temp files;
-- partitions a retention run had hidden (``.expired-*``) are logged if they
-  were not yet, and deleted (``daemon/table/retention.py``).
-
-``partition_by`` (``[[cdc.streams]]``) adds ``date``/``hour`` folders under
-each ``collection=...`` (``time_columns``); the ledger records it, and a
-stream whose ``partition_by`` changed after its first commit refuses to open.
-
-Crash points: ``EVENTPLANE_CRASH_AT=<name>[@<n>]`` makes the process SIGKILL
-itself the n-th time (default: first) it reaches ``crash_point(name)``; the
-names are in ``CRASH_POINTS``. Crash tests aim at each step with them.
+Recovery (:meth:`CdcSink.open`) rolls intents forward, deletes staging
+folders without one and orphans, recovers compactions and retention. Crash
+points: ``CRASH_POINTS`` (daemon/table/crash.py). The why: docs/cdc.md,
+"Exactly-once commit protocol" and "Crash points".
 """
 
 from __future__ import annotations
@@ -103,14 +53,9 @@ from daemon.table.errors import (
 )
 from daemon.table.layout import (
     META_DIR,
-    PARQUET_OPTIONS,
-    SPARK_SCHEMA_KEY,
     SUMMARY_FILE,
-    TABLE_COLUMNS,
-    TRANSIENT_PARQUET_OPTIONS,
     _published,
     committed_files,
-    time_columns,
 )
 from daemon.table.ledger import (
     KEEP_BATCHES,
@@ -120,15 +65,12 @@ from daemon.table.ledger import (
     _ranges_to_json,
     read_ledger,
 )
+from daemon.table.parquetwrite import ParquetWrite
 from daemon.table.sink import CommitResult, RecoveryReport, TableSink
 from daemon.table.sparkio import (
-    STAGING_JOB_DIRS,
     RawInbox,
     SelectList,
     WriteOptions,
-    _java_strings,
-    _py4j_jvm,
-    staging_write_options,
     writer_errors,
 )
 from wal import lockfile
@@ -136,7 +78,7 @@ from wal import lockfile
 log = structlog.get_logger("eventplane.cdc")
 
 
-class CdcSink:
+class CdcSink(ParquetWrite):
     """One CDC stream: stages with Spark, publishes with renames, commits in its ledger.
 
     ``open`` and ``commit`` block (file system, py4j); the executor calls them
@@ -479,130 +421,6 @@ class CdcSink:
             raise exc from failure
         return set_aside
 
-    def _taken(self) -> tuple[str, ...]:
-        """The stream's collections for a reader's filter (empty: all)."""
-        return () if self.stream.collections == ("*",) else self.stream.collections
-
-    def _bad_rows(self, raw: RawInbox, limit: int) -> list[tuple[int, str]]:
-        """``(lsn, error)`` of the stream's rows of ``raw`` whose payloads the
-        writer cannot parse alone, at most ``limit`` + 1 (``DirectWrite.badRows``)."""
-        spark = raw.spark
-        found = _py4j_jvm(spark).eventplane.inbox.DirectWrite.badRows(
-            spark._jsparkSession,
-            str(raw.path),
-            raw.splits,
-            raw.batch_id,
-            _java_strings(spark, self._taken()),
-            limit,
-        )
-        out = []
-        for entry in found:
-            lsn, _, error = str(entry).partition("\t")
-            out.append((int(lsn), error))
-        return out
-
-    def _select(self, df: Any, skip: tuple[int, ...] = ()) -> Any:
-        columns, keep = self._write_columns(df.sparkSession)
-        out = columns.select(df)
-        if keep is not None:
-            out = out.where(keep)
-        if skip:
-            from pyspark.sql import functions as F
-
-            out = out.where(~F.col("lsn").isin(list(skip)))
-        return out
-
-    def _write_columns(self, spark: Any) -> tuple[SelectList, Any | None]:
-        """The write's select list (the table's columns, then the time partition
-        columns) and the filter on the stream's collections (None: all), built
-        once per session. A Column is an expression object in the JVM, and each
-        one took py4j calls on every batch; a rebuilt session (a new JVM) gets
-        new ones. The table's column list is part of the key: tests that write
-        an earlier layout put another one in place for some batches."""
-        cached = self._columns
-        table = self._table_columns()
-        if cached is None or cached[0] is not spark or cached[1] is not table:
-            from pyspark.sql import functions as F
-
-            columns = [F.col(c) for c in table]
-            columns += [col.alias(name) for name, col in time_columns(self.stream.partition_by)]
-            keep = None
-            if self.stream.collections != ("*",):
-                keep = F.col("collection").isin(list(self.stream.collections))
-            cached = self._columns = (spark, table, SelectList.build(spark, columns), keep)
-        return cached[2], cached[3]
-
-    def _table_columns(self) -> tuple[str, ...]:
-        """The columns of the table's files, in order (read at each write:
-        tests put an earlier layout in place for some batches)."""
-        return TABLE_COLUMNS
-
-    def _write_staged(self, df: Any, staging: Path) -> None:
-        """The write of step 1 (tests wrap this to inject write failures): a
-        Spark write of the DataFrame ``df``, or, given a :class:`RawInbox`, the
-        direct write of its rows (:meth:`_write_direct`).
-
-        The staging folder starts empty (a failed attempt's leftovers go), with
-        the committer's job folders made here (``STAGING_JOB_DIRS``); Spark then
-        appends into it, which keeps those folders.
-        """
-        shutil.rmtree(staging, ignore_errors=True)
-        (staging / STAGING_JOB_DIRS).mkdir(parents=True)
-        if isinstance(df, RawInbox):
-            self._write_direct(df, staging)
-            return
-        partition_by = self.stream.partition_by
-        writer = df.write.mode("append").partitionBy(*partition_by)
-        self._write_options(df.sparkSession).set_on(writer).parquet(str(staging))
-
-    def _write_direct(self, raw: RawInbox, staging: Path) -> None:
-        """Step 1 in the driver JVM (``DirectWrite.java``): the stream's rows
-        of the inbox file, one thread per split as a job has one task per
-        split, into a file per split and partition folder, with Spark's
-        Parquet writer and this write's options. The time partitions are
-        computed as ``time_columns`` computes them."""
-        spark = raw.spark
-        cached = self._direct_args
-        table = self._table_columns()  # part of the key, as in _write_columns
-        if cached is None or cached[0] is not spark or cached[1] is not table:
-            # Java String arrays are a py4j command per element: made once per session.
-            taken = () if self.stream.collections == ("*",) else self.stream.collections
-            lists = (table, taken, self.stream.partition_by)
-            cached = self._direct_args = (spark, table, *(_java_strings(spark, x) for x in lists))
-        args = [
-            spark._jsparkSession,
-            str(raw.path),
-            raw.splits,
-            raw.batch_id,
-            str(staging),
-            self._write_options(spark).jmap,
-            *cached[2:],
-        ]
-        if raw.skip:
-            skip = spark.sparkContext._gateway.new_array(
-                spark.sparkContext._gateway.jvm.long, len(raw.skip)
-            )
-            for i, lsn in enumerate(raw.skip):
-                skip[i] = lsn
-            args.append(skip)
-        written = _py4j_jvm(spark).eventplane.inbox.DirectWrite.write(*args)
-        if written != raw.rows:
-            raise CdcError(
-                f"stream {self.name!r}: the direct write of batch {raw.batch_id} wrote "
-                f"{written} rows, {raw.rows} expected"
-            )
-
-    def _write_options(self, spark: Any) -> WriteOptions:
-        """Step 1's writer options (Parquet's and the staging write's), built
-        once per session and staging choice."""
-        staging = staging_write_options(spark)
-        cached = self._options
-        if cached is None or cached[0] is not spark or cached[1] is not staging:
-            parquet = TRANSIENT_PARQUET_OPTIONS if self.stream.compaction else PARQUET_OPTIONS
-            built = WriteOptions.build(spark, {**parquet, **staging})
-            cached = self._options = (spark, staging, built)
-        return cached[2]
-
     def _staging_dir(self, batch_id: int) -> Path:
         return self.meta / "staging" / f"b{batch_id:012d}"
 
@@ -675,56 +493,6 @@ class CdcSink:
                 crash_point("cdc.mid_publish")
         for d in sorted(touched):
             fsync_dir(d)
-
-    def _write_summaries(self, files: list[tuple[str, str]]) -> None:
-        """The table's schema, as the footer of a file just written, in
-        ``_common_metadata`` at the root and in every ``collection=...`` folder.
-
-        Spark's schema inference (``mergeSchema`` off, the default) reads a
-        ``_common_metadata`` footer when the folder it reads has one, and
-        otherwise one data file's, whichever its listing gives first. A table
-        that holds files from before a column existed would then lose that
-        column by chance (tests/spark/test_cdc.py). Readers that skip ``_``
-        names (pyarrow, DuckDB, Trino) ignore the file; it holds no rows, so
-        what a reader counts is unchanged.
-
-        The first commit of a process checks every folder; later ones only new
-        folders. A file whose Spark schema differs (an older daemon's) is
-        replaced atomically. Not part of the commit: a failure is logged and
-        retried at the next commit.
-        """
-        # The root and each top-level partition folder (collection=...), also
-        # when the table is partitioned further by time: those are the folders
-        # readers point at, and retention never removes them.
-        folders = {self.path / Path(final).parts[0] for _, final in files}
-        if self.path not in self._summarized:
-            folders.add(self.path)
-            folders.update(
-                d for d in self.path.iterdir() if d.is_dir() and not d.name.startswith(("_", "."))
-            )
-        todo = sorted(folders - self._summarized)
-        if not todo:
-            return
-        try:
-            import pyarrow.parquet as pq
-
-            schema = pq.read_schema(self.path / files[0][1])
-            wanted = (schema.metadata or {}).get(SPARK_SCHEMA_KEY)
-            for folder in todo:
-                target = folder / SUMMARY_FILE
-                try:
-                    current = (pq.read_schema(target).metadata or {}).get(SPARK_SCHEMA_KEY)
-                except (OSError, ValueError):  # missing, or not a Parquet footer
-                    current = None
-                if current is None or current != wanted:
-                    tmp = folder / f".{SUMMARY_FILE}.{os.getpid()}.tmp"
-                    pq.write_metadata(schema, tmp)
-                    fsync_file(tmp)
-                    os.replace(tmp, target)
-                    fsync_dir(folder)
-                self._summarized.add(folder)
-        except (OSError, ValueError) as exc:
-            log.warning("cdc_summary_failed", stream=self.name, error=str(exc))
 
     def _append_ledger(
         self,

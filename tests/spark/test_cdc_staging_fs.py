@@ -17,7 +17,8 @@ import structlog
 
 from daemon.spark import session
 from daemon.table import layout, sparkio
-from daemon.table.compact import Plan, data_files, write_merged_spark
+from daemon.table.compactmerge import write_merged_spark
+from daemon.table.compactplan import Plan, data_files
 from tests.spark.support import batch_lsns, make_batches, read_table
 
 pytestmark = pytest.mark.spark

@@ -14,14 +14,9 @@ import pytest
 
 from daemon.cli import cdc as cdccmd
 from daemon.table import compact
-from daemon.table.compact import (
-    CompactionError,
-    CompactionUnsupportedError,
-    DataFile,
-    compact_stream,
-    data_files,
-    plan_partition,
-)
+from daemon.table.compact import compact_stream
+from daemon.table.compactplan import DataFile, data_files, partitions, plan_partition, tier
+from daemon.table.errors import CompactionError, CompactionUnsupportedError
 from daemon.table.layout import META_DIR, committed_files
 from daemon.table.ledger import read_ledger
 from daemon.table.snapshot import consistent, read_generation, snapshot
@@ -80,8 +75,7 @@ def files_per_partition(
 ) -> dict[str, int]:
     """Data files per leaf partition, by its path relative to the table."""
     return {
-        d.relative_to(path).as_posix(): len(data_files(d))
-        for d in compact.partitions(path, partition_by)
+        d.relative_to(path).as_posix(): len(data_files(d)) for d in partitions(path, partition_by)
     }
 
 
@@ -112,8 +106,8 @@ def test_full_plan_packs_small_files_in_batch_order_up_to_the_target() -> None:
 def test_tiered_plan_waits_for_a_full_tier_and_takes_the_smaller_files_along() -> None:
     target, f = 64 * KiB, 4
     # Tier 0 is [8 KiB, 32 KiB), tier 1 [2 KiB, 8 KiB), tier 2 [512 B, 2 KiB).
-    assert compact.tier(40 * KiB, target, f) is None
-    assert [compact.tier(s, target, f) for s in (20 * KiB, 5 * KiB, 1 * KiB)] == [0, 1, 2]
+    assert tier(40 * KiB, target, f) is None
+    assert [tier(s, target, f) for s in (20 * KiB, 5 * KiB, 1 * KiB)] == [0, 1, 2]
     smalls = _files([1 * KiB] * 3)
     assert plan_partition("p", smalls, target=target, min_files=f, last_committed=9) is None
     mids = _files([5 * KiB] * 4, first=10)

@@ -12,8 +12,10 @@ from unittest import mock
 
 import pytest
 
-from daemon.table import compact
-from daemon.table.compact import ArrowLayout, DataFile, compact_stream, sort_groups
+from daemon.table import compactmerge, compactplan
+from daemon.table.compact import compact_stream
+from daemon.table.compactmerge import ArrowLayout, sort_groups
+from daemon.table.compactplan import DataFile
 from daemon.table.layout import PARQUET_OPTIONS
 from tests.spark.support import make_batches
 from tests.spark.test_readers import READERS, expected, read_spark, shaped_batches
@@ -37,7 +39,9 @@ def all_rows(spark: Any, path: Path) -> list[Any]:
 @contextmanager
 def spark_merges() -> Iterator[mock.MagicMock]:
     """Count the Spark jobs of step 2 (the fallback), letting them run."""
-    with mock.patch.object(compact, "write_merged_spark", wraps=compact.write_merged_spark) as spy:
+    with mock.patch.object(
+        compactmerge, "write_merged_spark", wraps=compactmerge.write_merged_spark
+    ) as spy:
         yield spy
 
 
@@ -150,9 +154,9 @@ async def test_inputs_whose_lsns_overlap_are_sorted_together_or_go_to_spark(
     rows_before = all_rows(spark, table)
     # Bounded: any one file fits, the two that overlap do not.
     largest = max(f.stat().st_size for f in table.glob("collection=*/part-b*"))
-    bound = largest + 1 if bounded else compact.ARROW_MAX_SORT_BYTES
+    bound = largest + 1 if bounded else compactmerge.ARROW_MAX_SORT_BYTES
 
-    with mock.patch.object(compact, "ARROW_MAX_SORT_BYTES", bound), spark_merges() as spy:
+    with mock.patch.object(compactmerge, "ARROW_MAX_SORT_BYTES", bound), spark_merges() as spy:
         await asyncio.to_thread(compact_stream, ex.sinks[0], spark, full=True)
     # users' files never overlap: merged in process either way
     assert spy.call_count == (1 if bounded else 0)
@@ -210,7 +214,7 @@ def test_sort_groups_joins_overlapping_lsn_ranges_and_bounds_them() -> None:
     assert sort_groups(files, layout) == [["a"], ["b", "c"], ["e"], ["d"]]
     ranges["d"] = None  # no statistics: the whole bin is one group
     assert sort_groups(files, layout) == [["a", "b", "c", "d", "e"]]
-    with mock.patch.object(compact, "ARROW_MAX_SORT_BYTES", 49):
+    with mock.patch.object(compactmerge, "ARROW_MAX_SORT_BYTES", 49):
         assert "overlap" in str(sort_groups(files, layout))
 
 
@@ -227,8 +231,8 @@ async def test_a_table_mixing_the_previous_layout_is_merged_by_spark_with_every_
     batches = shaped_batches(4, 50)
     await write_mixed_table(spark, ex, batches)
     table = tmp_path / "cdc" / "all"
-    layout = compact.arrow_layout(
-        table / "collection=orders", compact.plan_stream(ex.sinks[0], full=True)[0]
+    layout = compactmerge.arrow_layout(
+        table / "collection=orders", compactplan.plan_stream(ex.sinks[0], full=True)[0]
     )
     assert isinstance(layout, str) and "different Parquet schemas" in layout
 

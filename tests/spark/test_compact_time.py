@@ -20,7 +20,8 @@ from daemon.cli.compact import describe_plan
 from daemon.config import CdcStream
 from daemon.spark.executor import SparkExecutor
 from daemon.table import compact, retention
-from daemon.table.compact import compact_stream, plan_stream
+from daemon.table.compact import compact_stream
+from daemon.table.compactplan import Progress, plan_stream
 from daemon.table.durable import atomic_write_json
 from daemon.table.errors import CdcRecoveryError
 from daemon.table.layout import META_DIR
@@ -281,7 +282,7 @@ async def test_a_compaction_that_failed_after_its_swap_keeps_its_claim_until_rec
     (sink,) = ex.sinks
     target = "collection=orders/date=2023-11-15"
     (plan,) = [p for p in plan_stream(sink, full=True) if p.partition == target]
-    progress = compact.Progress.of("all", plan)
+    progress = Progress.of("all", plan)
     with (
         mock.patch.object(sink, "record_compaction", side_effect=OSError("disk full")),
         pytest.raises(OSError, match="disk full"),

@@ -21,7 +21,7 @@ from daemon.events import StoredEvent, encode
 from daemon.ingest.server import IngestServer
 from daemon.plane.batch import MicroBatch, Slice
 from daemon.service.metrics import Metrics
-from daemon.table import layout, parquet
+from daemon.table import layout, parquetwrite
 from daemon.table.layout import SUMMARY_FILE
 from daemon.table.parquet import CdcSink
 from tests.spark.support import CORES, core_of, make_batches, make_config
@@ -168,7 +168,7 @@ async def test_table_with_files_from_before_the_event_columns_reads_whole_with_t
     path = tmp_path / "cdc" / "all"
     old_batches = make_batches(2, 60)
     with (
-        mock.patch.object(parquet, "TABLE_COLUMNS", OLD_COLUMNS),
+        mock.patch.object(parquetwrite, "TABLE_COLUMNS", OLD_COLUMNS),
         mock.patch.object(CdcSink, "_write_summaries", lambda self, files: None),
     ):
         old = SparkExecutor(cfg, metrics, (), wal_id="wal-1", session=spark)

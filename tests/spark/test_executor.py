@@ -49,6 +49,7 @@ CONTRACT_TYPES = {
     "batch_id": "bigint",
     "event_id": "string",
     "event_time": "timestamp",
+    "producer": "string",
     "depth": "int",
     "source": "string",
     "new_json": "string",

@@ -333,7 +333,7 @@ async def write_mixed_table(spark: Any, ex: Any, batches: Sequence[MicroBatch]) 
     try:
         for k, v in previous.items():
             spark.conf.set(k, v)
-        with mock.patch("daemon.table.parquet.TABLE_COLUMNS", PREVIOUS_COLUMNS):
+        with mock.patch("daemon.table.parquetwrite.TABLE_COLUMNS", PREVIOUS_COLUMNS):
             for b in batches[:half]:
                 await ex.execute(b)
     finally:
