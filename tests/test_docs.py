@@ -34,7 +34,7 @@ HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 # docs/x.md, "Section"  |  docs/x.md ("Section")  |  docs/x.md``, "Section"
 CITATION = re.compile(
-    r"(docs/[a-z_]+\.md)(?:``)?(?:,\s*|\s+\(\s*)[\"“]([A-Z`/][^\"”\n]{0,100}?)[\"”]"
+    r"(docs/[a-z_]+\.md|README)(?:\.md)?(?:``)?(?:,\s*|\s+\(\s*)[\"“]([A-Z`/][^\"”\n]{0,100}?)[\"”]"
 )
 ANCHOR = re.compile(r"(docs/[a-z_]+\.md)#([a-z0-9-]+)")
 COMMIT_HASH = re.compile(r"(?<![0-9A-Za-z_/.-])[0-9a-f]{7,40}(?![0-9A-Za-z_-])")
@@ -190,6 +190,7 @@ def test_section_citations_resolve() -> None:
         # A citation may wrap over lines, in a comment or a docstring.
         flat = re.sub(r"\s*\n\s*(?:#\s*)?", " ", text)
         for doc, section in CITATION.findall(flat):
+            doc = "README.md" if doc == "README" else doc
             if not (ROOT / doc).exists():
                 broken.append(f"{p.relative_to(ROOT)}: {doc} does not exist")
             elif not _has_section(ROOT / doc, section):
