@@ -11,6 +11,8 @@
    then the connection closes after a short linger.
 4. :func:`_idle`: whether a connection waits for its next request head; a
    drain waits until every connection is idle before it closes them.
+5. :func:`name_server`: the ``Server`` header of every answer (ingest's and
+   admin's): ``eventplane``, not the Python and aiohttp versions.
 
 What the limits are for: docs/ingest.md.
 """
@@ -25,6 +27,15 @@ from typing import Any, cast
 from aiohttp import web
 
 from daemon.security import ServerTls
+
+SERVER = "eventplane"
+
+
+async def name_server(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: runs before aiohttp sets its own ``Server``
+    header (``Python/3.11 aiohttp/x.y``), which would tell any client the
+    versions to look up vulnerabilities for."""
+    response.headers["Server"] = SERVER
 
 
 class ByteBudget:

@@ -48,7 +48,7 @@ from daemon.ingest.idempotency import (
     Idempotency,
     request_digest,
 )
-from daemon.ingest.listener import ByteBudget, _CappedSite, _idle, _Refuse
+from daemon.ingest.listener import ByteBudget, _CappedSite, _idle, _Refuse, name_server
 from daemon.ingest.payload import min_length, problem
 from daemon.ingest.producers import Producers
 from daemon.ingest.quota import Quotas
@@ -175,6 +175,7 @@ class IngestServer(Producers, Idempotency):
 
     async def start(self) -> None:
         app = web.Application(client_max_size=self._max_body)
+        app.on_response_prepare.append(name_server)
         app.router.add_post(PATH, self._post_events, expect_handler=self._expect)
         app.router.add_route("*", PATH, self._wrong_method)
         app.router.add_route("*", "/{tail:.*}", self._not_found)

@@ -50,6 +50,7 @@ from aiohttp import web
 
 from daemon.config import AdminConfig, Config
 from daemon.errors import DaemonError, UnknownStreamError
+from daemon.ingest.listener import name_server
 from daemon.plane.stages import PAUSE_TEXT_CHARS, StagesNotRunningError, UnknownStageError
 from daemon.security import CHALLENGE_ADMIN, ServerTls, bearer_token, token_matches
 from daemon.service.metrics import Metrics
@@ -168,6 +169,7 @@ class AdminServer:
 
     async def start(self) -> None:
         app = web.Application(middlewares=[self._authorize])
+        app.on_response_prepare.append(name_server)
         app.router.add_get("/metrics", self._get_metrics)
         app.router.add_get("/healthz", self._get_healthz)
         app.router.add_get("/readyz", self._get_readyz)

@@ -153,3 +153,14 @@ async def test_a_quarantine_replay_or_purge_is_asked_of_the_daemon_with_its_lsns
     async with http.post(url.format("all", "drop")) as r:
         assert r.status in (404, 405)
     assert asked[:2] == [("all", "purge", {7, 9}, "ops"), ("all", "replay", None, None)]
+
+
+async def test_neither_listener_names_its_python_or_aiohttp_version(
+    start_admin: Callable[..., Any], start_ingest: Callable[..., Any]
+) -> None:
+    admin = await start_admin()
+    ingest = await start_ingest()
+    async with aiohttp.ClientSession() as http:
+        for url in (admin.url + "/healthz", admin.url + "/nope", ingest.url + "/v1/events"):
+            async with http.get(url) as resp:
+                assert resp.headers["Server"] == "eventplane", (url, resp.headers["Server"])
