@@ -169,7 +169,8 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
     for name, stream in _obj(spark.get("streams")).items():
         compaction = _obj(_obj(stream).get("compaction"))
         if compaction:
-            lines.append(f"cdc {name:<7} {_compaction(compaction, now)}")
+            last = _obj(stream).get("last_batch_id")
+            lines.append(f"cdc {name:<7} {_compaction(compaction, now, last)}")
         held = _obj(stream).get("quarantined")
         if isinstance(held, int) and held:
             lines.append(
@@ -283,13 +284,18 @@ def stage_state(st: Mapping[str, Any], now: float) -> str:
     return "ok"
 
 
-def _compaction(c: Mapping[str, Any], now: float) -> str:
+def _compaction(c: Mapping[str, Any], now: float, last_batch: Any = None) -> str:
     """``files 40 (max 22 per partition, counted 20 s ago)  last #12 3 min ago
     running #13 writing``. The file counts come from the compaction service's
     last scan (every ``compact_interval_s``): its age says how fresh they are,
-    and "not counted yet" stands for a count before the first scan."""
+    "not counted yet" stands for a count before the first scan, and a scan
+    older than the stream's last batch says which batch it counted up to."""
     scanned = _timestamp(c.get("scanned_at"))
     counted = "not counted yet" if scanned is None else f"counted {_duration(now - scanned)} ago"
+    upto = c.get("scanned_batch_id")
+    stale = isinstance(upto, int) and isinstance(last_batch, int) and upto < last_batch
+    if scanned is not None and stale:
+        counted += f", up to batch #{upto}" if upto else ", before the first batch"
     parts = [
         f"files {_count(c.get('files'))} (max {_count(c.get('max_files_per_partition'))} "
         f"per partition, {counted})"

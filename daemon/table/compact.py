@@ -472,6 +472,7 @@ class _StreamState:
     files_removed: int = 0
     files: dict[str, int] = field(default_factory=dict)  # partition -> data files
     scanned_at: float | None = None
+    scanned_batch_id: int = 0  # the stream's last committed batch at that scan
     requested: int = 0  # manual requests: the newest id asked for ...
     requests_done: int = 0  # ... and done
 
@@ -574,6 +575,7 @@ class CompactionService:
             "files_per_partition": files,
             "max_files_per_partition": max(files.values(), default=0),
             "scanned_at": st.scanned_at,
+            "scanned_batch_id": st.scanned_batch_id,
             "requested": st.requested,
             "requests_done": st.requests_done,
             "next_check_in_s": round(max(0.0, st.next_check - self._clock()), 3),
@@ -670,8 +672,9 @@ class CompactionService:
 
     def _scan(self, st: _StreamState) -> None:
         try:
+            batch_id = st.sink.ledger.last_batch_id if st.sink._ledger is not None else 0
             st.files = file_counts(st.sink)
-            st.scanned_at = time.time()
+            st.scanned_at, st.scanned_batch_id = time.time(), batch_id
         except OSError as exc:
             log.warning("cdc.compaction_scan_failed", stream=st.sink.name, error=str(exc))
             return

@@ -357,3 +357,21 @@ def test_spark_line_says_how_batches_reach_spark_once_known() -> None:
     assert "spark       ready\n" in unknown
     direct = sample_status(spark={"ready": True, "inbox": "raw", "cdc_write": "direct"})
     assert "spark       ready  inbox raw  cdc write direct\n" in statuscmd.render(direct, now=NOW)
+
+
+def test_a_file_count_older_than_the_last_batch_says_up_to_which_batch() -> None:
+    """Right after the first commit the last scan counted an empty table:
+    status says the count is from before that batch, not just "0 files"."""
+    compaction = {
+        "enabled": True, "files": 0, "max_files_per_partition": 0, "last": None,
+        "running": None, "last_error": None, "scanned_at": NOW - 18, "scanned_batch_id": 0,
+    }  # fmt: skip
+    stream = {"path": "/t", "compaction": compaction, "last_batch_id": 1}
+    spark = {"ready": True, "streams": {"all": stream}}
+    text = statuscmd.render(sample_status(spark=spark), now=NOW)
+    assert "files 0 (max 0 per partition, counted 18 s ago, before the first batch)" in text
+    compaction["scanned_batch_id"], stream["last_batch_id"] = 4, 9
+    text = statuscmd.render(sample_status(spark=spark), now=NOW)
+    assert "counted 18 s ago, up to batch #4)" in text
+    compaction["scanned_batch_id"] = 9
+    assert "counted 18 s ago)" in statuscmd.render(sample_status(spark=spark), now=NOW)
