@@ -281,7 +281,9 @@ def main(
     if owned:
         from daemon.spark.session import build_session
 
-        session = build_session("local[1]", "eventplane-cdc-show", False, "ERROR", {}, delta=delta)
+        session = build_session(
+            "local[1]", "eventplane-cdc-show", False, "ERROR", {}, delta=delta, quiet=True
+        )
     try:
         rows = latest_rows(session, stream, args.limit)
     finally:

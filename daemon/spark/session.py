@@ -332,6 +332,7 @@ def build_session(
     log_format: str = "console",
     cds_dir: Path | None = None,
     delta: bool = False,
+    quiet: bool = False,
 ) -> Any:
     """Create (or join) the process's SparkSession. Blocking; call off the event loop.
 
@@ -340,6 +341,8 @@ def build_session(
     the JVM log's layout (``json`` lines or ``console`` text, on stderr).
     ``cds_dir``: the folder of the driver JVM's class data sharing archive
     (``class_sharing``); None: none. ``delta``: with Delta Lake (``_add_delta``).
+    ``quiet``: the JVM's start-up lines (``STARTUP_NOISE``) are not shown, for
+    commands that print a table on the terminal (``eventplane cdc show``).
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_PANDAS3_WARNING, category=FutureWarning)
@@ -354,8 +357,8 @@ def build_session(
         if cds is not None and cds.options:
             conf["spark.driver.extraJavaOptions"] = " ".join([*cds.options, user]).strip()
         settings = effective_conf(master, log_level, conf, ui, remote, log_format, delta)
-        if log_format == "json" and not remote:
-            _launch_jvm_with_json_stderr(master, app_name, settings)
+        if (log_format == "json" or quiet) and not remote:
+            _launch_jvm_with_json_stderr(master, app_name, settings, quiet=quiet)
         builder = SparkSession.builder.appName(app_name)
         builder = builder.remote(remote) if remote else builder.master(master)
         for key, value in settings.items():
@@ -369,7 +372,18 @@ def build_session(
         return session
 
 
-def _launch_jvm_with_json_stderr(master: str, app_name: str, settings: Mapping[str, str]) -> None:
+# What every driver JVM prints on start-up before a command's own output:
+# the launcher's module warning and log4j's default-level notice.
+STARTUP_NOISE = (
+    "WARNING: Using incubator modules",
+    "Setting default log level to",
+    "To adjust logging level use sc.setLogLevel",
+)
+
+
+def _launch_jvm_with_json_stderr(
+    master: str, app_name: str, settings: Mapping[str, str], *, quiet: bool = False
+) -> None:
     """Start the driver JVM with its stderr piped through this process, so that
     every line it writes is one JSON object in ``log.format = "json"``.
 
@@ -378,7 +392,8 @@ def _launch_jvm_with_json_stderr(master: str, app_name: str, settings: Mapping[s
     Spark's launcher always causes) becomes a ``spark.jvm_output`` event. The
     gateway is PySpark's own (``launch_gateway``), started with the same conf
     the builder would give it; ``getOrCreate`` then uses it. Nothing to do if
-    a gateway runs already.
+    a gateway runs already. ``quiet``: the lines of ``STARTUP_NOISE`` are
+    dropped and the others copied as they are (a command's terminal).
     """
     import subprocess
     import threading
@@ -398,14 +413,18 @@ def _launch_jvm_with_json_stderr(master: str, app_name: str, settings: Mapping[s
         SparkContext._gateway = gateway
         SparkContext._jvm = gateway.jvm
     pump = threading.Thread(
-        target=_pump_jvm_stderr, args=(gateway.proc.stderr,), name="spark-stderr", daemon=True
+        target=_pump_jvm_stderr,
+        args=(gateway.proc.stderr, quiet),
+        name="spark-stderr",
+        daemon=True,
     )
     pump.start()
 
 
-def _pump_jvm_stderr(stream: Any) -> None:
+def _pump_jvm_stderr(stream: Any, quiet: bool = False) -> None:
     """Copy the JVM's stderr to ours line by line; a line that is not a JSON
-    object is logged as one (the pipe must never fill: the JVM would block)."""
+    object is logged as one, or (``quiet``) copied unless it is start-up
+    noise (the pipe must never fill: the JVM would block)."""
     import json
 
     import structlog
@@ -415,6 +434,11 @@ def _pump_jvm_stderr(stream: Any) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", errors="replace").rstrip("\n")
         if not line:
+            continue
+        if quiet:
+            if not line.startswith(STARTUP_NOISE):
+                out.write(line + "\n")
+                out.flush()
             continue
         try:
             is_json = isinstance(json.loads(line), dict)
