@@ -29,7 +29,10 @@ from daemon.table.crash import COMMIT_CRASH_POINTS, DELTA_CRASH_POINTS
 from tests.integration.harness import DaemonProcess, Loader, write_config
 from tests.integration.test_crash_recording import _wait_caught_up
 
-KILLS = {"parquet": 20, "delta": 8}
+# Daemon lifetimes per format, named crash points included (a Parquet one takes
+# about 8 s, a Delta one 14 s); `make soak` (--soak) runs SOAK_KILLS.
+KILLS = {"parquet": 14, "delta": 7}
+SOAK_KILLS = {"parquet": 40, "delta": 16}
 CRASH_POINTS = {"parquet": COMMIT_CRASH_POINTS, "delta": DELTA_CRASH_POINTS}
 # Paced producers (~16k events/s): the point is to hit commit steps with
 # batches in flight, not to pile up a backlog Spark needs minutes to clear.
@@ -80,7 +83,7 @@ format = "{table_format}"
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("table_format", ["parquet", "delta"])
 def test_sigkill_at_commit_steps_and_random_points_keeps_cdc_exactly_once(
-    tmp_path: Path, spark: Any, table_format: str
+    tmp_path: Path, spark: Any, table_format: str, request: pytest.FixtureRequest
 ) -> None:
     if table_format == "delta":
         from daemon.spark import deltajars
@@ -111,7 +114,8 @@ def test_sigkill_at_commit_steps_and_random_points_keeps_cdc_exactly_once(
         kills += 1
 
     # Step 2. Random moments, with Spark up and batches in flight.
-    while kills < KILLS[table_format]:
+    budget = (SOAK_KILLS if request.config.getoption("--soak") else KILLS)[table_format]
+    while kills < budget:
         daemon = DaemonProcess.production(config).start(timeout_s=120)
         _wait_spark_ready(daemon)
         loader = Loader(daemon.ingest_url, batch=200, producers=4, pause_s=PAUSE_S)

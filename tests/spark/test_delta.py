@@ -29,7 +29,7 @@ pytestmark = pytest.mark.spark
 
 DELTA = {"format": "delta"}
 # Seconds of the reader stress test; --soak (make soak) runs it for ten minutes.
-STRESS_S = 20.0
+STRESS_S = 10.0
 # The crash points CI kills a Delta stream at (a subprocess each, about a
 # minute); `make soak` runs every one of DELTA_CRASH_POINTS and
 # REPLAY_CRASH_POINTS.
