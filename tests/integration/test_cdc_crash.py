@@ -31,7 +31,7 @@ from tests.integration.test_crash_recording import _wait_caught_up
 
 # Daemon lifetimes per format, named crash points included (a Parquet one takes
 # about 8 s, a Delta one 14 s); `make soak` (--soak) runs SOAK_KILLS.
-KILLS = {"parquet": 14, "delta": 7}
+KILLS = {"parquet": 10, "delta": 6}
 SOAK_KILLS = {"parquet": 40, "delta": 16}
 CRASH_POINTS = {"parquet": COMMIT_CRASH_POINTS, "delta": DELTA_CRASH_POINTS}
 # Paced producers (~16k events/s): the point is to hit commit steps with
