@@ -27,15 +27,9 @@ from typing import Any
 from daemon.config import S3Config
 from daemon.errors import DaemonError
 
-SCHEMES = ("s3://", "s3a://")
-
 
 class S3Error(DaemonError):
     """The store cannot be reached or used as configured."""
-
-
-def is_s3(uri: str) -> bool:
-    return uri.startswith(SCHEMES)
 
 
 @dataclass(frozen=True, slots=True)

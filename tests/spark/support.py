@@ -195,3 +195,20 @@ def consistent_spark_lsns(spark: Any, path: Path) -> list[int]:
         return []
     df = consistent(path, lambda: spark.read.parquet(str(path)))
     return sorted(r.lsn for r in df.select("lsn").collect())
+
+
+async def compact_now(ex: Any, stream: str) -> dict[str, Any] | None:
+    """Ask the executor's compaction service for a run of ``stream`` now and
+    wait (up to 60 s) until it is done; the stream's compaction status then."""
+    import asyncio
+
+    assert ex.compaction is not None
+    rid = ex.compaction.request(stream)
+    assert rid is not None
+    for _ in range(600):
+        status = ex.compaction.status(stream)
+        if status is not None and status["requests_done"] >= rid:
+            break
+        await asyncio.sleep(0.1)
+    status = ex.compaction.status(stream)
+    return dict(status) if status is not None else None

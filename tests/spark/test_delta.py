@@ -22,7 +22,7 @@ from daemon.table.errors import CdcLayoutError
 from daemon.table.layout import META_DIR
 from daemon.table.ledger import read_ledger
 from tests.spark import quarantine_worker
-from tests.spark.support import batch_lsns, make_batches, say
+from tests.spark.support import batch_lsns, compact_now, make_batches, say
 from tests.spark.test_crash import run_quarantine_worker, run_worker
 
 pytestmark = pytest.mark.spark
@@ -335,15 +335,7 @@ async def test_compaction_is_optimize_and_readers_keep_every_row(
         assert not await ex.execute(b)
     table = tmp_path / "cdc" / "all"
     before = len(deltalake.DeltaTable(str(table)).file_uris())
-    assert ex.compaction is not None
-    rid = ex.compaction.request("all")
-    assert rid is not None
-    for _ in range(600):
-        status = ex.compaction.status("all")
-        if status is not None and status["requests_done"] >= rid:
-            break
-        await asyncio.sleep(0.1)
-    status = ex.compaction.status("all")
+    status = await compact_now(ex, "all")
     assert status is not None and status["last_error"] is None, status
     dt = deltalake.DeltaTable(str(table))
     assert len(dt.file_uris()) == 2 < before  # one per collection

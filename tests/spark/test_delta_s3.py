@@ -22,7 +22,7 @@ from daemon.table.lease import LeaseHeldError
 from daemon.table.ledger import read_ledger
 from daemon.table.location import S3Files
 from tests.s3.server import S3Server
-from tests.spark.support import batch_lsns, make_batches, producer_of
+from tests.spark.support import batch_lsns, compact_now, make_batches, producer_of
 from tests.spark.test_crash import run_worker
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
@@ -186,15 +186,7 @@ async def test_compaction_vacuum_and_retention_run_on_the_table_in_the_bucket(
         assert not await ex.execute(b)
     opts = s3_server.storage_options()
     before = len(DeltaTable(table_uri, storage_options=opts).file_uris())
-    assert ex.compaction is not None
-    rid = ex.compaction.request("all")
-    assert rid is not None
-    for _ in range(600):
-        status = ex.compaction.status("all")
-        if status is not None and status["requests_done"] >= rid:
-            break
-        await asyncio.sleep(0.1)
-    status = ex.compaction.status("all")
+    status = await compact_now(ex, "all")
     assert status is not None and status["last_error"] is None, status
     dt = DeltaTable(table_uri, storage_options=opts)
     assert len(dt.file_uris()) < before
