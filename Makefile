@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make run` and `make test`.
-# Both create .venv and install on first use (re-installs when pyproject.toml changes).
+# Both create .venv and install on first use, from requirements.lock (re-installs
+# when the lock or pyproject.toml changes).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,18 +8,37 @@ STAMP := $(VENV)/.installed
 CONFIG ?= config.toml
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck unit bench soak java jar delta-jars clean
+.PHONY: run test lock lint typecheck unit bench soak java jar delta-jars clean
 # Optional: the Hadoop file system class of the CDC staging writes (jvm/src;
 # scripts/build-jar.sh skips it when javac is missing).
 JAR := daemon/spark/jars/eventplane-hadoop.jar
 
-$(STAMP): pyproject.toml
+# requirements.lock pins every runtime and dev dependency with its hashes;
+# requirements-setup.lock the few that install it (pip, setuptools, wheel, uv),
+# so nothing unpinned is fetched, not even a build backend; requirements-runtime.lock
+# the same versions without the dev tools, for a production venv (docs/operating.md).
+# `make lock` writes all three.
+LOCKS := requirements.lock requirements-setup.lock requirements-runtime.lock
+UV := $(BIN)/uv
+LOCK_ARGS := --universal --python-version 3.11 --generate-hashes --quiet
+
+$(STAMP): pyproject.toml $(LOCKS)
 	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "eventplane needs Python 3.11+, found " + sys.version.split()[0])'
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --require-hashes --no-deps -r requirements-setup.lock
+	$(UV) pip sync --quiet --python $(BIN)/python --require-hashes --no-build-isolation requirements.lock
+	$(UV) pip install --quiet --python $(BIN)/python --no-build-isolation --no-deps -e .
 	@bash scripts/build-jar.sh $(BIN)/python
 	@touch $(STAMP)
+
+# Re-resolve every dependency to the newest release pyproject.toml's ranges allow,
+# then `make test`: a new release enters only through a commit that moves the lock.
+lock: $(STAMP)
+	$(UV) pip compile pyproject.toml --extra dev --group pyproject.toml:setup $(LOCK_ARGS) \
+		--upgrade -o requirements.lock
+	$(UV) pip compile --group pyproject.toml:setup $(LOCK_ARGS) -c requirements.lock \
+		-o requirements-setup.lock
+	$(UV) pip compile pyproject.toml $(LOCK_ARGS) -c requirements.lock -o requirements-runtime.lock
 
 # Rebuilt when a Java source is newer than the jar (or the jar is missing).
 jar: $(STAMP)

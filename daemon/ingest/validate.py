@@ -488,6 +488,9 @@ def _locate(body: bytes, ndjson: bool, position: int) -> tuple[int | None, str |
 # -- the answers of the slow path --------------------------------------------------------
 
 _BYTE_AT = re.compile(r"\s*\(byte (\d+)\)$")
+# What msgspec (0.23 and later) says of a string that is not UTF-8, without a position;
+# earlier releases let Python's codec raise UnicodeDecodeError instead.
+_INVALID_UTF8_SAID = "Invalid UTF-8 encoded string"
 # What msgspec says of a high surrogate escape without a low one after it: "truncated"
 # when fewer than six bytes follow it, else "unexpected end" of a pair.
 _LONE_HIGH_SURROGATE_SAID = (
@@ -508,15 +511,16 @@ def _malformed(
     body: bytes, ndjson: bool, base: int, chunk: bytes, exc: Exception, where: str
 ) -> Rejection:
     """A 400 for ``exc`` raised while decoding ``chunk`` found at ``body[base:]``."""
-    if isinstance(exc, UnicodeDecodeError):
+    text = str(exc)
+    if isinstance(exc, UnicodeDecodeError) or _BYTE_AT.sub("", text) == _INVALID_UTF8_SAID:
+        # The first byte that is not UTF-8 by Python's codec, whichever layer refused it.
         try:
             chunk.decode("utf-8")
-            offset = 0
+            offset = len(chunk)
         except UnicodeDecodeError as bad:
             offset = bad.start
         reason = "invalid UTF-8"
     else:
-        text = str(exc)
         m = _BYTE_AT.search(text)
         offset = int(m.group(1)) if m else len(chunk)
         reason = _BYTE_AT.sub("", text)

@@ -13,6 +13,7 @@ Delta stream is then refused at start with the missing artifact and the fix
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,12 @@ from pathlib import Path
 DELTA_VERSION = "4.4.0"
 PACKAGE = f"io.delta:delta-spark_4.2_2.13:{DELTA_VERSION}"
 ARTIFACTS = (PACKAGE, f"io.delta:delta-storage:{DELTA_VERSION}")
+# The jars' SHA-256, as Maven Central served them when DELTA_VERSION was locked: a
+# fetched jar must match, like a Python package must match requirements.lock.
+SHA256 = {
+    PACKAGE: "27d4fd8b1f879535c573ed1c718177d6a27f24d3e626ba02e216369725721ead",
+    ARTIFACTS[1]: "c46735481fa8e326b0957be02b4420cbcab4b325bb08009b7f2045a95133f1cc",
+}
 JARS_DIR = Path(__file__).with_name("jars") / "delta"
 # The session settings a Delta table's SQL (OPTIMIZE, VACUUM, DELETE) needs.
 EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
@@ -87,9 +94,17 @@ def fetch(folder: Path = JARS_DIR) -> str | None:
             f"-DoutputDirectory={folder}",
         ]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0 or not jar_file(coordinate, folder).is_file():
+        jar = jar_file(coordinate, folder)
+        if done.returncode != 0 or not jar.is_file():
             lines = [ln for ln in (done.stdout + done.stderr).splitlines() if "ERROR" in ln]
             return f"mvn could not fetch {coordinate}: {lines[0] if lines else done.returncode}"
+        digest = hashlib.sha256(jar.read_bytes()).hexdigest()
+        if digest != SHA256[coordinate]:
+            jar.unlink()
+            return (
+                f"{coordinate} as fetched has SHA-256 {digest}, not the locked "
+                f"{SHA256[coordinate]} (daemon/spark/deltajars.py); removed it"
+            )
     return None
 
 
