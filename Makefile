@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= config.toml
 PYTEST_ARGS ?=
 
-.PHONY: run test lock lint typecheck unit bench soak java jar delta-jars clean
+.PHONY: run test lock lock-upgrade lint typecheck unit bench soak java jar delta-jars clean
 # Optional: the Hadoop file system class of the CDC staging writes (jvm/src;
 # scripts/build-jar.sh skips it when javac is missing).
 JAR := daemon/spark/jars/eventplane-hadoop.jar
@@ -31,14 +31,19 @@ $(STAMP): pyproject.toml $(LOCKS)
 	@bash scripts/build-jar.sh $(BIN)/python
 	@touch $(STAMP)
 
-# Re-resolve every dependency to the newest release pyproject.toml's ranges allow,
-# then `make test`: a new release enters only through a commit that moves the lock.
+# `make lock` after editing pyproject.toml: adds and removes what it changed and
+# keeps every other pin; `make lock-upgrade` takes the newest release each range
+# allows. Then `make test`: a new release enters only through a commit that moves
+# the lock.
 lock: $(STAMP)
 	$(UV) pip compile pyproject.toml --extra dev --group pyproject.toml:setup $(LOCK_ARGS) \
-		--upgrade -o requirements.lock
+		$(UPGRADE) -o requirements.lock
 	$(UV) pip compile --group pyproject.toml:setup $(LOCK_ARGS) -c requirements.lock \
 		-o requirements-setup.lock
 	$(UV) pip compile pyproject.toml $(LOCK_ARGS) -c requirements.lock -o requirements-runtime.lock
+
+lock-upgrade: UPGRADE := --upgrade
+lock-upgrade: lock
 
 # Rebuilt when a Java source is newer than the jar (or the jar is missing).
 jar: $(STAMP)

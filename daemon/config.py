@@ -419,7 +419,8 @@ _INGEST: dict[str, Checker] = {
     "retry_after_s": _int(1),
     "idempotency_window_s": _float(0.0, exclusive=False),
     "idempotency_max_keys": _int(1),
-    "max_idempotency_key_bytes": _int(1, 65_535),
+    # The WAL keeps keys up to 65,535 bytes; a producer's key takes 9 more (its scope).
+    "max_idempotency_key_bytes": _int(1, 65_526),
     "drain_grace_s": _float(0.0, exclusive=False),
     **_TLS,
     "tokens_file": _path,

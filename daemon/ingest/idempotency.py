@@ -14,12 +14,18 @@ then, in step 3 of a request (this mixin holds the steps' code):
    that waited on the key, and the key leaves the in-flight table.
 
 The key travels with the WAL append (``RequestTag``), so the window survives
-restarts. Why and how clients use it: docs/ingest.md.
+restarts. With producer tokens a key is the producer's own (``scoped_key``):
+the window stores it behind a digest of the producer's name, so another
+producer's request with the same key is a new request, never a replay or a
+422 that tells it the key was used. A window written before keys were scoped
+still answers an exact retry (same key, same body). Why and how clients use
+it: docs/ingest.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 import struct
 from typing import Final, Protocol
@@ -27,7 +33,7 @@ from typing import Final, Protocol
 from aiohttp import web
 
 from daemon.ingest.validate import Rejection
-from wal.format import RequestEntry, RequestTag, crc32c
+from wal.format import MAX_REQUEST_KEY_BYTES, RequestEntry, RequestTag, crc32c
 
 IDEMPOTENCY_KEY: Final = "Idempotency-Key"
 
@@ -45,6 +51,27 @@ _DIGEST_CRC32C_LEN = 1
 
 
 _VISIBLE_ASCII: Final = re.compile(rb"[!-~]+")
+
+# A producer's stored keys start with this byte (never in a key: keys are visible
+# ASCII, so no unscoped key looks scoped) and 8 bytes of BLAKE2b of its name: a
+# fixed length whatever the name, and collisions as rare as 2**-64 per pair.
+_SCOPE: Final = b"\x00"
+_SCOPE_DIGEST_BYTES: Final = 8
+SCOPE_BYTES: Final = len(_SCOPE) + _SCOPE_DIGEST_BYTES
+MAX_KEY_BYTES: Final = MAX_REQUEST_KEY_BYTES - SCOPE_BYTES  # ingest.max_idempotency_key_bytes
+
+
+def scoped_key(key: bytes, producer: str | None) -> bytes:
+    """The key as the window stores it: a producer's own, or as sent (open ingest)."""
+    if producer is None:
+        return key
+    name = hashlib.blake2b(producer.encode(), digest_size=_SCOPE_DIGEST_BYTES).digest()
+    return _SCOPE + name + key
+
+
+def sent_key(stored: bytes) -> bytes:
+    """The key as the producer sent it."""
+    return stored[SCOPE_BYTES:] if stored.startswith(_SCOPE) else stored
 
 
 def request_digest(body: bytes, ndjson: bool) -> bytes:
@@ -103,6 +130,13 @@ class Idempotency:
                 if entry.digest != tag.digest:
                     raise self._key_reused(tag, entry)
                 return entry.first_lsn, entry.last_lsn
+            unscoped = sent_key(tag.key)
+            if unscoped != tag.key:
+                # A window from before keys were scoped: an exact retry is a replay;
+                # another body is taken as another producer's request, not a 422.
+                entry = self._wal.find_request(unscoped)
+                if entry is not None and entry.digest == tag.digest:
+                    return entry.first_lsn, entry.last_lsn
             future: asyncio.Future[tuple[int, int] | None] = (
                 asyncio.get_running_loop().create_future()
             )
@@ -118,7 +152,7 @@ class Idempotency:
         self._release(tag, appending.result() if stored else None)
 
     def _key_reused(self, tag: RequestTag, entry: RequestEntry | None) -> Rejection:
-        key = tag.key.decode("ascii")
+        key = sent_key(tag.key).decode("ascii")
         where = (
             f"LSN {entry.first_lsn}..{entry.last_lsn}"
             if entry is not None

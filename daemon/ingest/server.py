@@ -47,6 +47,7 @@ from daemon.ingest.idempotency import (
     REPLAYED,
     Idempotency,
     request_digest,
+    scoped_key,
 )
 from daemon.ingest.listener import ByteBudget, _CappedSite, _idle, _Refuse, name_server
 from daemon.ingest.payload import min_length, problem
@@ -462,7 +463,7 @@ class IngestServer(Producers, Idempotency):
                     # Step 5. One append: atomic, consecutive LSNs, returns after fdatasync.
                     first, last = await self._append(items, None)
                 else:
-                    tag = RequestTag(key, request_digest(body, ndjson))
+                    tag = RequestTag(scoped_key(key, name), request_digest(body, ndjson))
                     stored = await self._claim(tag)
                     if stored is not None:
                         if scope is not None:

@@ -140,18 +140,65 @@ async def test_one_out_of_scope_event_among_1000_stores_nothing(
     assert (status, body["accepted"], wal.head_lsn()) == (200, 1000, 1000)
 
 
-async def test_a_replayed_key_is_refused_to_a_producer_outside_the_scope(
+async def test_a_key_is_its_producers_own_and_another_producers_same_key_is_a_new_request(
     guarded: IngestServer, http: aiohttp.ClientSession, wal: Wal
 ) -> None:
+    """1. backfill stores a body with key K (LSN 1).
+    2. auditor sends it with K: a request of its own, out of its scope: 403.
+    3. orders-svc sends it with K: a new request, stored (LSN 2), no replay;
+       its retry is a replay of LSN 2, and K with another body is its 422.
+    4. backfill's K with another body is still backfill's 422, naming LSN 1."""
     body = ndjson([event(1, collection="orders")])
+    other = ndjson([event(2, collection="orders")])
     key = {"Idempotency-Key": "shared-key"}
     status, _, first = await post(http, guarded, body, bearer(ADMIN_OF_ALL, **key))
-    assert (status, first["accepted"]) == (200, 1)
-    status, _, again = await post(http, guarded, body, bearer(AUDIT_TOKEN, **key))
-    assert (status, again["error"]) == (403, "forbidden")
+    assert (status, first["first_lsn"]) == (200, 1)
+    status, _, refused = await post(http, guarded, body, bearer(AUDIT_TOKEN, **key))
+    assert (status, refused["error"]) == (403, "forbidden")
+    status, _, own = await post(http, guarded, body, bearer(ORDERS_TOKEN, **key))
+    assert (status, own["first_lsn"], own.get("replayed")) == (200, 2, None)
     status, _, again = await post(http, guarded, body, bearer(ORDERS_TOKEN, **key))
-    assert (status, again["replayed"]) == (200, True)
-    assert wal.head_lsn() == 1
+    assert (status, again["first_lsn"], again["replayed"]) == (200, 2, True)
+    status, _, reused = await post(http, guarded, other, bearer(ORDERS_TOKEN, **key))
+    assert (status, reused["error"], reused["key"]) == (422, "idempotency_key_reused", "shared-key")
+    assert "LSN 2..2" in reused["message"]
+    status, _, reused = await post(http, guarded, other, bearer(ADMIN_OF_ALL, **key))
+    assert (status, reused["error"]) == (422, "idempotency_key_reused")
+    assert "LSN 1..1" in reused["message"]
+    assert [e.producer for _, _, e in stored(wal)] == ["backfill", "orders-svc"]
+
+
+async def test_a_window_stored_before_keys_were_scoped_still_answers_an_exact_retry(
+    start_ingest: StartIngest, http: aiohttp.ClientSession, wal: Wal
+) -> None:
+    """A key stored as sent (an open ingest, or a daemon before keys were scoped)
+    answers a producer's retry of the same body; another body is a new request."""
+    body = ndjson([event(1, collection="orders")])
+    key = {"Idempotency-Key": "before-scoping"}
+    open_ingest = await start_ingest()
+    status, _, first = await post(http, open_ingest, body, {**NDJSON, **key})
+    assert (status, first["first_lsn"]) == (200, 1)
+    await open_ingest.stop(1.0)
+    guarded = await start_ingest(tokens=TOKENS)
+    status, _, again = await post(http, guarded, body, bearer(ORDERS_TOKEN, **key))
+    assert (status, again["first_lsn"], again["replayed"]) == (200, 1, True)
+    other = ndjson([event(2, collection="orders")])
+    status, _, new = await post(http, guarded, other, bearer(ORDERS_TOKEN, **key))
+    assert (status, new["first_lsn"], new.get("replayed")) == (200, 2, None)
+    assert wal.head_lsn() == 2
+
+
+def test_the_longest_key_config_allows_fits_the_wal_with_its_scope() -> None:
+    from daemon.ingest.idempotency import MAX_KEY_BYTES, SCOPE_BYTES, scoped_key
+    from wal.format import MAX_REQUEST_KEY_BYTES
+
+    cfg = parse({"ingest": {"max_idempotency_key_bytes": MAX_KEY_BYTES}})
+    assert len(scoped_key(b"k" * cfg.ingest.max_idempotency_key_bytes, "p")) == (
+        MAX_REQUEST_KEY_BYTES
+    )
+    with pytest.raises(ConfigError, match="max_idempotency_key_bytes"):
+        parse({"ingest": {"max_idempotency_key_bytes": MAX_KEY_BYTES + 1}})
+    assert SCOPE_BYTES == 9
 
 
 async def test_expect_100_continue_without_a_token_is_refused_before_the_body(
