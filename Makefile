@@ -47,8 +47,7 @@ lock-upgrade: lock
 
 # Rebuilt when a Java source is newer than the jar (or the jar is missing).
 jar: $(STAMP)
-	@if [ ! -f $(JAR) ] || [ -n "$$(find jvm/src -name '*.java' -newer $(JAR))" ]; then \
-		bash scripts/build-jar.sh $(BIN)/python; fi
+	@bash scripts/build-jar.sh $(BIN)/python
 
 # Delta Lake's jars for format = "delta" streams, fetched with mvn once
 # (daemon/spark/deltajars.py); offline it says so and the rest works.

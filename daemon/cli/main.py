@@ -53,6 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the Spark analysis of trigger expressions (it starts a JVM: seconds)",
     )
 
+    p = sub.add_parser(
+        "setup",
+        help="build the daemon's jar and fetch Delta Lake's jars where they are missing",
+    )
+    _add_config(p)
+    p.add_argument(
+        "--delta", action="store_true", help="fetch Delta Lake's jars even if no stream needs them"
+    )
+
     p = sub.add_parser("status", help="print the daemon's status; non-zero when unhealthy")
     _add_config(p)
     p.add_argument("--url", help="admin base URL (default: from config admin.listen)")
@@ -298,6 +307,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return checkconfig.main(_load(args), spark=not args.no_spark)
     if args.command == "run":
         return _run(args)
+    if args.command == "setup":
+        from daemon.cli import setup
+
+        return setup.main(_load(args), delta=args.delta)
     if args.command == "status":
         from daemon.cli import status
 

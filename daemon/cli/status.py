@@ -151,6 +151,11 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
     if spark.get("last_error"):
         spark_text += f"  last error: {spark['last_error']}"
     lines.append(f"spark       {spark_text}")
+    for part in spark.get("missing_parts") or []:
+        part = _obj(part)
+        lines.append(
+            f"missing     {part.get('part')}: {part.get('without')} (`{part.get('fix')}` adds it)"
+        )
     dlq, retry = _obj(doc.get("dlq")), _obj(doc.get("retry_queue"))
     lines.append(
         f"triggers    DLQ {_count(dlq.get('entries'))} entries  "

@@ -29,12 +29,15 @@ that event and ``shutdown.done`` name (2 for a configuration error, else 1).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import functools
 import gc
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -803,7 +806,7 @@ def run(cfg: Config, daemon_factory: Callable[[Config], Daemon] = Daemon) -> int
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         try:
-            return runner.run(main())
+            code = runner.run(main())
         except Exception as exc:
             # serve() returns a code for start-up failures; this is past them.
             log.error(
@@ -812,4 +815,25 @@ def run(cfg: Config, daemon_factory: Callable[[Config], Daemon] = Daemon) -> int
                 exit_code=EXIT_FAILED,
                 exc_info=None if isinstance(exc, DaemonError) else exc,
             )
-            return EXIT_FAILED
+            code = EXIT_FAILED
+    _exit_past_stragglers(code)
+    return code
+
+
+def _exit_past_stragglers(code: int) -> None:
+    """Exit now if a worker thread outlived the drain (a SIGTERM while the JVM
+    starts: its thread would hold the interpreter's exit for as long as the
+    start takes). Everything durable is closed by now; the JVM exits when its
+    stdin closes with this process."""
+    left = [
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and t.is_alive() and not t.daemon
+    ]
+    if not left:
+        return
+    log.warning("shutdown.threads_left", threads=left, exit_code=code)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -79,6 +79,23 @@ def uses_delta(cfg: Config) -> bool:
     return any(s.format == "delta" for s in cfg.cdc.streams)
 
 
+def missing_parts(cfg: Config) -> list[dict[str, str]]:
+    """The optional parts this daemon lacks, each with what it costs and the fix
+    (the start-up log and ``/v1/status`` name them; ``eventplane setup`` adds them)."""
+    if cfg.spark.remote or not cfg.spark.master.startswith("local"):
+        return []  # the jar counts only for a driver JVM the daemon starts
+    if sparkmod.HADOOP_JAR.is_file():
+        return []
+    return [
+        {
+            "part": "daemon jar",
+            "path": str(sparkmod.HADOOP_JAR),
+            "without": "each batch runs a Spark job, and no stream has a quarantine",
+            "fix": "eventplane setup",
+        }
+    ]
+
+
 def load_handler(ref: str) -> Handler:
     """Import ``"pkg.mod:func"``; raise ValueError with the reason."""
     module_name, _, func_name = ref.partition(":")
@@ -228,6 +245,13 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         """Check configuration now (raises ConfigError); build Spark in the background."""
         self._handlers = self._load_handlers()
         self._check_stream_paths()
+        for part in missing_parts(self.cfg):
+            log.warning(
+                "optional_part_missing",
+                message=f"{part['part']} {part['path']} is missing: {part['without']}; "
+                f"`{part['fix']}` adds it",
+                **part,
+            )
         why = deltajars.unavailable(
             uses_delta(self.cfg), self.cfg.spark.conf, self.cfg.spark.remote
         )
@@ -396,6 +420,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
             "spark": {"remote": spark.remote} if spark.remote else {"master": spark.master},
             "inbox": self._inbox_kind,
             "cdc_write": self._cdc_write,
+            "missing_parts": missing_parts(self.cfg),
             "session_error": st.session_error,
             "session_attempts": st.session_attempts,
             "session_failures": st.session_failures,

@@ -71,6 +71,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from daemon.spark import jarbuild
+
 # PySpark 4.2 warns (FutureWarning) that it does not fully support pandas 3; the
 # daemon never hands pandas objects to Spark (batches travel as Arrow), so the
 # warning says nothing about our paths. Filtered narrowly, by message.
@@ -274,9 +276,10 @@ def driver_java_options(log4j_file: Path, user: str = "") -> str:
     return " ".join([*kept, user] if user.strip() else kept)
 
 
-# Built from jvm/src by scripts/build-jar.sh (make's install step, when javac
-# exists); absent otherwise, and the daemon does without it.
-HADOOP_JAR = Path(__file__).with_name("jars") / "eventplane-hadoop.jar"
+# Built from jvm/src (daemon/spark/jarbuild.py: make, the wheel's build, or
+# `eventplane setup`) where javac exists; absent otherwise, and the daemon does
+# without it.
+HADOOP_JAR = jarbuild.JAR
 
 
 def daemon_class_missing(spark: Any, name: str) -> str | None:
@@ -293,7 +296,7 @@ def daemon_class_missing(spark: Any, name: str) -> str | None:
     if not re.fullmatch(r"local(\[[^\]]*\])?", master):
         return f"master {master}: its executors do not have the daemon's jar"
     if jsc.hadoopConfiguration().getClassByNameOrNull(name) is None:
-        built = "exists" if HADOOP_JAR.is_file() else "was not built (make builds it with javac)"
+        built = "exists" if HADOOP_JAR.is_file() else "was not built (`eventplane setup` builds it)"
         return (
             f"{name} is not on the driver JVM's class path: {HADOOP_JAR} {built}, "
             "and counts only for a JVM the daemon starts"

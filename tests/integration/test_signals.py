@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import DaemonProcess, Loader, read_record, write_config
+from tests.integration.harness import (
+    DaemonProcess,
+    Loader,
+    make_events,
+    post_events,
+    read_record,
+    write_config,
+)
 from tests.integration.test_crash_recording import _wait_caught_up
 
 
@@ -93,3 +100,32 @@ def test_sighup_reloads_log_level(tmp_path: Path) -> None:
             pytest.fail("no reload.done after SIGHUP:\n" + daemon.tail())
     finally:
         assert daemon.stop() == 0
+
+
+@pytest.mark.crash
+@pytest.mark.spark
+def test_sigterm_while_the_jvm_starts_exits_within_the_budget_with_every_ack_kept(
+    tmp_path: Path,
+) -> None:
+    """
+    1. A daemon with a CDC stream is ready (ingest open) before its JVM is.
+    2. Ten requests are acknowledged, then SIGTERM, while the JVM still starts.
+    3. It exits within shutdown_timeout_s + 3 s, not when the JVM's start ends,
+       and names the worker thread it left; a restart keeps every ack.
+    """
+    extra = f'\n[[cdc.streams]]\nname = "all"\ncollections = "*"\npath = "{tmp_path / "t"}"\n'
+    config = write_config(tmp_path, extra, shutdown_timeout_s=2.0)
+    daemon = DaemonProcess.production(config).start()
+    acked = [post_events(daemon.ingest_url, make_events(i * 10, 10)) for i in range(10)]
+    assert not daemon.status()["spark"]["ready"], "the JVM was up before the test's SIGTERM"
+    started = time.monotonic()
+    daemon.signal(signal.SIGTERM)
+    daemon.wait(timeout_s=30)
+    took = time.monotonic() - started
+    assert took < 2.0 + 3.0, daemon.tail()
+    assert any(e.get("event") == "shutdown.threads_left" for e in _log_events(daemon))
+    again = DaemonProcess.production(config).start()
+    try:
+        assert again.status()["wal"]["head_lsn"] == acked[-1]["last_lsn"]
+    finally:
+        again.stop()
