@@ -23,7 +23,7 @@ bodies (1000 events of about 150 bytes, ``bench.bench_ingest.make_bodies``):
   retry that reaches another worker is still de-duplicated (invariant 15).
 - ``w<N>floor`` (``--floor``): the same workers and a :class:`FloorOwner`
   that writes and fsyncs each message as it came, with no per-event work:
-  the bound for an owner with a grouped append (docs/scaling.md, Plan).
+  the bound for an owner with a grouped append (docs/scaling.md, "The model").
 
 The hand-off, one message per request each way:
 
@@ -712,7 +712,7 @@ def measure_parts(bodies: list[bytes], cores: int, workdir: Path, repeat: int) -
         await asyncio.gather(*(one(items) for items in parsed))
 
     # The frame encoding alone, over groups of 8 requests as the closed loop makes
-    # them: what stays in the owner with a grouped append (docs/scaling.md, Plan).
+    # them: what stays in the owner with a grouped append (docs/scaling.md, "The model").
     eight = [list(chain.from_iterable(parsed[i : i + 8])) for i in range(0, len(parsed), 8)]
     columns = [
         (
