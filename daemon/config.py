@@ -66,6 +66,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "OPS",
     "PARTITION_LAYOUTS",
+    "SECTIONS",
     "AdminConfig",
     "CdcConfig",
     "CdcHandler",
@@ -538,6 +539,60 @@ def _required(table: dict[str, Any], keys: tuple[str, ...], path: str, errors: l
     return not missing
 
 
+_COMPACTION: dict[str, Checker] = {
+    "compaction": _bool,
+    "target_file_bytes": _int(1 * KiB, unit="bytes"),
+    "compact_min_files": _int(2),
+    "compact_interval_s": _float(0.0),
+}
+# One [[cdc.streams]] entry's keys (docs/configuration.md lists each: tests/test_config_docs.py).
+_STREAM: dict[str, Checker] = {
+    "name": _str(),
+    "collections": lambda v, p, e: _collections(v, p, e),
+    "path": _table_path,
+    "start": _start,
+    "partition_by": _partition_by,
+    "retention": _retention,
+    "retention_check_s": _float(0.0),
+    "quarantine_max_rows": _int(0),
+    "format": _choice("parquet", "delta"),
+    "variant": _bool,
+    # Delta's VACUUM counts whole hours (it rounds 0.4 to a window of 0,
+    # which removes the files of commits running beside it).
+    "vacuum_retain_hours": _int(1, why="Delta's VACUUM window is whole hours"),
+    **_COMPACTION,
+}
+_STREAM_KEYS = ("quarantine_max_rows", "format", "variant", "vacuum_retain_hours")
+_HANDLER: dict[str, Checker] = {"function": _function_ref}
+# The keys of [[triggers]]; each action type's own keys: triggers.spec._ACTION_KEYS.
+_TRIGGER: dict[str, Checker] = {
+    "name": _str(),
+    "collection": _str(),
+    "on": lambda v, p, e: _ops(v, p, e),
+    "when": _str(),
+    "action": lambda v, p, e: _action(v, p, e),
+    "batch_size": _int(1),
+    "retry": lambda v, p, e: RetryPolicy(**_section(v, p, _RETRY, e)),
+    "enabled": _bool,
+    "fire_on_derived": _bool,
+}
+# The plain sections: their keys and their dataclass; [cdc] and [[triggers]] are
+# parsed by _parse_cdc and parse_triggers.
+SECTIONS: dict[str, tuple[dict[str, Checker], type]] = {
+    "daemon": (_DAEMON, DaemonConfig),
+    "ingest": (_INGEST, IngestConfig),
+    "admin": (_ADMIN, AdminConfig),
+    "wal": (_WAL, WalConfig),
+    "consumer": (_CONSUMER, ConsumerConfig),
+    "spark": (_SPARK, SparkConfig),
+    "microbatch": (_MICROBATCH, MicrobatchConfig),
+    "dlq": (_DLQ, DlqConfig),
+    "health": (_HEALTH, HealthConfig),
+    "log": (_LOG, LogConfig),
+    "s3": (_S3, S3Config),
+}
+
+
 def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
     body = raw if isinstance(raw, dict) else {}
     if not isinstance(raw, dict):
@@ -549,23 +604,7 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
     seen: dict[str, int] = {}
     for i, table in enumerate(_array_of_tables(body.get("streams", []), "cdc.streams", errors)):
         where = f"cdc.streams[{i}]"
-        spec = {
-            "name": _str(),
-            "collections": _collections,
-            "path": _table_path,
-            "start": _start,
-            "partition_by": _partition_by,
-            "retention": _retention,
-            "retention_check_s": _float(0.0),
-            "quarantine_max_rows": _int(0),
-            "format": _choice("parquet", "delta"),
-            "variant": _bool,
-            # Delta's VACUUM counts whole hours (it rounds 0.4 to a window of 0,
-            # which removes the files of commits running beside it).
-            "vacuum_retain_hours": _int(1, why="Delta's VACUUM window is whole hours"),
-            **_COMPACTION,
-        }
-        got = _section(table, where, spec, errors)
+        got = _section(table, where, _STREAM, errors)
         if not _required(table, ("name", "collections", "path"), where, errors):
             continue
         if len(got) != len(table):
@@ -619,19 +658,10 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
     handlers: list[CdcHandler] = []
     for i, table in enumerate(_array_of_tables(body.get("handlers", []), "cdc.handlers", errors)):
         where = f"cdc.handlers[{i}]"
-        got = _section(table, where, {"function": _function_ref}, errors)
+        got = _section(table, where, _HANDLER, errors)
         if _required(table, ("function",), where, errors) and "function" in got:
             handlers.append(CdcHandler(got["function"]))
     return CdcConfig(tuple(streams), tuple(handlers))
-
-
-_STREAM_KEYS = ("quarantine_max_rows", "format", "variant", "vacuum_retain_hours")
-_COMPACTION: dict[str, Checker] = {
-    "compaction": _bool,
-    "target_file_bytes": _int(1 * KiB, unit="bytes"),
-    "compact_min_files": _int(2),
-    "compact_interval_s": _float(0.0),
-}
 
 
 def _collections(value: Any, path: str, errors: list[str]) -> Any:
@@ -681,21 +711,10 @@ def parse_triggers(raw: Any, errors: list[str]) -> tuple[TriggerSpec, ...]:
     """Structural checks of ``[[triggers]]``; Spark analyses ``when`` at startup."""
     specs: list[TriggerSpec] = []
     seen: dict[str, int] = {}
-    spec: dict[str, Checker] = {
-        "name": _str(),
-        "collection": _str(),
-        "on": _ops,
-        "when": _str(),
-        "action": _action,
-        "batch_size": _int(1),
-        "retry": lambda v, p, e: RetryPolicy(**_section(v, p, _RETRY, e)),
-        "enabled": _bool,
-        "fire_on_derived": _bool,
-    }
     for i, table in enumerate(_array_of_tables(raw, "triggers", errors)):
         where = f"triggers[{i}]"
         before = len(errors)
-        got = _section(table, where, spec, errors)
+        got = _section(table, where, _TRIGGER, errors)
         _required(table, ("name", "collection", "action"), where, errors)
         if len(errors) != before:
             continue
@@ -715,19 +734,7 @@ def parse_triggers(raw: Any, errors: list[str]) -> tuple[TriggerSpec, ...]:
 def parse(raw: Mapping[str, Any], source: Path | None = None) -> Config:
     """Validate a parsed TOML document whole; raise ConfigError with every problem."""
     errors: list[str] = []
-    sections: dict[str, tuple[dict[str, Checker], type]] = {
-        "daemon": (_DAEMON, DaemonConfig),
-        "ingest": (_INGEST, IngestConfig),
-        "admin": (_ADMIN, AdminConfig),
-        "wal": (_WAL, WalConfig),
-        "consumer": (_CONSUMER, ConsumerConfig),
-        "spark": (_SPARK, SparkConfig),
-        "microbatch": (_MICROBATCH, MicrobatchConfig),
-        "dlq": (_DLQ, DlqConfig),
-        "health": (_HEALTH, HealthConfig),
-        "log": (_LOG, LogConfig),
-        "s3": (_S3, S3Config),
-    }
+    sections = SECTIONS
     built: dict[str, Any] = {}
     for key, value in raw.items():
         if key in sections:
