@@ -232,7 +232,15 @@ def test_runnable_sample(sample: Sample, tmp_path: Path) -> None:
     elif sample.lang == "json":
         json.loads(sample.code)
     elif sample.lang == "sh":
-        script = f'eventplane() {{ "{sys.executable}" -m daemon.cli.main "$@"; }}\nset -e\n'
+        # The scratch folder stands for a checkout after `make`: its CLI is
+        # .venv/bin/eventplane (CONTRIBUTING.md, "Docs").
+        cli = tmp_path / ".venv" / "bin" / "eventplane"
+        cli.parent.mkdir(parents=True)
+        cli.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m daemon.cli.main "$@"\n')
+        cli.chmod(0o755)
+        # Bare `eventplane` is the CLI only on PATH (an activated venv, or an
+        # install): README.md's first samples still call it so.
+        script = f'eventplane() {{ "{cli}" "$@"; }}\nset -e\n'
         done = subprocess.run(
             ["bash", "-c", script + sample.code],
             cwd=tmp_path,
