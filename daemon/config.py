@@ -7,8 +7,9 @@ operator fixes a file in one pass::
     ingest.listen: expected "host:port", got "8470"
     triggers[1].name: duplicate trigger name "big-orders" (also triggers[0])
 
-Sections, keys and defaults are a contract with users; the README's
-configuration reference and the top-level ``config.toml`` document each one.
+Sections, keys and defaults are a contract with users: docs/configuration.md,
+"Every key" documents each one (tests/test_config_docs.py compares it with the
+tables here), the top-level ``config.toml`` the common ones.
 The sections' dataclasses are in :mod:`daemon.configtypes`; import them from here.
 """
 

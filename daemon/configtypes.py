@@ -6,7 +6,7 @@ sections, resolve paths), and re-exports every name here, so code imports
 them from ``daemon.config``. Defaults live on the fields; the constants
 above them are the ceilings the checks use.
 
-Each key, its default and why: the top-level ``config.toml`` and docs/operating.md.
+Each key, its default and why: docs/configuration.md, "Every key".
 """
 
 from __future__ import annotations
