@@ -21,6 +21,7 @@ from daemon.table.delta import DELTA_COLUMNS, app_id, log_commits
 from daemon.table.errors import CdcLayoutError
 from daemon.table.layout import META_DIR
 from daemon.table.ledger import read_ledger
+from tests import requires
 from tests.spark import quarantine_worker
 from tests.spark.support import batch_lsns, compact_now, make_batches, say
 from tests.spark.test_crash import run_quarantine_worker, run_worker
@@ -44,10 +45,7 @@ SOAK_STRESS_S = 600.0
 
 @pytest.fixture(autouse=True)
 def _needs_delta(spark: Any) -> None:
-    from daemon.spark import deltajars
-
-    if deltajars.missing():
-        pytest.skip("needs Delta Lake's jars (make delta-jars)")
+    requires.delta_jars()
 
 
 def delta_lsns(spark: Any, table: Path) -> list[int]:
@@ -160,9 +158,10 @@ async def test_every_reader_reads_the_same_rows_without_a_jvm(
 ) -> None:
     """delta-rs (pyarrow, pandas), Polars and DuckDB read what Spark reads,
     and query a payload field with their own JSON functions."""
-    deltalake = pytest.importorskip("deltalake")
-    pl = pytest.importorskip("polars")
-    duckdb = pytest.importorskip("duckdb")
+    import deltalake
+    import duckdb
+    import polars as pl
+
     ex = await executor_factory(stream_options=DELTA, partition_by=("collection", "date"))
     batches = make_batches(2, 200)
     for b in batches:
@@ -328,7 +327,8 @@ async def test_compaction_is_optimize_and_readers_keep_every_row(
     """Twelve batches, then a compaction request: Delta's OPTIMIZE merges the
     small files into one per partition, in a commit of its own; the rows are
     the same, once, for Spark and delta-rs."""
-    deltalake = pytest.importorskip("deltalake")
+    import deltalake
+
     ex = await executor_factory(stream_options={**DELTA, "compact_min_files": 4})
     batches = make_batches(12, 40)
     for b in batches:
@@ -376,9 +376,10 @@ async def test_plain_readers_miss_nothing_while_commits_optimize_and_vacuum_run(
        delta-rs (pyarrow), Polars, DuckDB over a delta-rs dataset, Spark.
     3. Every read sees exactly the rows of batches 1..k for some k: no row
        missing, none twice, and no read fails."""
-    deltalake = pytest.importorskip("deltalake")
-    pl = pytest.importorskip("polars")
-    duckdb = pytest.importorskip("duckdb")
+    import deltalake
+    import duckdb
+    import polars as pl
+
     options = {
         **DELTA,
         "compact_min_files": 3,

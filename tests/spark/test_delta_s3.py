@@ -21,6 +21,7 @@ from daemon.table.layout import META_DIR
 from daemon.table.lease import LeaseHeldError
 from daemon.table.ledger import read_ledger
 from daemon.table.location import S3Files
+from tests import requires
 from tests.s3.server import S3Server
 from tests.spark.support import batch_lsns, compact_now, make_batches, producer_of
 from tests.spark.test_crash import run_worker
@@ -30,10 +31,7 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 
 @pytest.fixture(autouse=True)
 def _needs_delta(spark: Any) -> None:
-    from daemon.spark import deltajars
-
-    if deltajars.missing():
-        pytest.skip("needs Delta Lake's jars (make delta-jars)")
+    requires.delta_jars()
 
 
 @pytest.fixture
