@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 
 from daemon.errors import ExecutorError, IdentityMismatchError
@@ -500,8 +501,11 @@ async def test_retention_deletes_expired_days_and_delta_readers_see_them_gone(
     spark: Any, executor_factory: Any, tmp_path: Path
 ) -> None:
     """Events ingested in 2023 (``support.BASE_TS_NS``), retention 1 day: one
-    run DELETEs every row (a Delta commit), VACUUM keeps the files for
+    run DELETEs every row (a Delta commit) and reports the partitions, files
+    and bytes its remove actions name, VACUUM keeps the files for
     ``vacuum_retain_hours``, and time travel still reads the version before."""
+    from deltalake import DeltaTable
+
     ex = await executor_factory(
         stream_options=DELTA, partition_by=("collection", "date"), retention_s=86_400
     )
@@ -510,14 +514,23 @@ async def test_retention_deletes_expired_days_and_delta_readers_see_them_gone(
         assert not await ex.execute(b)
     table = tmp_path / "cdc" / "all"
     before = int(spark.sql(f"DESCRIBE HISTORY delta.`{table}`").first()["version"])
+    # What the DELETE must report removing: every file of the version before.
+    added = pa.table(
+        DeltaTable(str(table), version=before).get_add_actions(flatten=True)
+    ).to_pylist()
+    partitions = {(a["partition.collection"], a["partition.date"]) for a in added}
+    assert len(partitions) > 1 and len(added) > len(partitions)
 
     result = await ex.run_retention("all")
 
-    assert result["rows"] == 200 and result["partitions"] == 1, result
+    assert result["rows"] == 200, result
+    assert result["partitions"] == len(partitions), result
+    assert result["files"] == len(added), result
+    assert result["bytes"] == sum(a["size_bytes"] for a in added) > 0, result
     assert delta_lsns(spark, table) == []
     old = spark.read.format("delta").option("versionAsOf", before).load(str(table))
     assert sorted(r.lsn for r in old.collect()) == batch_lsns(batches)
-    assert ex.status()["streams"]["all"]["retention"]["partitions_removed"] == 1
+    assert ex.status()["streams"]["all"]["retention"]["partitions_removed"] == len(partitions)
 
 
 async def test_a_delta_table_made_before_the_producer_column_gets_it_and_reads_whole(
