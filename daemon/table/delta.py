@@ -706,14 +706,25 @@ class DeltaSink(CdcSink):
                 entry["bytes"] += int(remove.get("size") or 0)
         return [dict(entry, rows=0) for _, entry in sorted(per.items())]
 
+    def vacuum_window_hours(self) -> int:
+        """VACUUM keeps the files a snapshot of the last this many hours reads
+        (``vacuum_retain_hours``); the seam where a test shortens the window to
+        see files go while readers read."""
+        return self.stream.vacuum_retain_hours
+
     def _vacuum(self, spark: Any) -> None:
-        hours = self.stream.vacuum_retain_hours
+        hours = self.vacuum_window_hours()
         if self.writes_direct:
             table = self._maintenance_table()
             # full: also files no snapshot ever listed (a crashed attempt's),
-            # once older than the window, as Spark's VACUUM does.
+            # once older than the window, as Spark's VACUUM does. Not with a
+            # 0 h window (only a test's, vacuum_window_hours): a batch's files
+            # committed after this snapshot are "never listed" and as old.
             table.vacuum(
-                retention_hours=hours, dry_run=False, enforce_retention_duration=False, full=True
+                retention_hours=hours,
+                dry_run=False,
+                enforce_retention_duration=False,
+                full=hours > 0,
             )
             # Log entries older than delta.logRetentionDuration, up to a
             # checkpoint (the batch commits leave them: deltacommit.commit).
