@@ -26,6 +26,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The run's last lines count its skips: only the soak tests may skip
+    (under ``CI`` a missing tool fails its test instead, tests/requires.py)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    soak = sum(1 for report in skipped if "soak" in report.keywords)
+    others = len(skipped) - soak
+    terminalreporter.write_line(f"skipped: {len(skipped)} ({soak} soak-only, {others} other)")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

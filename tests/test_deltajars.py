@@ -28,3 +28,22 @@ def test_the_locked_jars_fetch_and_match_their_digests(
     monkeypatch.setattr(deltajars, "ARTIFACTS", deltajars.ARTIFACTS[1:])
     assert deltajars.fetch(tmp_path) is None
     assert deltajars.missing(tmp_path) == []
+
+
+@pytest.mark.parametrize(("ci", "code", "word"), [("true", 1, "error"), ("", 0, "note")])
+def test_a_failed_fetch_fails_make_only_under_ci(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    ci: str,
+    code: int,
+    word: str,
+) -> None:
+    """Under ``CI`` every Delta test must run, so a jar mvn cannot fetch fails
+    ``make delta-jars``; elsewhere the install goes on and says why."""
+    monkeypatch.setattr(deltajars, "missing", lambda folder=deltajars.JARS_DIR: [deltajars.PACKAGE])
+    monkeypatch.setattr(
+        deltajars, "fetch", lambda folder=deltajars.JARS_DIR: "mvn is not installed"
+    )
+    monkeypatch.setenv("CI", ci)
+    assert deltajars.main() == code
+    assert capsys.readouterr().err.startswith(f"{word}: mvn is not installed")

@@ -5,6 +5,7 @@ code sample marked ``runnable`` runs (CONTRIBUTING.md, "Docs")."""
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import os
 import re
@@ -222,13 +223,49 @@ def test_there_are_runnable_samples() -> None:
     assert {s.lang for s in RUNNABLE} >= {"toml", "python", "json", "sh"}
 
 
+def unresolved_imports(code: str, name: str) -> list[str]:
+    """Compile ``code`` (top-level ``await`` allowed), then import what each of
+    its ``import`` statements names: what does not resolve, as written."""
+    tree = compile(code, name, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT | ast.PyCF_ONLY_AST)
+    compile(tree, name, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    wrong = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                try:
+                    importlib.import_module(alias.name)
+                except ImportError as exc:
+                    wrong.append(f"import {alias.name} ({exc})")
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            try:
+                module = importlib.import_module(node.module)
+            except ImportError as exc:
+                wrong.append(f"from {node.module} ({exc})")
+                continue
+            for alias in node.names:
+                if alias.name == "*" or hasattr(module, alias.name):
+                    continue
+                try:  # a submodule not imported by its package
+                    importlib.import_module(f"{node.module}.{alias.name}")
+                except ImportError:
+                    wrong.append(f"from {node.module} import {alias.name}")
+    return wrong
+
+
+def test_a_python_sample_whose_import_does_not_resolve_is_caught() -> None:
+    code = "from daemon.snapshot import consistently\nimport no_such_module\nawait x()\n"
+    assert len(unresolved_imports(code, "sample")) == 2
+    assert unresolved_imports("from daemon.snapshot import consistent\n", "sample") == []
+
+
 @pytest.mark.parametrize("sample", RUNNABLE, ids=str)
 def test_runnable_sample(sample: Sample, tmp_path: Path) -> None:
     if sample.lang == "toml":
         raw = tomllib.loads(sample.code)
         config.parse(raw, source=tmp_path / "config.toml")
     elif sample.lang == "python":
-        compile(sample.code, str(sample), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        unresolved = unresolved_imports(sample.code, str(sample))
+        assert not unresolved, f"{sample}: imports that do not resolve: {unresolved}"
     elif sample.lang == "json":
         json.loads(sample.code)
     elif sample.lang == "sh":

@@ -657,25 +657,74 @@ class DeltaSink(CdcSink):
         where = f"date < '{day}'"
         if "hour" in s.partition_by:
             where = f"({where}) OR (date = '{day}' AND hour < '{time.gmtime(cutoff).tm_hour:02d}')"
+        before = max(self.files.log_versions(-1), default=-1)
         if self.writes_direct:
             rows = int(self._maintenance_table().delete(where).get("num_deleted_rows", 0))
         else:
             _activate(spark)
             deleted = spark.sql(f"DELETE FROM delta.`{self.path}` WHERE {where}").collect()
             rows = int(deleted[0][0]) if deleted else 0
+        removed = self._deleted_partitions(before) if rows else []
+        if removed:
+            # The DELETE's row count is the table's, not a partition's: the first carries it.
+            removed[0]["rows"] = rows
         self._vacuum(spark)
-        removed = [{"partition": where, "files": 0, "bytes": 0, "rows": rows}] if rows else []
-        log.info("cdc.retention_removed", stream=self.name, where=where, rows=rows)
+        log.info(
+            "cdc.retention_removed",
+            stream=self.name,
+            where=where,
+            rows=rows,
+            partitions=len(removed),
+            files=sum(r["files"] for r in removed),
+            bytes=sum(r["bytes"] for r in removed),
+        )
         return RunResult(self.name, removed, None, time.monotonic() - started)
 
+    def _deleted_partitions(self, before: int) -> list[dict[str, Any]]:
+        """Per partition, the files and bytes that the retention DELETE
+        committed after version ``before`` removed: its commit's ``remove``
+        actions (a batch or a compaction committing meanwhile is another
+        operation, and is not counted)."""
+        per: dict[str, dict[str, Any]] = {}
+        for version in self.files.log_versions(before):
+            lines = self.files.read_log(version).decode("utf-8").splitlines()
+            actions = [json.loads(line) for line in lines if line.strip()]
+            info: dict[str, Any] = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
+            if info.get("operation") != "DELETE":
+                continue
+            for action in actions:
+                remove = action.get("remove")
+                if remove is None:
+                    continue
+                values = remove.get("partitionValues") or {}
+                # A file's partitionValues need not list its columns in the table's order.
+                order = [c for c in self.stream.partition_by if c in values]
+                keys = order + sorted(set(values) - set(order))
+                name = "/".join(f"{k}={values[k]}" for k in keys)
+                entry = per.setdefault(name, {"partition": name, "files": 0, "bytes": 0})
+                entry["files"] += 1
+                entry["bytes"] += int(remove.get("size") or 0)
+        return [dict(entry, rows=0) for _, entry in sorted(per.items())]
+
+    def vacuum_window_hours(self) -> int:
+        """VACUUM keeps the files a snapshot of the last this many hours reads
+        (``vacuum_retain_hours``); the seam where a test shortens the window to
+        see files go while readers read."""
+        return self.stream.vacuum_retain_hours
+
     def _vacuum(self, spark: Any) -> None:
-        hours = self.stream.vacuum_retain_hours
+        hours = self.vacuum_window_hours()
         if self.writes_direct:
             table = self._maintenance_table()
             # full: also files no snapshot ever listed (a crashed attempt's),
-            # once older than the window, as Spark's VACUUM does.
+            # once older than the window, as Spark's VACUUM does. Not with a
+            # 0 h window (only a test's, vacuum_window_hours): a batch's files
+            # committed after this snapshot are "never listed" and as old.
             table.vacuum(
-                retention_hours=hours, dry_run=False, enforce_retention_duration=False, full=True
+                retention_hours=hours,
+                dry_run=False,
+                enforce_retention_duration=False,
+                full=hours > 0,
             )
             # Log entries older than delta.logRetentionDuration, up to a
             # checkpoint (the batch commits leave them: deltacommit.commit).

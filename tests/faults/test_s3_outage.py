@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tests import requires
 from tests.faults.support import healthz, spark_config, stage, wait_for
 from tests.integration.harness import DaemonProcess, Loader
 from tests.s3.server import Weed, start_weed
@@ -39,10 +40,7 @@ def test_an_s3_outage_of_30_s_stops_only_its_stream_which_resumes_exactly_once(
 ) -> None:
     from deltalake import DeltaTable
 
-    from daemon.spark import deltajars
-
-    if deltajars.missing():
-        pytest.skip("needs Delta Lake's jars (make delta-jars)")
+    requires.delta_jars()
     (tmp_path / "weed").mkdir()
     weed = start_weed(tmp_path / "weed")
     server = weed.server

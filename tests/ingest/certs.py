@@ -6,12 +6,11 @@ client certificates: a good one, an expired one, and one from the other CA.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from tests import requires
 
 CLIENT_SUBJECT = "CN=orders-svc,O=Acme"  # as `openssl x509 -subject -nameopt RFC2253` prints it
 
@@ -55,8 +54,7 @@ def _sign(d: Path, name: str, ca: str, days: int) -> None:
 
 def make_pki(d: Path) -> Pki:
     """``days = -1`` puts notAfter in the past: an expired certificate."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is needed to make test certificates")
+    requires.command("openssl", "Debian package `openssl` (.ci/run installs it)")
     d.mkdir(parents=True, exist_ok=True)
     for ca in ("ca", "ca2"):
         _run(

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from daemon.table.crash import COMMIT_CRASH_POINTS, DELTA_CRASH_POINTS
+from tests import requires
 from tests.integration.harness import DaemonProcess, Loader, write_config
 from tests.integration.test_crash_recording import _wait_caught_up
 
@@ -86,10 +87,7 @@ def test_sigkill_at_commit_steps_and_random_points_keeps_cdc_exactly_once(
     tmp_path: Path, spark: Any, table_format: str, request: pytest.FixtureRequest
 ) -> None:
     if table_format == "delta":
-        from daemon.spark import deltajars
-
-        if deltajars.missing():
-            pytest.skip("needs Delta Lake's jars (make delta-jars)")
+        requires.delta_jars()
     rng = random.Random(4)
     config = _config(tmp_path, table_format)
     acked: set[int] = set()

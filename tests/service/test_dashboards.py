@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.service.metrics import Metrics
+from tests import requires
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "systemd" / "grafana-eventplane.json"
@@ -217,7 +217,8 @@ def _anchor(heading: str) -> str:
 
 
 def test_alert_file_parses_as_prometheus_rule_groups() -> None:
-    yaml = pytest.importorskip("yaml", reason="PyYAML not installed; the scanner above ran")
+    import yaml
+
     doc = yaml.safe_load(ALERTS.read_text())
     (group,) = doc["groups"]
     scanned = _alert_rules()
@@ -227,10 +228,7 @@ def test_alert_file_parses_as_prometheus_rule_groups() -> None:
 
 
 def _promtool() -> str:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed (Debian package `prometheus`)")
-    return promtool
+    return requires.command("promtool", "Debian package `prometheus` (.ci/run installs it)")
 
 
 def test_promtool_accepts_the_alert_rules() -> None:

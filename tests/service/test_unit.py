@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from daemon.config import DaemonConfig
+from tests import requires
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "eventplane.service"
@@ -65,9 +66,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
        console script.
     2. `systemd-analyze verify` must exit 0 and print nothing about the unit —
        unknown keys and bad values are only warnings there, so both count."""
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze not installed (Debian package `systemd`; .ci/run installs it)")
+    analyze = requires.command("systemd-analyze", "Debian package `systemd` (.ci/run installs it)")
     script = Path(sys.executable).parent / "eventplane"
     if not os.access(script, os.X_OK):
         script = tmp_path / "eventplane"
@@ -171,9 +170,7 @@ def test_env_example_is_plain_assignments_for_the_same_venv(unit: dict[str, list
 
 
 def test_sysusers_creates_the_units_user(tmp_path: Path, unit: dict[str, list[str]]) -> None:
-    sysusers = shutil.which("systemd-sysusers")
-    if sysusers is None:
-        pytest.skip("systemd-sysusers not installed (Debian package `systemd`)")
+    sysusers = requires.command("systemd-sysusers", "Debian package `systemd`")
     proc = subprocess.run(
         [sysusers, "--dry-run", f"--root={tmp_path}", str(SYSUSERS)],
         capture_output=True,

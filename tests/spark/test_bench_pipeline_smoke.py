@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import bench_pipeline
+from tests import requires
 
 TINY = [
     "--events", "3000", "--warmup-events", "1000", "--clients", "2", "--rate", "1000",
@@ -85,7 +86,7 @@ def test_bench_pipeline_runs_the_postgresql_outbox_peer(
     (with the install command) where Debian's packages are missing."""
     tools = bench_pipeline.find_pg()
     if isinstance(tools, str):
-        pytest.skip(f"PostgreSQL peer: {tools}")
+        requires.missing("PostgreSQL", tools)
     out = tmp_path / "result.json"
     argv = [*TINY, "--no-eventplane", "--peers", "outbox", "--json", str(out)]
     rc = bench_pipeline.main([*argv, "--dir", str(tmp_path / "work")])
@@ -105,10 +106,7 @@ def test_bench_pipeline_with_delta_tables_counts_every_event_once_on_every_side(
     """``--format delta``: the daemon, the landing peer (Structured Streaming's
     Delta sink) and the outbox peer (Delta appends with ``txnVersion``) each
     end with every event in their Delta table once, counted through the log."""
-    from daemon.spark import deltajars
-
-    if deltajars.missing():
-        pytest.skip("needs Delta Lake's jars (make delta-jars)")
+    requires.delta_jars()
     out = tmp_path / "result.json"
     peers = "landing,outbox" if not isinstance(bench_pipeline.find_pg(), str) else "landing"
     argv = [*TINY, "--format", "delta", "--peers", peers, "--json", str(out)]

@@ -30,6 +30,7 @@ from daemon.table.errors import CdcQuarantineLimitError
 from daemon.table.layout import META_DIR
 from daemon.table.ledger import read_ledger
 from daemon.table.parquet import CdcSink
+from tests import requires
 from tests.spark.support import make_config, read_table
 from wal.record import Record
 
@@ -61,8 +62,8 @@ def batch_of(records: list[Record], batch_id: int = 1) -> MicroBatch:
 
 @pytest.fixture(params=[True, False], ids=["direct", "spark-job"])
 def direct_write(request: Any, spark: Any) -> bool:
-    if sparkio.direct_write_missing(spark) is not None:  # `make test` builds the jar
-        pytest.skip("needs the daemon's jar (raw inbox and direct write)")
+    reason = sparkio.direct_write_missing(spark)
+    requires.daemon_jar(reason)  # `make test` builds it
     return bool(request.param)
 
 

@@ -19,13 +19,16 @@ from daemon.spark import session
 from daemon.table import layout, sparkio
 from daemon.table.compactmerge import write_merged_spark
 from daemon.table.compactplan import Plan, data_files
+from tests import requires
 from tests.spark.support import batch_lsns, make_batches, read_table
 
 pytestmark = pytest.mark.spark
 
-needs_jar = pytest.mark.skipif(
-    not session.HADOOP_JAR.is_file(), reason="the daemon's jar is built by make when javac exists"
-)
+
+@pytest.fixture
+def needs_jar() -> None:
+    """The daemon's jar, which make builds when javac exists."""
+    requires.daemon_jar(None if session.HADOOP_JAR.is_file() else f"no {session.HADOOP_JAR}")
 
 
 async def chmods_during(spark: Any, tmp_path: Path, work: Callable[[], Awaitable[Any]]) -> int:
@@ -53,7 +56,7 @@ def fresh_options() -> Any:
         yield
 
 
-@needs_jar
+@pytest.mark.usefixtures("needs_jar")
 async def test_a_batch_forks_no_chmod_with_the_daemons_jar(
     spark: Any, executor_factory: Any, tmp_path: Path, fresh_options: Any
 ) -> None:
@@ -100,7 +103,7 @@ async def test_without_the_class_a_batch_forks_chmod_commits_and_says_so_once(
     assert sorted(r.lsn for r in rows) == batch_lsns(batches)
 
 
-@needs_jar
+@pytest.mark.usefixtures("needs_jar")
 def test_nio_file_system_sets_the_mode_bits_chmod_would(spark: Any, tmp_path: Path) -> None:
     """Files and folders get exactly the mode asked for; a mode with the sticky
     bit (which java.nio cannot set) goes to Hadoop's own ``chmod``."""
@@ -119,7 +122,7 @@ def _perm(jvm: Any, mode: str) -> Any:
     return jvm.org.apache.hadoop.fs.permission.FsPermission(mode)
 
 
-@needs_jar
+@pytest.mark.usefixtures("needs_jar")
 async def test_compactions_spark_write_forks_no_chmod_and_writes_only_parquet(
     spark: Any, executor_factory: Any, tmp_path: Path, fresh_options: Any
 ) -> None:
@@ -217,7 +220,7 @@ async def test_each_select_and_the_writes_options_are_one_py4j_command(
     assert [f.name for f in df.schema.fields] == list(frame.FRAME_COLUMNS)
 
 
-@needs_jar
+@pytest.mark.usefixtures("needs_jar")
 async def test_the_session_drops_hadoops_yarn_defaults_but_keeps_what_was_set(
     spark: Any, executor_factory: Any, fresh_options: Any
 ) -> None:

@@ -164,17 +164,6 @@ def test_standalone_cluster_writes_the_cdc_table_exactly_once(
     assert sorted(r.lsn for r in rows) == batch_lsns(make_batches(3, PER_BATCH))
 
 
-def _connect_client_missing() -> str:
-    try:
-        import google.rpc  # noqa: F401
-        import grpc  # noqa: F401
-        import grpc_status  # noqa: F401
-        import zstandard  # noqa: F401
-    except ImportError as exc:
-        return f"Spark Connect client packages missing (pip install 'pyspark[connect]'): {exc}"
-    return ""
-
-
 # The server's main class, what Spark's sbin/start-connect-server.sh submits (the
 # pyspark wheel has the class, in jars/spark-connect_2.13-*.jar, not the script).
 CONNECT_SERVER = "org.apache.spark.sql.connect.service.SparkConnectServer"
@@ -223,7 +212,6 @@ def connect_server(tmp_path: Path) -> Iterator[str]:
         _stop(server)
 
 
-@pytest.mark.skipif(bool(_connect_client_missing()), reason=_connect_client_missing())
 def test_spark_connect_server_writes_the_cdc_table_exactly_once(
     spark: Any, connect_server: str, tmp_path: Path
 ) -> None:
@@ -234,7 +222,6 @@ def test_spark_connect_server_writes_the_cdc_table_exactly_once(
     assert sorted(r.lsn for r in rows) == batch_lsns(make_batches(3, PER_BATCH))
 
 
-@pytest.mark.skipif(bool(_connect_client_missing()), reason=_connect_client_missing())
 @pytest.mark.timeout(900)
 def test_restarted_spark_connect_server_is_used_again_and_cdc_stays_exactly_once(
     spark: Any, tmp_path: Path

@@ -18,9 +18,10 @@ import pytest
 from daemon.table import quarantine
 from daemon.table.delta import app_id, log_commits
 from daemon.table.layout import META_DIR
-from daemon.table.lease import LeaseHeldError
+from daemon.table.lease import Holder, Lease, LeaseHeldError, S3Store
 from daemon.table.ledger import read_ledger
 from daemon.table.location import S3Files
+from tests import requires
 from tests.s3.server import S3Server
 from tests.spark.support import batch_lsns, compact_now, make_batches, producer_of
 from tests.spark.test_crash import run_worker
@@ -30,10 +31,7 @@ pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 
 @pytest.fixture(autouse=True)
 def _needs_delta(spark: Any) -> None:
-    from daemon.spark import deltajars
-
-    if deltajars.missing():
-        pytest.skip("needs Delta Lake's jars (make delta-jars)")
+    requires.delta_jars()
 
 
 @pytest.fixture
@@ -290,8 +288,10 @@ async def test_a_stalled_writer_never_commits_after_another_took_its_table_over(
 ) -> None:
     """1. Writer A (a real process, lease ttl 6 s, skew 1 s) commits batches
        1-2, then is frozen (SIGSTOP) before batch 3.
-    2. Writer B (another data_dir) is refused while A's lease lives, takes
-       the table once it expired, and commits batches 3 and 4.
+    2. Writer B (another data_dir) is refused while A's lease lives (a bare
+       lease take, right after the SIGSTOP: a whole executor start could
+       outlast the lease on a busy machine), takes the table once it expired,
+       and commits batches 3 and 4.
     3. A thaws (SIGCONT) and tries batch 3: its deadline passed and its
        renewal finds B's lease (412), so it refuses to commit. The table holds
        each batch once, B's."""
@@ -323,8 +323,18 @@ async def test_a_stalled_writer_never_commits_after_another_took_its_table_over(
         stopped = time.monotonic()
 
         options = on_s3(s3_server, table_uri, s3=short)
+        files = S3Files(table_uri, short)
+        probe = Lease(
+            S3Store(files.client, files.where.bucket),
+            files.where.key(f"{META_DIR}/lease.json"),
+            Holder.this_process(str(tmp_path / "b"), "wal-1", "all"),
+            ttl_s=short.lease_ttl_s,
+            skew_s=short.lease_skew_s,
+        )
         with pytest.raises(LeaseHeldError, match="held by"):
-            await executor_factory(stream_options=options)
+            await asyncio.to_thread(probe.take)
+        # A's lease lives at least ttl - renew interval + skew after its last renewal.
+        assert time.monotonic() - stopped < short.lease_ttl_s - probe.renew_s + short.lease_skew_s
         await asyncio.sleep(max(0.0, 7.5 - (time.monotonic() - stopped)))
         b = await executor_factory(stream_options=options)
         batches = make_batches(4, 100)

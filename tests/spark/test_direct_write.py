@@ -18,6 +18,7 @@ from daemon.service.metrics import Metrics
 from daemon.spark.executor import SparkExecutor
 from daemon.table import quarantine, sparkio
 from daemon.table.layout import META_DIR
+from tests import requires
 from tests.spark.support import batch_lsns, make_batches, make_config, read_table
 from wal.record import Record
 
@@ -28,8 +29,7 @@ pytestmark = pytest.mark.spark
 def direct(spark: Any) -> Any:
     """The shared session, which must be able to load the direct writer."""
     reason = sparkio.direct_write_missing(spark)
-    if reason is not None:  # `make test` builds the jar; a machine without javac cannot
-        pytest.skip(reason)
+    requires.daemon_jar(reason)  # `make test` builds it; a machine without javac cannot
     return spark
 
 

@@ -24,6 +24,7 @@ from daemon.service.metrics import Metrics
 from daemon.table import layout, parquetwrite
 from daemon.table.layout import SUMMARY_FILE
 from daemon.table.parquet import CdcSink
+from tests import requires
 from tests.spark.support import CORES, core_of, make_batches, make_config
 from wal import Wal
 from wal.record import Record
@@ -247,10 +248,7 @@ async def test_the_producer_whose_token_sent_an_event_is_in_every_table_format(
 
     from deltalake import DeltaTable
 
-    from daemon.spark import deltajars
-
-    if deltajars.missing():
-        pytest.skip("needs Delta Lake's jars (make delta-jars)")
+    requires.delta_jars()
     tokens = tuple(
         ProducerToken(name, collections=("*",), sha256=hashlib.sha256(name.encode()).hexdigest())
         for name in ("orders-svc", "billing")

@@ -20,6 +20,7 @@ from daemon.events import StoredEvent, encode
 from daemon.plane.batch import MicroBatch, Slice
 from daemon.plane.parts import Rows, split_part
 from daemon.spark import frame, rawinbox
+from tests import requires
 from tests.core.test_batch_table import as_columnar, records
 from tests.core.test_unpack import stored
 from tests.spark.support import batch_lsns, make_batches, read_table
@@ -37,8 +38,7 @@ COLUMNS = [
 def reader(spark: Any) -> Any:
     """The shared session, which must be able to load the reader."""
     reason = rawinbox.missing(spark)
-    if reason is not None:  # `make test` builds the jar; a machine without javac cannot
-        pytest.skip(reason)
+    requires.daemon_jar(reason)  # `make test` builds it; a machine without javac cannot
     return spark
 
 

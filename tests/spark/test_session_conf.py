@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from unittest import mock
 import pytest
 
 from daemon.spark import session
+from tests import requires
 
 LOG4J = Path("/tmp/log4j2.properties")
 
@@ -95,10 +95,7 @@ def test_the_running_driver_jvm_has_the_daemons_jvm_defaults(spark: Any) -> None
 
 
 def _java() -> str:
-    java = shutil.which("java")
-    if java is None:
-        pytest.skip("no java on PATH")
-    return java
+    return requires.command("java", "Debian package `openjdk-17-jre-headless`")
 
 
 def _jvm_writes_archive(java: str, archive: Path, classpath: Path) -> None:
