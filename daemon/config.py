@@ -811,6 +811,17 @@ def _cross_checks(cfg: Config, errors: list[str]) -> None:
             f"s3.lease_ttl_s: must exceed twice s3.lease_skew_s ({s3.lease_skew_s:g}), got "
             f"{s3.lease_ttl_s:g}: a writer stops committing skew_s before its lease expires"
         )
+    # The rule: no S3 request of a commit can outlive the lease window.
+    window = s3.lease_ttl_s - s3.lease_skew_s
+    if s3.lease_ttl_s > 2 * s3.lease_skew_s and s3.request_worst_s >= window:
+        errors.append(
+            f"s3.request_timeout_s: one S3 request with its retries, (connect_timeout_s "
+            f"{s3.connect_timeout_s:g} + request_timeout_s {s3.request_timeout_s:g}) x "
+            f"(max_retries {s3.max_retries} + 1) = {s3.request_worst_s:g} s, must be shorter "
+            f"than the lease window, lease_ttl_s - lease_skew_s = {window:g} s: no S3 request "
+            f"of a commit can outlive the lease window. Lower request_timeout_s, "
+            f"connect_timeout_s or max_retries, or raise lease_ttl_s"
+        )
     if bool(s3.access_key_id) != bool(s3.secret_access_key):
         errors.append("s3.access_key_id: set both access_key_id and secret_access_key, or neither")
     if s3.access_key_id and s3.credentials_file is not None:

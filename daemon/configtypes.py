@@ -221,13 +221,20 @@ class S3Config:
     profile: str = "default"
     access_key_id: str = field(default="", repr=False)
     secret_access_key: str = field(default="", repr=False)
-    connect_timeout_s: float = 5.0
-    request_timeout_s: float = 30.0
-    max_retries: int = 3
+    # Each S3 request's bounds (boto3 and delta-rs): small enough that one
+    # request with its retries fits the lease window (config.py, _cross_checks).
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 5.0
+    max_retries: int = 2
     # The writer's lease on each table (daemon/table/lease.py): it expires this
     # long after its last renewal; renewed every (ttl - skew) / 3 seconds.
     lease_ttl_s: float = 30.0
     lease_skew_s: float = 5.0
+
+    @property
+    def request_worst_s(self) -> float:
+        """The longest one S3 request can take, its retries included."""
+        return (self.connect_timeout_s + self.request_timeout_s) * (self.max_retries + 1)
 
 
 @dataclass(frozen=True, slots=True)

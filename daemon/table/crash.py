@@ -1,7 +1,8 @@
 """Crash points: named places where a test makes the process SIGKILL itself.
 
 ``EVENTPLANE_CRASH_AT=<name>[@<n>]`` kills the process the n-th time (default:
-the first) it reaches ``crash_point(name)``. The names are in
+the first) it reaches ``crash_point(name)``; ``EVENTPLANE_PAUSE_AT`` (same
+form) stops it there with SIGSTOP instead, for the test to SIGCONT later. The names are in
 ``CRASH_POINTS``; crash tests aim at each step of the table's protocols with
 them (docs/cdc.md, "Crash points").
 """
@@ -14,6 +15,7 @@ import threading
 import time
 
 ENV_CRASH_AT = "EVENTPLANE_CRASH_AT"
+ENV_PAUSE_AT = "EVENTPLANE_PAUSE_AT"
 COMMIT_CRASH_POINTS = (
     "cdc.before_stage",  # nothing of the batch written
     "cdc.after_stage",  # staged files exist, no intent
@@ -58,6 +60,11 @@ DELTA_CRASH_POINTS = (
     "cdc.after_ledger",  # committed and recorded
     "executor.after_commit",  # every sink and stage done, execute() not returned
 )
+# A commit to a table on S3 (daemon/table/delta.py): after the writer's last
+# lease and fence checks, before delta-rs writes the log entry.
+S3_CRASH_POINTS = (
+    "delta.before_log_commit",  # files uploaded, the log read, the entry not written
+)
 CRASH_POINTS = tuple(
     dict.fromkeys(
         COMMIT_CRASH_POINTS
@@ -65,6 +72,7 @@ CRASH_POINTS = tuple(
         + COMPACT_CRASH_POINTS
         + REPLAY_CRASH_POINTS
         + DELTA_CRASH_POINTS
+        + S3_CRASH_POINTS
     )
 )
 _crash_hits: dict[str, int] = {}
@@ -72,20 +80,27 @@ _crash_lock = threading.Lock()
 
 
 def crash_point(name: str) -> None:
-    """SIGKILL this process here if ``$EVENTPLANE_CRASH_AT`` names this point.
+    """SIGKILL this process here if ``$EVENTPLANE_CRASH_AT`` names this point
+    (SIGSTOP if ``$EVENTPLANE_PAUSE_AT`` does).
 
     ``name@n`` fires at the n-th arrival, so a full-daemon test can let some
-    batches commit first. Costs one environment lookup when unset.
+    batches commit first. Costs two environment lookups when unset.
     """
     wanted = os.environ.get(ENV_CRASH_AT)
-    if not wanted:
+    pause = os.environ.get(ENV_PAUSE_AT)
+    if not wanted and not pause:
         return
-    target, _, nth = wanted.partition("@")
-    if target != name:
+    spec = next((w for w in (wanted, pause) if w and w.partition("@")[0] == name), None)
+    if spec is None:
         return
+    _, _, nth = spec.partition("@")
     with _crash_lock:
         _crash_hits[name] = hits = _crash_hits.get(name, 0) + 1
     if hits < (int(nth) if nth.isdigit() else 1):
+        return
+    if spec is not wanted:
+        os.write(2, f"eventplane: pause point {name} reached (hit {hits}); SIGSTOP\n".encode())
+        os.kill(os.getpid(), signal.SIGSTOP)
         return
     # os.write: unbuffered, so the line survives the kill; tests look for it.
     os.write(2, f"eventplane: crash point {name} reached (hit {hits}); SIGKILL\n".encode())

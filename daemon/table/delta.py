@@ -52,10 +52,11 @@ from daemon.errors import IdentityMismatchError
 from daemon.plane.batch import MicroBatch
 from daemon.table import deltacommit, quarantine, s3
 from daemon.table.crash import crash_point
+from daemon.table.deltacommit import WRITER_KEY
 from daemon.table.durable import atomic_write_json, fsync_file
 from daemon.table.errors import CdcLayoutError
 from daemon.table.layout import META_DIR, TABLE_COLUMNS
-from daemon.table.lease import Holder, Keeper, Lease, S3Store
+from daemon.table.lease import Holder, Keeper, Lease, LeaseError, S3Store, TableTakenOverError
 from daemon.table.ledger import (
     KEEP_BATCHES,
     Ledger,
@@ -88,6 +89,16 @@ DELTA_PROPERTIES = {
     # and defaults to 100, writes them as often.
     "delta.checkpointInterval": "10",
 }
+
+
+# A table on S3: the table property a takeover's fencing commit sets (its
+# metaData action is what makes a stale writer's rebased commit conflict), and
+# the txn app ids, under the stream's, of the fences and of quarantine replays.
+FENCE_PROPERTY = "eventplane.writer"
+FENCE_APP, REPLAY_APP = "/fence", "/replay"
+# Attempts of one commit to a table on S3 that lost its version to this
+# writer's own maintenance (OPTIMIZE, DELETE, VACUUM's two commits).
+COMMIT_ATTEMPTS = 8
 
 
 def app_id(wal_id: str, stream: str) -> str:
@@ -156,6 +167,10 @@ class DeltaSink(CdcSink):
         # The table's version after step 1 (read from the log it committed to).
         self._version = -1
         self._dt: Any = None  # the delta-rs table of the direct path (_delta_table)
+        # On S3: this process's identity in each commit's commitInfo, and the
+        # last version whose commits since the fence are known to be its own.
+        self.writer = uuid.uuid4().hex
+        self._seen = -1
         # Step 1 writes a raw inbox file's rows without a Spark job and commits
         # them with delta-rs; VARIANT columns (which delta-rs cannot open) take
         # a Spark append.
@@ -178,6 +193,8 @@ class DeltaSink(CdcSink):
             self._check_table_identity(created)
             report = RecoveryReport()
             self._roll_forward(report)
+            if self._fence():  # a commit that landed before the fence is taken in too
+                self._roll_forward(report)
             # Files of a direct commit that a crash interrupted (never in the log).
             self._remove_orphans(report)
             if (self.meta / "staging").is_dir():
@@ -212,6 +229,77 @@ class DeltaSink(CdcSink):
         )
         self.keeper = Keeper(lease, f"stream {self.name!r} ({self.location})")
         self.keeper.start()
+
+    def _fence(self) -> bool:
+        """A takeover's first act on a table on S3, before any orphan goes:
+        one commit of its own, whose ``metaData`` sets ``eventplane.writer``
+        to its epoch and this process's writer id, whose ``txn``
+        ``<app id>/fence`` is the epoch (the last one plus 1) and whose
+        commitInfo names the holder. A stale writer's commit (no automatic
+        retry: :meth:`_commit_fenced`) then loses its version to the fence, and
+        a maintenance commit rebased onto it conflicts with its ``metaData``:
+        nothing of the old writer lands after it. False when there is no table."""
+        if not isinstance(self.files, S3Files) or not table_exists(self.files):
+            return False
+        from deltalake import CommitProperties, Transaction
+
+        table = self._delta_table()
+        table.update_incremental()
+        epoch = int(table.transaction_version(self.app_id + FENCE_APP) or 0) + 1
+        holder = str(self.keeper.lease.holder) if self.keeper is not None else ""
+        meta = {"eventplane": {"fence": epoch, "holder": holder}}
+        table.alter.set_table_properties(
+            {FENCE_PROPERTY: f"{epoch} {self.writer}"},
+            False,
+            commit_properties=CommitProperties(
+                custom_metadata={
+                    "userMetadata": json.dumps(meta, separators=(",", ":")),
+                    WRITER_KEY: self.writer,
+                },
+                app_transactions=[
+                    Transaction(self.app_id + FENCE_APP, epoch, int(time.time() * 1000))
+                ],
+            ),
+        )
+        self._seen = int(table.version())
+        log.info("cdc_table_fenced", stream=self.name, epoch=epoch, version=self._seen)
+        return True
+
+    def _commit_properties(self) -> Any:
+        """A maintenance commit's properties: this writer's identity in commitInfo."""
+        from deltalake import CommitProperties
+
+        return CommitProperties(custom_metadata={WRITER_KEY: self.writer})
+
+    def _check_fence(self, table: Any, *, advance: bool = True) -> None:
+        """On S3: the commits after the last checked version, up to the
+        version ``table`` read, are all this writer's (its ``WRITER_KEY``);
+        else another writer took the table over: :meth:`_taken_over`."""
+        upto = int(table.version())
+        for version, actions in log_commits(self.files, self._seen):
+            if version > upto:
+                break
+            info = actions.get("commitInfo", {})
+            if info.get(WRITER_KEY) != self.writer:
+                self._taken_over(version, info)
+        if advance:
+            self._seen = max(self._seen, upto)
+
+    def _taken_over(self, version: int, info: dict[str, Any]) -> None:
+        """Stop committing for good, say so in status and health (the lease's
+        ``taken_over``, the batch's error), leave the table alone."""
+        meta = json.loads(info.get("userMetadata") or "{}")
+        by = meta.get("eventplane", {}).get("holder") if isinstance(meta, dict) else None
+        by = by or info.get(WRITER_KEY) or "a writer that is not this eventplane"
+        why = (
+            f"another writer took the table over (Delta version {version}, "
+            f"{info.get('operation', 'a commit')}, by {by}): this daemon stops committing to "
+            f"it and leaves it alone; restart it to take the table back once that writer is gone"
+        )
+        if self.keeper is not None:
+            self.keeper.surrender(why)
+        log.error("cdc_table_taken_over", stream=self.name, version=version, by=by)
+        raise TableTakenOverError(f"stream {self.name!r} ({self.location}): {why}")
 
     def close(self) -> None:
         keeper, self.keeper = self.keeper, None
@@ -273,7 +361,11 @@ class DeltaSink(CdcSink):
             apps = [
                 t for t in actions.get("txn", []) if str(t.get("appId")).startswith("eventplane/")
             ]
-            other = next((t["appId"] for t in apps if t["appId"] != self.app_id), None)
+            # A fence's or a replay's txn is under the stream's app id.
+            other = next(
+                (t["appId"] for t in apps if t["appId"].split("/")[:3] != self.app_id.split("/")),
+                None,
+            )
             if other is not None:
                 raise IdentityMismatchError(
                     f"stream {self.name!r}: the Delta table at {self.location} holds commits of "
@@ -281,7 +373,7 @@ class DeltaSink(CdcSink):
                     f"writes as {self.app_id}). Its committed LSNs mean nothing to this WAL. "
                     f"Point [[cdc.streams]] path at a new folder, or move the old one away."
                 )
-            mine = apps
+            mine = [t for t in apps if t["appId"] == self.app_id]
             info = actions.get("commitInfo", {})
             meta = json.loads(info.get("userMetadata") or "{}").get("eventplane")
             if not mine or meta is None:
@@ -411,7 +503,10 @@ class DeltaSink(CdcSink):
         try:
             if self.keeper is not None:
                 self.keeper.check()  # the upload took a while: fenced again
-            if self._in_log(table, bid):
+            if isinstance(self.files, S3Files):
+                if not self._commit_fenced(table, actions, meta, self.app_id, bid):
+                    self._unlink(files)  # an earlier attempt committed it
+            elif self._in_log(table, bid):
                 # An earlier attempt committed it (its error came after the commit).
                 self._unlink(files)
             else:
@@ -422,7 +517,10 @@ class DeltaSink(CdcSink):
                     app_id=self.app_id,
                     version=bid,
                     user_metadata={"eventplane": meta},
+                    writer=self.writer,
                 )
+        except LeaseError:
+            raise  # not this writer's table now: its files are for the holder's open to judge
         except Exception as exc:
             committed = self._in_log(table, bid)
             if committed is False:
@@ -441,11 +539,62 @@ class DeltaSink(CdcSink):
         or above it); None when the log cannot be read now."""
         try:
             table.update_incremental()
+            if isinstance(self.files, S3Files):
+                self._check_fence(table)  # another writer's txn is not this one's
             done = table.transaction_version(self.app_id)
+        except LeaseError:
+            raise
         except Exception as exc:
             log.warning("cdc_delta_log_unreadable", stream=self.name, error=str(exc))
             return None
         return done is not None and int(done) >= bid
+
+    def _commit_fenced(
+        self, table: Any, actions: list[Any], meta: dict[str, Any], app: str, version: int | None
+    ) -> bool:
+        """A commit to a table on S3, fenced by the store, with the ``txn``
+        (``app``, ``version``; None: the last one plus 1):
+
+        1. Read the log: the commits since the last checked version are this
+           writer's (:meth:`_check_fence`; another's stops here).
+        2. The txn is in it: done (an earlier call's commit: returns False).
+        3. Commit with no automatic retry (``delta.before_log_commit`` before
+           it): the entry lands at the version after the one read, or fails.
+        4. It failed (another commit took that version): back to 1, so a
+           conflict with this writer's own maintenance is retried.
+        """
+        from deltalake.exceptions import CommitFailedError
+
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            # Step 1. Read the log.
+            table.update_incremental()
+            self._check_fence(table)
+            # Step 2. Committed already?
+            done = table.transaction_version(app)
+            if version is None:
+                version = int(done or 0) + 1
+            if done is not None and int(done) >= version:
+                return attempt > 1
+            crash_point("delta.before_log_commit")
+            # Step 3. Commit.
+            try:
+                deltacommit.commit(
+                    table,
+                    actions,
+                    partition_by=list(self.stream.partition_by),
+                    app_id=app,
+                    version=version,
+                    user_metadata={"eventplane": meta},
+                    writer=self.writer,
+                    retries=0,
+                )
+                return True
+            except CommitFailedError as exc:
+                # Step 4. Whose commit took the version?
+                if attempt == COMMIT_ATTEMPTS:
+                    raise
+                log.info("cdc_delta_commit_conflict", stream=self.name, app=app, error=str(exc))
+        raise AssertionError("unreachable")
 
     def _forget_upload(self, files: list[tuple[str, str]]) -> None:
         """After a failed upload: remove what of it arrived, if the store
@@ -478,7 +627,9 @@ class DeltaSink(CdcSink):
 
     def _append_staged(self, df: Any, bid: int, meta: dict[str, Any]) -> None:
         """:meth:`_append` for a table on S3: ``df`` staged on disk, uploaded,
-        committed by delta-rs (no ``txn``: a replay's intent decides)."""
+        committed by delta-rs after a lease check and the fence
+        (:meth:`_commit_fenced`), with a ``txn`` of the replays' own (the
+        intent's replay id decides its recovery)."""
         staging = self.meta / "staging" / f"r{bid:012d}"
         try:
             CdcSink._write_staged(self, df, staging)
@@ -488,14 +639,9 @@ class DeltaSink(CdcSink):
                 self.keeper.check()
             assert isinstance(self.files, S3Files)
             self.files.upload(staging, files)
-            table = self._delta_table()
-            table.update_incremental()
-            deltacommit.commit(
-                table,
-                actions,
-                partition_by=list(self.stream.partition_by),
-                user_metadata={"eventplane": meta},
-            )
+            if self.keeper is not None:
+                self.keeper.check()  # the upload took a while
+            self._commit_fenced(self._delta_table(), actions, meta, self.app_id + REPLAY_APP, None)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -563,6 +709,7 @@ class DeltaSink(CdcSink):
                 configuration={**DELTA_PROPERTIES, **self._our_properties()},
                 storage_options=self.files.storage_options,
                 raise_if_key_not_exists=False,
+                commit_properties=self._commit_properties(),
             )
         table = self._maintenance_table()
         props = dict(table.metadata().configuration)
@@ -577,7 +724,10 @@ class DeltaSink(CdcSink):
         if added:
             from deltalake import Field
 
-            table.alter.add_columns([Field(f.name, f.dataType.simpleString()) for f in added])
+            table.alter.add_columns(
+                [Field(f.name, f.dataType.simpleString()) for f in added],
+                commit_properties=self._commit_properties(),
+            )
             log.info("cdc_delta_columns_added", stream=self.name, columns=[f.name for f in added])
         self._created = True
 
@@ -620,8 +770,10 @@ class DeltaSink(CdcSink):
         pending = self.commits_since_optimize
         if self.writes_direct:
             # A table of its own: the commit thread's is not shared across threads.
-            metrics = self._maintenance_table().optimize.compact(
-                target_size=self.stream.target_file_bytes, max_concurrent_tasks=1
+            metrics = self._guarded_table().optimize.compact(
+                target_size=self.stream.target_file_bytes,
+                max_concurrent_tasks=1,
+                commit_properties=self._commit_properties(),
             )
         else:
             _activate(spark)
@@ -645,6 +797,17 @@ class DeltaSink(CdcSink):
 
         return DeltaTable(self.files.uri, storage_options=self.files.storage_options)
 
+    def _guarded_table(self) -> Any:
+        """:meth:`_maintenance_table` for a maintenance commit; on S3 after
+        the lease and fence checks (a commit rebased onto a later fence
+        conflicts with its metaData)."""
+        table = self._maintenance_table()
+        if isinstance(self.files, S3Files):
+            if self.keeper is not None:
+                self.keeper.check()
+            self._check_fence(table, advance=False)
+        return table
+
     def apply_retention(self, spark: Any, now: float | None = None) -> RunResult:
         """Retention on a Delta table: a DELETE of the expired time partitions
         (a metadata-only commit: whole files go), then VACUUM, which removes
@@ -659,7 +822,10 @@ class DeltaSink(CdcSink):
             where = f"({where}) OR (date = '{day}' AND hour < '{time.gmtime(cutoff).tm_hour:02d}')"
         before = max(self.files.log_versions(-1), default=-1)
         if self.writes_direct:
-            rows = int(self._maintenance_table().delete(where).get("num_deleted_rows", 0))
+            deleted = self._guarded_table().delete(
+                where, commit_properties=self._commit_properties()
+            )
+            rows = int(deleted.get("num_deleted_rows", 0))
         else:
             _activate(spark)
             deleted = spark.sql(f"DELETE FROM delta.`{self.path}` WHERE {where}").collect()
@@ -715,7 +881,7 @@ class DeltaSink(CdcSink):
     def _vacuum(self, spark: Any) -> None:
         hours = self.vacuum_window_hours()
         if self.writes_direct:
-            table = self._maintenance_table()
+            table = self._guarded_table()
             # full: also files no snapshot ever listed (a crashed attempt's),
             # once older than the window, as Spark's VACUUM does. Not with a
             # 0 h window (only a test's, vacuum_window_hours): a batch's files
@@ -725,6 +891,7 @@ class DeltaSink(CdcSink):
                 dry_run=False,
                 enforce_retention_duration=False,
                 full=hours > 0,
+                commit_properties=self._commit_properties(),
             )
             # Log entries older than delta.logRetentionDuration, up to a
             # checkpoint (the batch commits leave them: deltacommit.commit).

@@ -30,6 +30,9 @@ from urllib.parse import quote, unquote
 
 # Delta Spark keeps a string's first 32 characters as its bound.
 STRING_STATS_CHARS = 32
+# The commitInfo field naming the daemon process that committed (delta.py:
+# a writer tells its own commits from a new writer's by it).
+WRITER_KEY = "eventplaneWriter"
 
 
 def available() -> str | None:
@@ -145,15 +148,22 @@ def commit(
     user_metadata: Mapping[str, Any],
     app_id: str | None = None,
     version: int = 0,
+    writer: str | None = None,
+    retries: int | None = None,
 ) -> None:
     """One blind append of ``actions`` to the delta-rs table ``table``, with
-    ``userMetadata`` and, given ``app_id``, the ``txn`` (``app_id``, ``version``)."""
+    ``userMetadata`` and, given ``app_id``, the ``txn`` (``app_id``, ``version``);
+    given ``writer``, its identity in commitInfo (``WRITER_KEY``). ``retries``
+    0: a commit whose version another took fails (``CommitFailedError``)
+    instead of being rebased onto it (None: delta-rs's default)."""
     from deltalake import CommitProperties, PostCommitHookProperties, Transaction
 
     txns = [Transaction(app_id, version, int(time.time() * 1000))] if app_id else None
+    custom = {"userMetadata": json.dumps(user_metadata, separators=(",", ":"))}
+    if writer is not None:
+        custom[WRITER_KEY] = writer
     properties = CommitProperties(
-        custom_metadata={"userMetadata": json.dumps(user_metadata, separators=(",", ":"))},
-        app_transactions=txns,
+        custom_metadata=custom, max_commit_retries=retries, app_transactions=txns
     )
     table.create_write_transaction(
         actions,

@@ -15,7 +15,12 @@ the wall-clock time it expires. Protocol:
    its own deadline, the last successful renewal's start (monotonic clock)
    plus ``ttl_s`` minus ``skew_s``. A daemon that cannot renew (the store is
    down, the network partitioned, the process stalled) stops committing
-   before any other daemon may take the lease over.
+   before any other daemon may take the lease over. This deadline is a
+   courtesy that saves work; what keeps a paused writer out is the new
+   holder's fencing commit in the table's log (daemon/table/delta.py).
+   A write whose answer was lost (the PUT landed, the client saw an error)
+   is recognised by the ``session`` the body carries (one per
+   :class:`Lease`): the lease is still this writer's.
 4. **Release** on a clean stop: delete it if it is still ours. After a
    SIGKILL the next daemon waits until it expires (at most ``ttl_s`` plus
    ``skew_s``), or takes it at once if it is the same daemon restarted.
@@ -33,6 +38,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -50,6 +56,11 @@ class LeaseError(DaemonError):
 
 class LeaseHeldError(LeaseError):
     """Another writer holds the table's lease."""
+
+
+class TableTakenOverError(LeaseError):
+    """Another writer committed to the table (its fence is in the log): this
+    writer stops committing to it for good."""
 
 
 class PreconditionFailed(Exception):
@@ -120,6 +131,8 @@ class Lease:
         self._clock, self._monotonic = clock, monotonic
         self._etag: str | None = None
         self._deadline = float("-inf")  # monotonic: commits stop here
+        # In each body: a write of this lease whose answer was lost is ours.
+        self.session = uuid.uuid4().hex
 
     @property
     def renew_s(self) -> float:
@@ -129,7 +142,12 @@ class Lease:
     def _body(self) -> bytes:
         now = self._clock()
         return json.dumps(
-            {"holder": asdict(self.holder), "renewed_at": now, "expires_at": now + self.ttl_s},
+            {
+                "holder": asdict(self.holder),
+                "session": self.session,
+                "renewed_at": now,
+                "expires_at": now + self.ttl_s,
+            },
             separators=(",", ":"),
             sort_keys=True,
         ).encode()
@@ -154,6 +172,9 @@ class Lease:
             return
         body, etag = current
         raw = json.loads(body)
+        if raw.get("session") == self.session:  # our own write, its answer lost
+            self._write(if_match=etag)
+            return
         other = Holder(**raw["holder"])
         expires_at = float(raw["expires_at"])
         expired = self._clock() > expires_at + self.skew_s
@@ -176,9 +197,16 @@ class Lease:
             raise LeaseError(f"{self.key}: renew before take")
         try:
             self._write(if_match=self._etag)
+            return
         except PreconditionFailed as exc:
-            self._etag, self._deadline = None, float("-inf")
-            raise LeaseError(f"{self.key}: the lease was taken over; stop committing") from exc
+            lost = exc
+        # Our last write may have landed with its answer lost: its ETag is new.
+        current = self.store.get(self.key)
+        if current is not None and json.loads(current[0]).get("session") == self.session:
+            self._write(if_match=current[1])
+            return
+        self.forget()
+        raise LeaseError(f"{self.key}: the lease was taken over; stop committing") from lost
 
     @property
     def holding(self) -> bool:
@@ -191,6 +219,10 @@ class Lease:
 
     def seconds_left(self) -> float:
         return max(0.0, self._deadline - self._monotonic())
+
+    def forget(self) -> None:
+        """The lease is not this writer's (taken over): no commit, no release."""
+        self._etag, self._deadline = None, float("-inf")
 
     def release(self) -> None:
         """Step 4: remove the lease if it is still this daemon's."""
@@ -258,6 +290,7 @@ class Keeper:
     def __init__(self, lease: Lease, what: str) -> None:
         self.lease, self.what = lease, what
         self.error: str | None = None  # the last renewal's failure, for status
+        self.taken_over: str | None = None  # set by surrender(): not ours any more
         self.renewals = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -295,6 +328,8 @@ class Keeper:
     def check(self) -> None:
         """Before a commit: the lease is this writer's until past the commit's
         start, or :class:`LeaseError` says why not (a renewal is tried first)."""
+        if self.taken_over is not None:
+            raise LeaseError(f"{self.what}: not committing: {self.taken_over}")
         if self.lease.may_commit():
             return
         self._refresh()
@@ -304,12 +339,22 @@ class Keeper:
                 f"lease ({self.error or 'expired'})"
             )
 
+    def surrender(self, why: str) -> None:
+        """Another writer took the table over (its fence is in the table's
+        log): stop renewing and never take the lease again in this process;
+        the lease is the new writer's, so it is left alone."""
+        self.taken_over = why
+        self._stop.set()
+        with self._lock:
+            self.lease.forget()
+
     def status(self) -> dict[str, Any]:
         return {
             "held": self.lease.may_commit(),
             "seconds_left": round(self.lease.seconds_left(), 1),
             "renewals": self.renewals,
             "error": self.error,
+            "taken_over": self.taken_over,
         }
 
     def stop(self) -> None:

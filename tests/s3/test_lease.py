@@ -121,3 +121,39 @@ def test_release_and_break_remove_the_lease(leases: Leases) -> None:
 def test_a_ttl_without_room_for_the_skew_is_refused(leases: Leases) -> None:
     with pytest.raises(ValueError, match="must exceed twice skew_s"):
         Lease(leases.store, "k", Holder("h", 1, "/d", "w", "s"), ttl_s=10, skew_s=5)
+
+
+def test_a_renewal_whose_answer_was_lost_is_still_the_writers_own_lease(
+    leases: Leases,
+) -> None:
+    """1. A takes the lease; its next renewal's PUT lands but the answer is
+       lost (the store raises after the real write).
+    2. A's next renewal (If-Match on the old ETag) gets 412, reads the lease,
+       finds its own session: renewed, still A's.
+    3. A's next take(), after another lost answer, takes its own lease back
+       at once (it does not wait for it to expire)."""
+    from unittest import mock
+
+    store, clock = leases.store, leases.clock
+    a = leases.new()
+    a.take()
+    real_put = S3Store.put
+
+    def put_then_lose_answer(self: S3Store, *args: object, **kwargs: object) -> str:
+        real_put(self, *args, **kwargs)  # type: ignore[arg-type]
+        raise ConnectionError("the answer was lost")
+
+    with mock.patch.object(S3Store, "put", put_then_lose_answer), pytest.raises(ConnectionError):
+        a.renew()
+    clock.now += a.renew_s
+    a.renew()
+    assert a.may_commit() and a.seconds_left() == pytest.approx(25)
+    with mock.patch.object(S3Store, "put", put_then_lose_answer), pytest.raises(ConnectionError):
+        a.renew()
+    a.forget()  # as after a failed renewal the Keeper gave up on
+    a.take()
+    assert a.may_commit()
+    # Another daemon is still refused: the lease is A's.
+    with pytest.raises(LeaseHeldError):
+        leases.new(data_dir="/var/lib/b").take()
+    assert store.get(leases.key) is not None

@@ -52,6 +52,9 @@ def test_an_s3_stream_keeps_its_state_under_the_data_dir_and_its_table_in_the_bu
          r"cdc.streams\[0\].path: .*not variant = true"),
         ({"cdc": {"streams": [stream("s3:///x")]}}, r'expected "s3://bucket/prefix"'),
         ({"s3": {"lease_ttl_s": 8, "lease_skew_s": 5}}, r"s3.lease_ttl_s: must exceed twice"),
+        ({"s3": {"request_timeout_s": 30}},
+         r"s3.request_timeout_s: .*request_timeout_s 30\) x .* = 96 s, must be shorter than "
+         r"the lease window, lease_ttl_s - lease_skew_s = 25 s: no S3 request of a commit"),
         ({"s3": {"access_key_id": "AKIA"}}, r"s3.access_key_id: set both"),
         ({"s3": {"bucket": "x"}}, r"s3.bucket: unknown key"),
     ],

@@ -190,10 +190,57 @@ async def test_compaction_vacuum_and_retention_run_on_the_table_in_the_bucket(
     assert len(dt.file_uris()) < before
     assert s3_lsns(s3_server, table_uri) == batch_lsns(batches)
 
+    # A batch after the compaction's commits (this writer's own, by its
+    # commitInfo identity) commits, without a takeover.
+    (more,) = make_batches(13, 40)[12:]
+    assert not await ex.execute(more)
     # Every batch's events are from 2023 (tests.spark.support): all expired.
     result = await ex.run_retention("all")
-    assert result["rows"] == 480, result
+    assert result["rows"] == 520, result
     assert s3_lsns(s3_server, table_uri) == []
+    assert ex.status()["streams"]["all"]["lease"]["taken_over"] is None
+
+
+async def test_a_replay_on_s3_commits_once_with_a_txn_of_its_own_behind_the_fence(
+    spark: Any, executor_factory: Any, tmp_path: Path, s3_server: S3Server, table_uri: str
+) -> None:
+    """1. The writer refuses duplicate keys: rows 3, 6 and 9 of a stream on
+       S3 are set aside.
+    2. The cause fixed, replay: they are in the table once, in a commit with
+       the replays' txn (``<app id>/replay``, version 1) and this writer's
+       identity; a replay again writes nothing.
+    3. A restart fences the table (``<app id>/fence``) and reads it all back."""
+    from daemon.table.deltacommit import WRITER_KEY
+    from tests.spark import quarantine_worker
+
+    key = "spark.sql.variant.allowDuplicateKeys"
+    before = spark.conf.get(key)
+    ex = await executor_factory(stream_options=on_s3(s3_server, table_uri))
+    spark.conf.set(key, "false")
+    try:
+        assert not await ex.execute(quarantine_worker.batch())
+    finally:
+        spark.conf.set(key, before)
+    meta = tmp_path / "cdc" / "all" / META_DIR
+    assert [r.lsn for r in quarantine.load(meta)] == [3, 6, 9]
+
+    done = await ex.quarantine_action("all", "replay", None)
+    again = await ex.quarantine_action("all", "replay", None)
+    assert done["lsns"] == [3, 6, 9] and done["quarantined"] == 0
+    assert again["replayed"] == 0
+    assert s3_lsns(s3_server, table_uri) == list(range(1, 13))
+    commits = list(log_commits(S3Files(table_uri, s3_server.config()), -1))
+    replays = [a for _, a in commits if a.get("txn", [{}])[0].get("appId", "").endswith("/replay")]
+    assert [a["txn"][0]["version"] for a in replays] == [1]
+    assert len({a["commitInfo"].get(WRITER_KEY) for _, a in commits}) == 1
+    await ex.stop()
+
+    ex = await executor_factory(stream_options=on_s3(s3_server, table_uri))
+    fence_app = app_id("wal-1", "all") + "/fence"
+    fences = [t for _, a in log_commits(S3Files(table_uri, s3_server.config()), -1)
+              for t in a.get("txn", []) if t["appId"] == fence_app]  # fmt: skip
+    assert [t["version"] for t in fences] == [1]
+    assert s3_lsns(s3_server, table_uri) == list(range(1, 13))
 
 
 async def test_a_second_writer_is_refused_with_the_holder_named(
@@ -282,45 +329,89 @@ async def test_a_slow_store_makes_batches_slower_never_wrong(
     assert seconds > 0.1  # a batch's requests waited
 
 
+def read_every_listed_file(s3_server: S3Server, uri: str) -> int:
+    """GET and parse each file the table's newest snapshot lists (one missing
+    or cut short fails); their row count."""
+    import io
+
+    import pyarrow.parquet as pq
+    from deltalake import DeltaTable
+
+    files = S3Files(uri, s3_server.config())
+    dt = DeltaTable(uri, storage_options=s3_server.storage_options())
+    rows = 0
+    for uri_of_file in dt.file_uris():
+        key = uri_of_file.split("://", 1)[1].split("/", 1)[1]
+        body = files.client.get_object(Bucket=files.where.bucket, Key=key)
+        rows += pq.read_table(io.BytesIO(body["Body"].read())).num_rows
+    return rows
+
+
+def writers_after_fence(s3_server: S3Server, uri: str) -> tuple[int, list[str]]:
+    """The newest fencing commit's version, and the writer of each commit
+    from it on (commitInfo's ``eventplaneWriter``)."""
+    from daemon.table.deltacommit import WRITER_KEY
+
+    commits = list(log_commits(S3Files(uri, s3_server.config()), -1))
+    fence = max(
+        v for v, a in commits if a.get("commitInfo", {}).get("operation") == "SET TBLPROPERTIES"
+    )
+    return fence, [str(a["commitInfo"].get(WRITER_KEY)) for v, a in commits if v >= fence]
+
+
 @pytest.mark.crash
-async def test_a_stalled_writer_never_commits_after_another_took_its_table_over(
-    executor_factory: Any, tmp_path: Path, s3_server: S3Server, table_uri: str
+@pytest.mark.parametrize("order", ["b_commits_first", "a_wakes_first"])
+async def test_a_writer_paused_before_its_log_commit_never_lands_after_a_takeover(
+    executor_factory: Any, tmp_path: Path, s3_server: S3Server, table_uri: str, order: str
 ) -> None:
-    """1. Writer A (a real process, lease ttl 6 s, skew 1 s) commits batches
-       1-2, then is frozen (SIGSTOP) before batch 3.
+    """1. Writer A (a real process; lease ttl 8 s, skew 1 s) commits batches
+       1-2, uploads batch 3's files and reads the log, then stops itself
+       (SIGSTOP) at ``delta.before_log_commit``, past every lease check.
     2. Writer B (another data_dir) is refused while A's lease lives (a bare
-       lease take, right after the SIGSTOP: a whole executor start could
-       outlast the lease on a busy machine), takes the table once it expired,
-       and commits batches 3 and 4.
-    3. A thaws (SIGCONT) and tries batch 3: its deadline passed and its
-       renewal finds B's lease (412), so it refuses to commit. The table holds
-       each batch once, B's."""
+       lease take: a whole executor start could outlast the lease on a busy
+       machine), takes it once it expired: its open commits the fence, then removes A's batch 3
+       files (orphans to B).
+    3. ``b_commits_first``: B commits batches 3 and 4, then A wakes (SIGCONT);
+       ``a_wakes_first``: A wakes right after B's fence, B commits afterwards.
+    4. A's commit loses its version (no automatic retry), A reads the log,
+       finds B's fence and stops: nothing of A's lands after the fence, every
+       file the table lists exists, every batch is in the table once."""
     import sys
     import time
 
+    from daemon.table.crash import ENV_PAUSE_AT
     from tests.spark.test_crash import REPO
 
-    short = s3_server.config(lease_ttl_s=6.0, lease_skew_s=1.0)
+    # One request with its retry, (1 + 2) x 2 s, fits the lease window, 8 - 1 s.
+    short = s3_server.config(
+        lease_ttl_s=8.0, lease_skew_s=1.0, connect_timeout_s=1.0, request_timeout_s=2.0,
+        max_retries=1,
+    )  # fmt: skip
     s3 = json.dumps({"uri": table_uri, "s3": asdict(short)})
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_PYTHON": sys.executable}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYSPARK_PYTHON": sys.executable,
+           ENV_PAUSE_AT: "delta.before_log_commit@3"}  # fmt: skip
     a_root = tmp_path / "a"
     a_root.mkdir()
     argv = ["-m", "tests.spark.crash_worker", str(a_root), "--batches", "3", "--per-batch",
-            "100", "--format", "delta", "--s3", s3, "--pause-before", "3"]  # fmt: skip
+            "100", "--format", "delta", "--s3", s3]  # fmt: skip
+    err = (tmp_path / "a.stderr").open("wb")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *argv, cwd=REPO, env=env, stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    assert proc.stdout is not None
+        sys.executable, *argv, cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=err
+    )
+    timeline: dict[str, float] = {}
+    t0 = time.monotonic()
+
+    def mark(what: str) -> None:
+        timeline[what] = round(time.monotonic() - t0, 1)
+
     try:
-        lines: list[str] = []
-        while "paused 3" not in lines:
-            line = await asyncio.wait_for(proc.stdout.readline(), 240)
-            assert line, lines  # the worker ended before batch 3
-            lines.append(line.decode().strip())
-        assert "committed 2" in lines, lines
-        os.kill(proc.pid, signal.SIGSTOP)
-        stopped = time.monotonic()
+        deadline = time.monotonic() + 240
+        while b"pause point delta.before_log_commit" not in (tmp_path / "a.stderr").read_bytes():
+            assert proc.returncode is None and time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        t0 = time.monotonic()  # A is stopped from here
+        mark("a_paused")
+        assert [k for k in keys(s3_server, table_uri) if "part-b000000000003-" in k]
 
         options = on_s3(s3_server, table_uri, s3=short)
         files = S3Files(table_uri, short)
@@ -333,23 +424,43 @@ async def test_a_stalled_writer_never_commits_after_another_took_its_table_over(
         )
         with pytest.raises(LeaseHeldError, match="held by"):
             await asyncio.to_thread(probe.take)
+        mark("b_refused")
         # A's lease lives at least ttl - renew interval + skew after its last renewal.
-        assert time.monotonic() - stopped < short.lease_ttl_s - probe.renew_s + short.lease_skew_s
-        await asyncio.sleep(max(0.0, 7.5 - (time.monotonic() - stopped)))
+        assert time.monotonic() - t0 < short.lease_ttl_s - probe.renew_s + short.lease_skew_s
+        await asyncio.sleep(max(0.0, 9.5 - (time.monotonic() - t0)))
         b = await executor_factory(stream_options=options)
+        mark("b_fenced")
+        assert not [k for k in keys(s3_server, table_uri) if "part-b000000000003-" in k]
         batches = make_batches(4, 100)
-        assert not await b.execute(batches[2])
-        assert not await b.execute(batches[3])
 
+        async def b_commits() -> None:
+            assert not await b.execute(batches[2])
+            assert not await b.execute(batches[3])
+            mark("b_committed_3_4")
+
+        if order == "b_commits_first":
+            await b_commits()
         os.kill(proc.pid, signal.SIGCONT)
-        raw, _ = await asyncio.wait_for(proc.communicate(b"go\n"), 120)
-        out = raw.decode()
+        mark("a_woken")
+        raw, _ = await asyncio.wait_for(proc.communicate(), 120)
+        mark("a_exited")
+        if order == "a_wakes_first":
+            await b_commits()
     finally:
         if proc.returncode is None:
             os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
             await proc.wait()
-    assert proc.returncode != 0 and "committed 3" not in out
-    assert "not committing" in out and "LeaseError" in out, out
+        err.close()
+    out = raw.decode()
+    print(f"\npause timeline ({order}), seconds after A stopped: {timeline}")
+    assert proc.returncode != 0 and "committed 2" in out and "committed 3" not in out, out
+    assert "took the table over" in out, out
+    fence, writers = writers_after_fence(s3_server, table_uri)
+    # Versions 0-2 are A's (create, batches 1-2); then B's fence, B's 3 and 4 only.
+    assert fence == 3 and len(set(writers)) == 1 and len(writers) == 3, (fence, writers)
+    (stream,) = b.status()["streams"].values()
+    assert stream["lease"]["held"] is True and stream["lease"]["taken_over"] is None
+    assert read_every_listed_file(s3_server, table_uri) == 400
     assert s3_lsns(s3_server, table_uri) == batch_lsns(batches)
     assert s3_txn_versions(s3_server, table_uri) == [1, 2, 3, 4]
