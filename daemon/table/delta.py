@@ -226,10 +226,13 @@ class DeltaSink(CdcSink):
         wanted = list(self.stream.partition_by)
         if ledger.table_format != "delta":
             raise CdcLayoutError(
-                f'stream {self.name!r}: format = "delta" but {self.location} holds a '
+                f'stream {self.name!r} is a Delta stream (format = "delta", the default of an '
+                f"entry without a format line) but {self.location} holds a "
                 f"{ledger.table_format} table (batches up to {ledger.last_batch_id}). "
-                f'Point the stream\'s path at a new folder (start = "earliest" fills it from '
-                f'the retained WAL), or see docs/cdc.md, "Moving a stream to Delta".'
+                f'To keep writing it, add format = "{ledger.table_format}" to this '
+                f"[[cdc.streams]] entry; to move to Delta, point the stream's path at a new "
+                f'folder (start = "earliest" fills it from the retained WAL), see docs/cdc.md, '
+                f'"Moving a stream to Delta".'
             )
         if ledger.partition_by == wanted:
             return

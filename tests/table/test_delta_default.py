@@ -1,4 +1,6 @@
-"""Only the Delta streams Spark writes need Delta's jars (daemon/spark/deltajars.py)."""
+"""Delta is the default format; only the Delta streams Spark writes need Delta's
+jars (daemon/spark/deltajars.py), and a Parquet table under a stream that now
+defaults to Delta is refused, naming the line that keeps it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,23 @@ import pytest
 
 from daemon.config import CdcConfig, CdcStream, Config, SparkConfig
 from daemon.spark import deltajars
+from daemon.table.delta import DeltaSink
+from daemon.table.errors import CdcLayoutError
+from daemon.table.parquet import CdcSink
+
+
+def test_a_parquet_table_under_a_default_delta_stream_is_refused_naming_the_line_that_keeps_it(
+    tmp_path: Path,
+) -> None:
+    table = tmp_path / "cdc" / "all"
+    old = CdcSink(CdcStream("all", ("*",), table, format="parquet"), wal_id="w", cores=2)
+    old.open()
+    old.close()
+    with pytest.raises(CdcLayoutError) as info:
+        DeltaSink(CdcStream("all", ("*",), table), wal_id="w", cores=2).open()
+    message = str(info.value)
+    assert "holds a parquet table" in message
+    assert 'add format = "parquet" to this [[cdc.streams]] entry' in message
 
 
 def test_only_the_delta_streams_spark_writes_need_delta_jars() -> None:
