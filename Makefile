@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= config.toml
 PYTEST_ARGS ?=
 
-.PHONY: run test lock lock-upgrade lint typecheck unit bench soak java jar delta-jars clean
+.PHONY: run test lock lock-upgrade lint typecheck unit bench soak java jar delta-jars config-delta-jars clean
 # Optional: the Hadoop file system class of the CDC staging writes (jvm/src;
 # scripts/build-jar.sh skips it when javac is missing).
 JAR := daemon/spark/jars/eventplane-hadoop.jar
@@ -49,15 +49,20 @@ lock-upgrade: lock
 jar: $(STAMP)
 	@bash scripts/build-jar.sh $(BIN)/python
 
-# Delta Lake's jars for format = "delta" streams, fetched with mvn once
-# (daemon/spark/deltajars.py); offline it says so and the rest works.
+# Delta Lake's jars, for the Delta streams that Spark writes (variant = true, a
+# Spark append), fetched with mvn once (daemon/spark/deltajars.py): `make test`
+# always, `make run` only when a stream of $(CONFIG) needs them. Offline it says
+# so and the rest works.
 delta-jars: $(STAMP)
 	@$(BIN)/python -m daemon.spark.deltajars
+
+config-delta-jars: $(STAMP)
+	@$(BIN)/python -m daemon.spark.deltajars --config $(CONFIG)
 
 java:
 	@bash scripts/check-java.sh
 
-run: $(STAMP) java jar delta-jars
+run: $(STAMP) java jar config-delta-jars
 	$(BIN)/eventplane run --config $(CONFIG)
 
 lint: $(STAMP)

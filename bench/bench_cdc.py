@@ -164,7 +164,7 @@ def executor_config(root: Path) -> Config:
     return Config(
         daemon=DaemonConfig(data_dir=root / "var", cores=CORES),
         spark=SparkConfig(),
-        cdc=CdcConfig(streams=(CdcStream("all", ("*",), root / "cdc"),)),
+        cdc=CdcConfig(streams=(CdcStream("all", ("*",), root / "cdc", format="parquet"),)),
     )
 
 

@@ -62,7 +62,9 @@ def _config(root: Path, table: Path, **stream: Any) -> Config:
     return Config(
         daemon=DaemonConfig(data_dir=root / "var", cores=CORES),
         spark=SparkConfig(),
-        cdc=CdcConfig(streams=(CdcStream("all", ("*",), table, **stream),)),
+        cdc=CdcConfig(
+            streams=(CdcStream("all", ("*",), table, **{"format": "parquet", **stream}),)
+        ),
     )
 
 
@@ -237,7 +239,9 @@ async def run(spark: Any, root: Path, args: argparse.Namespace) -> int:
 
     # 2. The other tables: full compaction of a copy of "small"; one big batch.
     shutil.copytree(tables["small"], tables["full"])
-    sink = CdcSink(CdcStream("all", ("*",), tables["full"]), wal_id="bench", cores=CORES)
+    sink = CdcSink(
+        CdcStream("all", ("*",), tables["full"], format="parquet"), wal_id="bench", cores=CORES
+    )
     sink.open()
     started = time.perf_counter()
     full = await asyncio.to_thread(compact.compact_stream, sink, spark, full=True)

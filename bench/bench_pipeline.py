@@ -1020,9 +1020,11 @@ class EventplaneSide(Side):
         from bench.bench_cdc import start_daemon
 
         # The stream's table format (docs/cdc.md, "Table formats"); either way the
-        # rows are visible once the stream's ledger has committed them. Parquet is
-        # the default, left unsaid (a --baseline tree may predate the key).
-        extra = f'format = "{self.fmt}"' if self.fmt != "parquet" else ""
+        # rows are visible once the stream's ledger has committed them. Delta is
+        # the default here; a --baseline tree's Parquet is left unsaid (it may
+        # predate the key, and a tree from before Delta was the default takes it).
+        baseline_parquet = self.src is not None and self.fmt == "parquet"
+        extra = "" if baseline_parquet else f'format = "{self.fmt}"'
         self.d = start_daemon(
             self.root,
             self.master,

@@ -620,7 +620,7 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
             )
             continue
         uri = got["path"] if isinstance(got["path"], str) else ""
-        if uri and (got.get("format", "parquet") != "delta" or got.get("variant")):
+        if uri and (got.get("format", "delta") != "delta" or got.get("variant")):
             why = "variant = true" if got.get("variant") else 'format = "parquet"'
             errors.append(
                 f"{where}.path: a table on S3 ({uri}) must be a Delta table without "
@@ -629,7 +629,7 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
             )
             continue
         delta_only = [k for k in ("variant", "vacuum_retain_hours") if k in got]
-        if delta_only and got.get("format", "parquet") != "delta":
+        if delta_only and got.get("format", "delta") != "delta":
             errors.append(
                 f"{where}.{delta_only[0]}: applies to Delta tables only; set "
                 f'format = "delta" or remove it (a Parquet table always has VARIANT columns)'

@@ -268,11 +268,13 @@ class CdcStream:
     # "Quarantine"). More rows failing alone means the writer, not the rows, is
     # broken: the batch then fails and is retried, and health says why.
     quarantine_max_rows: int = 1000
-    # The table's format (docs/cdc.md, "Table formats"): "parquet" (folders of
-    # Parquet files with the daemon's own ledger; needs nothing but pyspark) or
-    # "delta" (a Delta Lake table: snapshot reads for every reader, time
-    # travel; needs Delta's jars, daemon/spark/deltajars.py).
-    format: str = "parquet"
+    # The table's format (docs/cdc.md, "Table formats"): "delta" (a Delta Lake
+    # table: snapshot reads for every reader, time travel; written by the
+    # direct write and delta-rs, Delta's jars only for a Spark append,
+    # daemon/spark/deltajars.py) or "parquet" (folders of Parquet files with
+    # the daemon's own ledger; plain readers can miss rows while compaction
+    # swaps, invariant 16).
+    format: str = "delta"
     # Delta only: add the VARIANT columns new and old next to the JSON text.
     # Spark reads them; delta-rs, Polars and DuckDB then cannot open the table.
     variant: bool = False

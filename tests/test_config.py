@@ -213,15 +213,14 @@ def test_retention_without_a_time_partition_is_refused_saying_why() -> None:
     assert 'partition_by = ["collection", "date"]' in error
 
 
-def test_stream_format_defaults_to_parquet_and_delta_keys_need_delta() -> None:
+def test_stream_format_defaults_to_delta_and_delta_keys_need_delta() -> None:
     plain = config.parse(_stream()).cdc.streams[0]
-    assert (plain.format, plain.variant, plain.vacuum_retain_hours) == ("parquet", False, 168.0)
-    delta = config.parse(_stream(format="delta", variant=True, vacuum_retain_hours=2)).cdc.streams[
-        0
-    ]
+    assert (plain.format, plain.variant, plain.vacuum_retain_hours) == ("delta", False, 168.0)
+    delta = config.parse(_stream(variant=True, vacuum_retain_hours=2)).cdc.streams[0]
     assert (delta.format, delta.variant, delta.vacuum_retain_hours) == ("delta", True, 2.0)
+    assert config.load(ROOT / "config.toml").cdc.streams[0].format == "delta"
     with pytest.raises(ConfigError) as info:
-        config.parse(_stream(variant=True))
+        config.parse(_stream(format="parquet", variant=True))
     assert info.value.errors == [
         'cdc.streams[0].variant: applies to Delta tables only; set format = "delta" or '
         "remove it (a Parquet table always has VARIANT columns)"

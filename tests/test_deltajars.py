@@ -45,5 +45,5 @@ def test_a_failed_fetch_fails_make_only_under_ci(
         deltajars, "fetch", lambda folder=deltajars.JARS_DIR: "mvn is not installed"
     )
     monkeypatch.setenv("CI", ci)
-    assert deltajars.main() == code
+    assert deltajars.main([]) == code
     assert capsys.readouterr().err.startswith(f"{word}: mvn is not installed")

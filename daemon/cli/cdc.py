@@ -10,9 +10,10 @@ table on S3 (``daemon.table.lease``), broken by hand with ``--break``.
 
 ``show`` reads only what a plain reader would see (published files), newest
 batches first, using the stream's ledger to open just enough files for
-``--limit`` rows. Spark runs embedded (``local[1]``) whatever ``[spark]``
-says: the stream path is a local folder, and a look at a table should not
-submit a job to a cluster. Works while the daemon runs (it only reads). The
+``--limit`` rows. A Delta table is read by delta-rs, with no JVM; a Parquet
+folder (or a ``variant = true`` Delta table) by Spark, embedded (``local[1]``)
+whatever ``[spark]`` says: a look at a table should not submit a job to a
+cluster. Works while the daemon runs (it only reads). The
 producer's ``event_id`` and ``event_time`` are shown when one of the rows has
 them.
 
@@ -81,15 +82,16 @@ def latest_rows(spark: Any, stream: CdcStream, limit: int) -> list[dict[str, Any
     return consistent(stream.path, lambda: _newest_rows(spark, stream, limit))
 
 
-def latest_rows_s3(stream: CdcStream, limit: int) -> list[dict[str, Any]]:
-    """``latest_rows`` of a table on S3, by delta-rs: the rows of the newest
-    batches the stream's ledger names, widened until ``limit`` are found."""
+def latest_rows_delta(stream: CdcStream, limit: int) -> list[dict[str, Any]]:
+    """``latest_rows`` of a Delta table without VARIANT columns (on disk or
+    on S3), by delta-rs, no JVM: the rows of the newest batches the stream's
+    ledger names, widened until ``limit`` are found."""
     import pyarrow.compute as pc
     from deltalake import DeltaTable
 
-    from daemon.table.location import S3Files
+    from daemon.table.location import table_files
 
-    files = S3Files(stream.uri, stream.s3 or S3Config())
+    files = table_files(stream)
     ledger = read_ledger(stream.path)
     if ledger is None or ledger.last_batch_id == 0:
         return []
@@ -264,40 +266,45 @@ def main(
         return lease(stream, break_it=args.break_lease, yes=args.yes, out=out)
     if args.cdc_command == "rewrite":
         return rewrite(stream, session=session, out=out)
-    if stream.uri:  # a table on S3: read by delta-rs, no JVM
-        rows = latest_rows_s3(stream, args.limit)
-        if not rows:
-            print(f"stream {stream.name!r} ({stream.uri}): no committed rows yet", file=out)
-            return 0
-        print(format_rows(rows), file=out)
-        return 0
     if args.cdc_command == "files":
         return files(stream, as_json=args.json, out=out)
     delta = stream.format == "delta"
-    if not (delta_table_exists(stream.path) if delta else newest_files(stream, 1)):
-        print(f"stream {stream.name!r} ({stream.path}): no committed rows yet", file=out)
+    if delta and not stream.variant:  # delta-rs reads it, on disk or on S3: no JVM
+        rows = latest_rows_delta(stream, args.limit)
+    elif not (delta_table_exists(stream.path) if delta else newest_files(stream, 1)):
+        rows = []
+    else:
+        rows = _rows_by_spark(stream, args.limit, session)
+    if not rows:
+        print(f"stream {stream.name!r} ({stream.location}): no committed rows yet", file=out)
         return 0
-    owned = session is None
-    if owned:
-        from daemon.spark.session import build_session
-
-        session = build_session(
-            "local[1]", "eventplane-cdc-show", False, "ERROR", {}, delta=delta, quiet=True
-        )
-    try:
-        rows = latest_rows(session, stream, args.limit)
-    finally:
-        if owned:
-            session.stop()
     ledger = read_ledger(stream.path)
     last = ledger.last_batch_id if ledger else 0
     print(
-        f"stream {stream.name!r} ({stream.path}): last committed batch {last}, "
+        f"stream {stream.name!r} ({stream.location}): last committed batch {last}, "
         f"latest {len(rows)} rows, newest first",
         file=out,
     )
     print(format_rows(rows), file=out)
     return 0
+
+
+def _rows_by_spark(stream: CdcStream, limit: int, session: Any) -> list[dict[str, Any]]:
+    """``latest_rows`` in an embedded Spark (``session``, else one of its own):
+    a Parquet folder, or a ``variant = true`` Delta table (Delta's jars)."""
+    owned = session is None
+    if owned:
+        from daemon.spark.session import build_session
+
+        delta = stream.format == "delta"
+        session = build_session(
+            "local[1]", "eventplane-cdc-show", False, "ERROR", {}, delta=delta, quiet=True
+        )
+    try:
+        return latest_rows(session, stream, limit)
+    finally:
+        if owned:
+            session.stop()
 
 
 def files(stream: CdcStream, *, as_json: bool, out: TextIO) -> int:

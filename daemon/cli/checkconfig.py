@@ -64,8 +64,8 @@ def main(
     err: TextIO | None = None,
     session_factory: Callable[[Config], Any] = build_check_session,
 ) -> int:
-    """Exit code: 0 OK, 2 a trigger Spark rejects (or a Delta stream without
-    Delta's jars, or a table on S3 out of reach), 1 Spark could not start.
+    """Exit code: 0 OK, 2 a trigger Spark rejects (or a Delta stream that
+    Spark writes without Delta's jars, or a table on S3 out of reach), 1 Spark could not start.
 
     ``out``/``err`` default to ``sys.stdout``/``sys.stderr`` at call time.
     """
@@ -83,10 +83,18 @@ def main(
         )
         return 2
 
-    delta = any(s.format == "delta" for s in cfg.cdc.streams)
-    why = deltajars.unavailable(delta, cfg.spark.conf, cfg.spark.remote)
+    from daemon.spark.session import HADOOP_JAR
+
+    needs = deltajars.needing(cfg, HADOOP_JAR.is_file())
+    why = deltajars.unavailable(bool(needs), cfg.spark.conf, cfg.spark.remote)
     if why is not None:
-        print(f"eventplane: invalid configuration: {cfg.source}: cdc.streams: {why}", file=err)
+        # The daemon runs the other streams; these would fail every batch.
+        for name, reason in needs.items():
+            print(
+                f"eventplane: invalid configuration: {cfg.source}: cdc.streams {name!r} "
+                f"needs Delta Lake's jars ({reason}). {why}",
+                file=err,
+            )
         return 2
     for i, stream in enumerate(cfg.cdc.streams):
         if not stream.uri:

@@ -57,9 +57,9 @@ def _delta_line(needed: bool, out: TextIO) -> bool:
 
 def needs_delta_jars(cfg: Config) -> bool:
     """Whether the daemon started on ``cfg`` would load Delta Lake's jars."""
-    from daemon.spark.executor import uses_delta
+    from daemon.spark.executor import delta_needs
 
-    return deltajars.unavailable(uses_delta(cfg), cfg.spark.conf, cfg.spark.remote) is not None
+    return bool(delta_needs(cfg))
 
 
 def main(cfg: Config, delta: bool, out: TextIO = sys.stdout) -> int:

@@ -74,26 +74,50 @@ def uses_inbox(cfg: Config) -> bool:
     return not cfg.spark.remote and cfg.spark.master.startswith("local")
 
 
+def delta_needs(cfg: Config) -> dict[str, str]:
+    """The streams that need Delta Lake's jars here, each with why: those
+    Spark writes to (``deltajars.spark_append``); the direct write needs none."""
+    return deltajars.needing(cfg, sparkmod.HADOOP_JAR.is_file())
+
+
 def uses_delta(cfg: Config) -> bool:
-    """A stream writes a Delta table: the session needs Delta Lake."""
-    return any(s.format == "delta" for s in cfg.cdc.streams)
+    """The session loads Delta Lake: a stream needs its jars, and they are
+    here (or Spark resolves them, or a Spark Connect server has its own)."""
+    s = cfg.spark
+    return bool(delta_needs(cfg)) and deltajars.unavailable(True, s.conf, s.remote) is None
+
+
+class DeltaJarsMissingError(ExecutorError):
+    """A stream needs Delta Lake's jars and they are not here: it fails alone
+    (its every batch, until the jars are fetched and the daemon restarted)."""
 
 
 def missing_parts(cfg: Config) -> list[dict[str, str]]:
     """The optional parts this daemon lacks, each with what it costs and the fix
     (the start-up log and ``/v1/status`` name them; ``eventplane setup`` adds them)."""
-    if cfg.spark.remote or not cfg.spark.master.startswith("local"):
-        return []  # the jar counts only for a driver JVM the daemon starts
-    if sparkmod.HADOOP_JAR.is_file():
-        return []
-    return [
-        {
-            "part": "daemon jar",
-            "path": str(sparkmod.HADOOP_JAR),
-            "without": "each batch runs a Spark job, and no stream has a quarantine",
-            "fix": "eventplane setup",
-        }
-    ]
+    parts = []
+    # The daemon's jar counts only for a driver JVM the daemon starts.
+    local = not cfg.spark.remote and cfg.spark.master.startswith("local")
+    if local and not sparkmod.HADOOP_JAR.is_file():
+        parts.append(
+            {
+                "part": "daemon jar",
+                "path": str(sparkmod.HADOOP_JAR),
+                "without": "each batch runs a Spark job, and no stream has a quarantine",
+                "fix": "eventplane setup",
+            }
+        )
+    needs = delta_needs(cfg)
+    if needs and deltajars.unavailable(True, cfg.spark.conf, cfg.spark.remote) is not None:
+        parts.append(
+            {
+                "part": "Delta Lake jars",
+                "path": str(deltajars.JARS_DIR),
+                "without": f"stream(s) {', '.join(sorted(needs))} fail at each batch",
+                "fix": "eventplane setup --delta",
+            }
+        )
+    return parts
 
 
 def load_handler(ref: str) -> Handler:
@@ -176,6 +200,8 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         # (no Spark job, docs/cdc.md) or "spark job (why not direct)".
         self._cdc_write: str | None = None
         self._direct = False  # _cdc_write == "direct"
+        # Streams that need Delta's jars, missing here: their error (start()).
+        self._no_delta: dict[str, str] = {}
         self._built: Any | None = None  # what the factory returned, even if unused
         self._handlers: list[tuple[str, Handler]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eventplane-spark")
@@ -252,11 +278,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                 f"`{part['fix']}` adds it",
                 **part,
             )
-        why = deltajars.unavailable(
-            uses_delta(self.cfg), self.cfg.spark.conf, self.cfg.spark.remote
-        )
-        if why is not None:
-            raise ConfigError([f"cdc.streams: {why}"], str(self.cfg.source or "config"))
+        self._no_delta = self._streams_without_delta()
         if self._inbox is not None:
             # Batch files of a previous process: their batches re-run from the plan.
             shutil.rmtree(self._inbox, ignore_errors=True)
@@ -281,6 +303,21 @@ class SparkExecutor(SessionLife, StreamMaintenance):
             self._mark_ready()
         else:
             self._boot_task = asyncio.create_task(self._boot(), name="spark-session-boot")
+
+    def _streams_without_delta(self) -> dict[str, str]:
+        """The streams that need Delta's jars when they are missing, each with
+        the error its batches fail with: those streams fail alone."""
+        s = self.cfg.spark
+        missing = deltajars.unavailable(True, s.conf, s.remote)
+        if missing is None:
+            return {}
+        out = {
+            name: f"stream {name!r} needs Delta Lake's jars ({why}). {missing}"
+            for name, why in delta_needs(self.cfg).items()
+        }
+        for name, message in out.items():
+            log.error("cdc_stream_needs_delta_jars", stream=name, message=message)
+        return out
 
     def ready(self) -> bool:
         return self._status.state is State.READY
@@ -682,7 +719,11 @@ class SparkExecutor(SessionLife, StreamMaintenance):
             pending = [t for t in todo if t[1] and t[0].last_batch_id < batch.batch_id]
             # With a raw inbox file the streams write its rows without a Spark
             # job (CdcSink.commit): they need no DataFrame.
-            readers = {s.name for s, _rows in pending if not (direct and s.writes_direct)}
+            readers = {
+                s.name
+                for s, _rows in pending
+                if not (direct and s.writes_direct) and s.name not in self._no_delta
+            }
             # Steps 3-5: each stage on its own; one failing holds back only itself.
             # Step 3. Stages first: their finish (webhook calls) runs on the loop
             # while this thread writes the CDC tables. They read the batch before
@@ -707,6 +748,9 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                 cached = True
             # Step 4. Each CDC stream commits its rows exactly once.
             for sink, rows in todo:
+                if sink.name in self._no_delta:
+                    failures[sink_stage(sink)] = DeltaJarsMissingError(self._no_delta[sink.name])
+                    continue
                 try:
                     df = batch_df() if sink.name in readers else None
                     commits.append(sink.commit(df, batch, rows, source))

@@ -314,10 +314,13 @@ class DeltaSink(CdcSink):
         wanted = list(self.stream.partition_by)
         if ledger.table_format != "delta":
             raise CdcLayoutError(
-                f'stream {self.name!r}: format = "delta" but {self.location} holds a '
+                f'stream {self.name!r} is a Delta stream (format = "delta", the default of an '
+                f"entry without a format line) but {self.location} holds a "
                 f"{ledger.table_format} table (batches up to {ledger.last_batch_id}). "
-                f'Point the stream\'s path at a new folder (start = "earliest" fills it from '
-                f'the retained WAL), or see docs/cdc.md, "Moving a stream to Delta".'
+                f'To keep writing it, add format = "{ledger.table_format}" to this '
+                f"[[cdc.streams]] entry; to move to Delta, point the stream's path at a new "
+                f'folder (start = "earliest" fills it from the retained WAL), see docs/cdc.md, '
+                f'"Moving a stream to Delta".'
             )
         if ledger.partition_by == wanted:
             return
@@ -463,7 +466,7 @@ class DeltaSink(CdcSink):
         if not self._created:
             self._create_table(spark, df)
         self._append(df, meta, {"txnAppId": self.app_id, "txnVersion": str(batch.batch_id)})
-        self._version = self._table_version(spark)
+        self._version = self._table_version()
 
     def _commit_files(self, staging: Path, bid: int, meta: dict[str, Any]) -> None:
         """The direct path's commit of batch ``bid``'s staged files:
@@ -645,14 +648,85 @@ class DeltaSink(CdcSink):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
+    def _append_local(self, df: Any, bid: int, meta: dict[str, Any]) -> None:
+        """:meth:`_append` for a local table without VARIANT columns, by
+        delta-rs (no Delta jar): ``df`` written as Parquet into staging,
+        published into the table's folders (fsynced), one commit of their
+        ``add`` actions (no ``txn``: a replay's intent decides). Files of a
+        crash before the commit are in no snapshot; VACUUM removes them."""
+        staging = self.meta / "staging" / f"r{bid:012d}"
+        try:
+            CdcSink._write_staged(self, df, staging)
+            files = self._staged_files(staging, bid)
+            actions = [deltacommit.add_action(staging / r, f, STATS_COLUMNS) for r, f in files]
+            for rel, _ in files:
+                fsync_file(staging / rel)
+            self._publish_files(bid, files, staging)
+            table = self._delta_table()
+            table.update_incremental()
+            deltacommit.commit(
+                table,
+                actions,
+                partition_by=list(self.stream.partition_by),
+                user_metadata={"eventplane": meta},
+            )
+            table.update_incremental()
+            self.files.sync_log(range(int(table.version()), int(table.version()) + 1))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
     def _create_table(self, spark: Any, df: Any) -> None:
         """Before the stream's first append in this process: create the table
-        if there is none (an empty write: version 0, with Delta's properties),
-        then make sure it names this daemon (``eventplane.*`` properties, which
-        Delta takes from ALTER TABLE only). Another daemon's table refuses."""
-        if self.files.remote:
-            self._create_remote_table(df)
+        if there is none (version 0, with Delta's properties and this
+        daemon's ``eventplane.*`` ones), add the batch's columns the table
+        lacks (the ``producer`` column of tables written before it). Another
+        daemon's table refuses. delta-rs does it all, on disk as on S3; a
+        ``variant = true`` table (whose schema delta-rs cannot hold) takes
+        Spark's SQL and Delta's jars."""
+        if self.stream.variant and not self.files.remote:
+            self._create_spark_table(spark, df)
             return
+        from deltalake import DeltaTable, Field, Schema
+
+        if not table_exists(self.files):
+            DeltaTable.create(
+                self.files.uri,
+                Schema.from_json(df.schema.json()),
+                mode="ignore",
+                partition_by=list(self.stream.partition_by),
+                configuration={**DELTA_PROPERTIES, **self._our_properties()},
+                storage_options=self.files.storage_options,
+                raise_if_key_not_exists=False,
+                commit_properties=self._commit_properties(),
+            )
+        table = self._maintenance_table()
+        props = dict(table.metadata().configuration)
+        if not self._check_properties(props):
+            if self.files.remote:
+                raise IdentityMismatchError(
+                    f"stream {self.name!r}: the Delta table at {self.location} does not name "
+                    f"an event plane (no eventplane.* properties): eventplane did not create "
+                    f"it. Point [[cdc.streams]] path at a new prefix."
+                )
+            # A local table this stream's ledger knows (_check_table_identity)
+            # but created before its properties were set: name this daemon.
+            table.alter.set_table_properties(
+                self._our_properties(), commit_properties=self._commit_properties()
+            )
+        have = {f.name for f in table.schema().fields}
+        added = [f for f in df.schema if f.name not in have]
+        if added:
+            table.alter.add_columns(
+                [Field(f.name, f.dataType.simpleString()) for f in added],
+                commit_properties=self._commit_properties(),
+            )
+            log.info("cdc_delta_columns_added", stream=self.name, columns=[f.name for f in added])
+        self._created = True
+
+    def _create_spark_table(self, spark: Any, df: Any) -> None:
+        """:meth:`_create_table` of a local ``variant = true`` table, by Spark:
+        an empty write (version 0), then the ``eventplane.*`` properties
+        (Delta takes them from ALTER TABLE only) and the missing columns."""
         path = str(self.path)
         if not table_exists(self.files):
             writer = spark.createDataFrame([], df.schema).write.format("delta").mode("append")
@@ -694,55 +768,11 @@ class DeltaSink(CdcSink):
             )
         return theirs
 
-    def _create_remote_table(self, df: Any) -> None:
-        """:meth:`_create_table` for a table on S3, by delta-rs (Spark would
-        need hadoop-aws): version 0 with the batch's schema, Delta's and the
-        daemon's properties; an existing table must name this stream."""
-        from deltalake import DeltaTable, Schema
-
-        if not table_exists(self.files):
-            DeltaTable.create(
-                self.files.uri,
-                Schema.from_json(df.schema.json()),
-                mode="ignore",
-                partition_by=list(self.stream.partition_by),
-                configuration={**DELTA_PROPERTIES, **self._our_properties()},
-                storage_options=self.files.storage_options,
-                raise_if_key_not_exists=False,
-                commit_properties=self._commit_properties(),
-            )
-        table = self._maintenance_table()
-        props = dict(table.metadata().configuration)
-        if not self._check_properties(props):
-            raise IdentityMismatchError(
-                f"stream {self.name!r}: the Delta table at {self.location} does not name "
-                f"an event plane (no eventplane.* properties): eventplane did not create it. "
-                f"Point [[cdc.streams]] path at a new prefix."
-            )
-        have = {f.name for f in table.schema().fields}
-        added = [f for f in df.schema if f.name not in have]
-        if added:
-            from deltalake import Field
-
-            table.alter.add_columns(
-                [Field(f.name, f.dataType.simpleString()) for f in added],
-                commit_properties=self._commit_properties(),
-            )
-            log.info("cdc_delta_columns_added", stream=self.name, columns=[f.name for f in added])
-        self._created = True
-
-    def _table_version(self, spark: Any) -> int:
-        """The table's version after this process's last commit (a compaction
-        may have committed since: the ledger's version is then later, never
-        earlier, than the batch's own commit)."""
-        if self.files.remote:
-            table = self._maintenance_table()
-            return int(table.version())
-        jvm = _py4j_jvm(spark)
-        delta_log = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(
-            spark._jsparkSession, str(self.path)
-        )
-        return int(delta_log.unsafeVolatileSnapshot().version())
+    def _table_version(self) -> int:
+        """The table's version after this process's last commit, read by
+        delta-rs (a compaction may have committed since: the ledger's version
+        is then later, never earlier, than the batch's own commit)."""
+        return int(self._maintenance_table().version())
 
     # -- maintenance ---------------------------------------------------------
 
@@ -937,7 +967,7 @@ class DeltaSink(CdcSink):
                 "stream": self.name,
                 "lsns": lsns,
                 "replay_id": replay_id,
-                "after_version": self._table_version(spark),
+                "after_version": self._table_version(),
             },
         )
         crash_point("cdc.replay_after_intent")
@@ -945,8 +975,10 @@ class DeltaSink(CdcSink):
         meta = {"replay_id": replay_id, "batch_id": bid, "lsns": lsns}
         if self.files.remote:
             self._append_staged(df, bid, meta)
-        else:
+        elif self.stream.variant:
             self._append(df, meta, {})
+        else:
+            self._append_local(df, bid, meta)
         crash_point("cdc.replay_after_publish")
         # Step 4. Out of the quarantine; the intent goes last.
         quarantine.drop(self.meta, lsns)

@@ -5,7 +5,7 @@ driver JVM; this module commits them to the stream's Delta table with delta-rs
 (the ``deltalake`` package): one commit with an ``add`` action per file, the
 stream's ``txn`` (app id, batch id) and ``userMetadata``. A Spark append
 commits the same actions, after a Spark job and a log replay that cost about
-a second per batch (docs/cdc.md, "Table formats: Parquet or Delta Lake").
+a second per batch (docs/cdc.md, "Table formats: Delta Lake or Parquet").
 
 Each ``add`` carries the file's statistics, read from its Parquet footer:
 ``numRecords``, and ``nullCount``/``minValues``/``maxValues`` of the columns

@@ -115,6 +115,7 @@ log_level = "ERROR"
         text += f"\n[health]\nstall_after_s = {stall_after_s}\n"
     for name, path in streams.items():
         text += f'\n[[cdc.streams]]\nname = "{name}"\ncollections = "*"\npath = "{path}"\n'
+        text += 'format = "parquet"\n'
     return write_config(tmp_path, cores=2, interval_ms=200, extra=text + extra)
 
 

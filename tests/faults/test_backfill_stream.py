@@ -78,6 +78,7 @@ def test_new_stream_backfills_from_earliest_across_sigkill_exactly_once_while_a_
         # Step 2. b added, start = "earliest"; retention on again.
         second = first.replace("interval_ms = 200\n", "interval_ms = 200\nmax_rows = 500\n", 1)
         second += f'\n[[cdc.streams]]\nname = "b"\ncollections = "*"\npath = "{b}"\n'
+        second += 'format = "parquet"\n'
         second += 'start = "earliest"\n'
         config.write_text(second)
         daemon = DaemonProcess.production(config)

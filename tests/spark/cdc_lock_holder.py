@@ -19,7 +19,7 @@ from daemon.table.parquet import CdcSink
 if __name__ == "__main__":
     # stdout carries "ready"; log lines go to stderr.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    stream = CdcStream("all", ("*",), Path(sys.argv[1]))
+    stream = CdcStream("all", ("*",), Path(sys.argv[1]), format="parquet")
     sink = CdcSink(stream, wal_id="wal-a", cores=2, data_dir=Path(sys.argv[2]))
     sink.open()
     print("ready", flush=True)

@@ -131,7 +131,7 @@ def make_config(
                     root / "cdc" / name,
                     partition_by=tuple(partition_by),
                     retention_s=retention_s,
-                    **(stream_options or {}),
+                    **{"format": "parquet", **(stream_options or {})},
                 )
                 for name, cols in streams
             ),

@@ -18,7 +18,7 @@ from tests.wal.helpers import ready_child
 
 
 def sink(path: Path, data_dir: str = "/srv/b", wal_id: str = "wal-b") -> CdcSink:
-    stream = CdcStream("all", ("*",), path)
+    stream = CdcStream("all", ("*",), path, format="parquet")
     return CdcSink(stream, wal_id=wal_id, cores=2, data_dir=Path(data_dir))
 
 

@@ -81,7 +81,9 @@ async def committed(
 
 
 def retention_stream(table: Path) -> CdcStream:
-    return CdcStream("all", ("*",), table, partition_by=DATE, retention_s=TWO_DAYS)
+    return CdcStream(
+        "all", ("*",), table, partition_by=DATE, retention_s=TWO_DAYS, format="parquet"
+    )
 
 
 async def wait_request(ex: SparkExecutor, rid: int) -> dict[str, Any]:
@@ -315,7 +317,9 @@ async def test_recovery_refuses_an_intent_that_names_no_leaf_partition(
     for bad in ("collection=orders", "collection=orders/../../x", "/etc"):
         atomic_write_json(intent, {"partition": bad, "outputs": ["part-c1"]})
         sink = CdcSink(
-            CdcStream("all", ("*",), table, partition_by=DATE), wal_id="wal-1", cores=CORES
+            CdcStream("all", ("*",), table, partition_by=DATE, format="parquet"),
+            wal_id="wal-1",
+            cores=CORES,
         )
         with pytest.raises(CdcRecoveryError, match="not a leaf"):
             sink.open()

@@ -282,7 +282,7 @@ async def test_cdc_show_reads_the_bucket_and_cdc_lease_names_or_breaks_the_holde
     for b in batches:
         assert not await ex.execute(b)
     (stream,) = ex.cfg.cdc.streams
-    rows = cdc.latest_rows_s3(stream, 5)
+    rows = cdc.latest_rows_delta(stream, 5)
     assert [r["lsn"] for r in rows] == batch_lsns(batches)[::-1][:5]
     assert rows[0]["new"].startswith("{") and rows[0]["ingest_ts"].endswith("Z")
 

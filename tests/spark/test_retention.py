@@ -72,7 +72,12 @@ async def committed_table(executor_factory: Any, tmp_path: Path, **kw: Any) -> S
 
 def stream_of(tmp_path: Path, retention_s: int | None = TWO_DAYS) -> CdcStream:
     return CdcStream(
-        "all", ("*",), tmp_path / "cdc" / "all", partition_by=DATE, retention_s=retention_s
+        "all",
+        ("*",),
+        tmp_path / "cdc" / "all",
+        partition_by=DATE,
+        retention_s=retention_s,
+        format="parquet",
     )
 
 
@@ -155,15 +160,17 @@ async def test_changing_partition_by_of_a_written_stream_is_refused(
     ex = await committed_table(executor_factory, tmp_path)
     await ex.stop()
     table = tmp_path / "cdc" / "all"
-    sink = CdcSink(CdcStream("all", ("*",), table), wal_id="wal-1", cores=4)
+    sink = CdcSink(CdcStream("all", ("*",), table, format="parquet"), wal_id="wal-1", cores=4)
     with pytest.raises(CdcLayoutError, match=r"partition_by = \['collection'\] but .* written"):
         sink.open()
     # An empty stream takes the new layout.
     fresh = tmp_path / "cdc" / "fresh"
-    sink = CdcSink(CdcStream("fresh", ("*",), fresh), wal_id="w", cores=4)
+    sink = CdcSink(CdcStream("fresh", ("*",), fresh, format="parquet"), wal_id="w", cores=4)
     sink.open()
     sink.close()
-    sink = CdcSink(CdcStream("fresh", ("*",), fresh, partition_by=DATE), wal_id="w", cores=4)
+    sink = CdcSink(
+        CdcStream("fresh", ("*",), fresh, partition_by=DATE, format="parquet"), wal_id="w", cores=4
+    )
     sink.open()
     sink.close()
     ledger = read_ledger(fresh)
@@ -284,7 +291,8 @@ def run_retention_child(stream: CdcStream, crash_at: str) -> subprocess.Complete
         "from daemon.config import CdcStream\n"
         "from daemon.table import retention\n"
         f"s = CdcStream('all', ('*',), Path({str(stream.path)!r}), "
-        f"partition_by={stream.partition_by!r}, retention_s={stream.retention_s!r})\n"
+        f"partition_by={stream.partition_by!r}, retention_s={stream.retention_s!r}, "
+        "format='parquet')\n"
         f"retention.apply(s, {NOW!r})\n"
         "print('done', flush=True)\n"
     )
