@@ -275,11 +275,10 @@ def test_runnable_sample(sample: Sample, tmp_path: Path) -> None:
         cli.parent.mkdir(parents=True)
         cli.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m daemon.cli.main "$@"\n')
         cli.chmod(0o755)
-        # Bare `eventplane` is the CLI only on PATH (an activated venv, or an
-        # install): README.md's first samples still call it so.
-        script = f'eventplane() {{ "{cli}" "$@"; }}\nset -e\n'
+        # Bare `eventplane` is not defined: it is the CLI only on PATH (an
+        # activated venv, or an install), which a reader of a checkout lacks.
         done = subprocess.run(
-            ["bash", "-c", script + sample.code],
+            ["bash", "-c", "set -e\n" + sample.code],
             cwd=tmp_path,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             capture_output=True,
