@@ -308,6 +308,26 @@ class Metrics:
             ["stage"],
             registry=r,
         )
+        self.stage_slow = Gauge(
+            p + "stage_slow",
+            "1 while the stage's attempt at a batch has run longer than "
+            "health.attempt_slow_s; the other stages go on without it.",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_attempt_seconds = Gauge(
+            p + "stage_attempt_seconds",
+            "How long the stage's running attempt at a batch has taken so far (0: none runs).",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_stopped = Gauge(
+            p + "stage_stopped",
+            "1 while the stage is stopped by an error retrying cannot cure; "
+            "eventplane resume retries it after the fix.",
+            ["stage"],
+            registry=r,
+        )
         self.stage_lag_events = Gauge(
             p + "stage_lag_events",
             "Events from the first event of the oldest batch the stage has not committed "
