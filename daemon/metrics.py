@@ -310,14 +310,14 @@ class Metrics:
         )
         self.stage_slow = Gauge(
             p + "stage_slow",
-            "1 while the stage's attempt at a batch has run longer than "
+            "1 while the stage has not committed the batch it is on within "
             "health.attempt_slow_s; the other stages go on without it.",
             ["stage"],
             registry=r,
         )
         self.stage_attempt_seconds = Gauge(
             p + "stage_attempt_seconds",
-            "How long the stage's running attempt at a batch has taken so far (0: none runs).",
+            "How long the stage has been trying the batch it is on (0: none to do).",
             ["stage"],
             registry=r,
         )

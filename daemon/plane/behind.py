@@ -11,8 +11,9 @@ on. This mixin of :class:`~daemon.plane.planner.Planner` brings it back:
 3. ``_advance`` moves the watermarks over every batch that all stages have
    committed, and publishes the stages' progress.
 
-At least one behind batch runs per call when one is due, so a recovered stage
-catches up under steady load. The executor does not wait for a behind
+Up to ``CATCHUP_PER_LIVE`` behind batches run per stage and call when due,
+so a recovered stage catches up under steady load, and a stage further
+behind does not keep another one behind from trying. The executor does not wait for a behind
 stage's stream commit (``wait_s = 0``): it goes on in the stream's own
 thread (``InFlight``) and lands later (``_landed``), so a stage behind whose
 store hangs never holds back the live batches.
@@ -47,6 +48,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("daemon.plane.planner")
 
+# Behind batches each stage may run between two live batches once one is
+# due: two, so a stage whose commits take as long as a live batch's still
+# gains one batch per live batch (with one it would never level).
+CATCHUP_PER_LIVE = 2
+
 
 class CatchUp(Backfills):
     """Stages behind the live batches (a mixin of ``Planner``, which owns the state)."""
@@ -65,23 +71,27 @@ class CatchUp(Backfills):
         """Stages behind the live batches re-run the plans they missed, oldest
         first, while their backoff allows and no live batch is due.
 
-        At least one behind batch runs per call when one is due, so a stage
-        that recovered catches up even under steady load: the live batches it
-        waits for grow meanwhile (their deadline is per row, not per batch),
-        so there are fewer of them to catch up with.
+        Once a live batch is due, each stage may still run up to
+        ``CATCHUP_PER_LIVE`` behind batches in this call, so a stage that
+        recovered catches up even under steady load, and every stage behind
+        gets its turn (not only the furthest behind).
         """
-        ran = False
+        ran: dict[str, int] = {}
         while not self._stopping and self.executor.ready():
-            if ran and (live_waiting or self._due_by_size() or self._deadline_passed()):
+            live_due = live_waiting or self._due_by_size() or self._deadline_passed()
+            done = {n for n, k in ran.items() if k >= CATCHUP_PER_LIVE} if live_due else set()
+            todo = self.stages.due(self._live_id, skip=done)
+            if todo is None and live_due and ran:
                 return
-            todo = self.stages.due(self._live_id)
             if todo is None:
                 filling = self.stages.backfill_due()
                 if filling is None:
                     return
                 await self._backfill(filling)
                 self._advance()
-                ran = True
+                ran[filling] = ran.get(filling, 0) + CATCHUP_PER_LIVE
+                if live_due:
+                    return
                 continue
             bid, names = todo
             ranges = self._logged.get(bid)
@@ -102,7 +112,8 @@ class CatchUp(Backfills):
             self._advance()
             self._reaper.give(batch)
             del batch
-            ran = True
+            for n in names:
+                ran[n] = ran.get(n, 0) + 1
 
     async def _call(
         self, batch: MicroBatch, names: Sequence[str], behind: bool = False

@@ -390,6 +390,9 @@ class Planner(CatchUp, ClosingPolicy):
                 await self._run_behind()
                 if not (self._due_by_size() or self._deadline_passed()):
                     continue
+                if self._nobody_takes_it():
+                    await self._wait_for_a_stage()
+                    continue
                 closed = await self._close_and_plan()
                 if closed is None:
                     continue
@@ -401,6 +404,29 @@ class Planner(CatchUp, ClosingPolicy):
             self._reaper.give(batch)
             del batch
         # A batch closed ahead stays planned: a restart re-runs it from the plan log.
+
+    def _nobody_takes_it(self) -> bool:
+        """No stage would run the next live batch, but one will come back: every
+        stage is behind (catching up, or backing off after failures) or has an
+        attempt in flight. Closing batches then would only make many small
+        plans that each stage re-runs one by one; the rows wait instead
+        (pending slices are bounded by ``pending_max_bytes``, the rest stays in
+        the WAL) and go out in one batch once a stage is level again."""
+        if not self._named_stages:
+            return False
+        st = self.stages
+        self._sync_stages(self._next_id)
+        if st.participants(self._next_id):
+            return False
+        return bool(st.behind(self._live_id)) or st.any_in_flight()
+
+    async def _wait_for_a_stage(self) -> None:
+        """Until a stage behind is due, an attempt lands, or an interval passes."""
+        due = self.stages.next_due(self._live_id)
+        limit = self.cfg.interval_ms / 1000
+        wait = limit if due is None else min(max(due - self._clock(), 0.0), limit)
+        self._wake.clear()
+        await wait_event(self._wake, wait)
 
     def _sync_stages(self, batch_id: int) -> tuple[str, ...]:
         return self.stages.sync(stage_names(self.executor), batch_id)

@@ -51,7 +51,7 @@ blocks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -336,10 +336,13 @@ class StageTracker:
         self._reset(name)
         st.last_commit_wall = self._wall()
 
-    def due(self, live_id: int) -> tuple[int, list[str]] | None:
-        """The oldest batch that behind stages due now need, and those stages."""
+    def due(self, live_id: int, skip: Collection[str] = ()) -> tuple[int, list[str]] | None:
+        """The oldest batch that behind stages due now (not in ``skip``) need,
+        and those stages."""
         now = self._clock()
-        ready = [n for n in self.behind(live_id) if self._states[n].next_due <= now]
+        ready = [
+            n for n in self.behind(live_id) if self._states[n].next_due <= now and n not in skip
+        ]
         if not ready:
             return None
         oldest = min(self.progress(n) for n in ready)
@@ -470,6 +473,9 @@ class StageTracker:
             wait = max(st.next_due - self._clock(), 0.0)
             return f"its attempt {st.attempts + 1} in {wait:.1f} s, after {st.error}"
         return None
+
+    def any_in_flight(self) -> bool:
+        return any(self._states[n].in_flight for n in self._names if n in self._states)
 
     def failing(self, name: str) -> bool:
         st = self._states.get(name)
