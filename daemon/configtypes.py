@@ -331,7 +331,7 @@ class HealthConfig:
     # A stage that has not committed the batch it is on this long (an attempt
     # still running, or failed ones) is slow: health says so at once (503
     # naming the stage and what it waits for); the batches stop waiting for
-    # an attempt that runs this long. 5 s: five default batch
+    # an attempt that runs half this long. 5 s: five default batch
     # intervals, several times a healthy commit to S3, a sixth of
     # s3.request_timeout_s, so a hung request shows long before it times out.
     attempt_slow_s: float = 5.0

@@ -55,8 +55,8 @@ class Executor(Protocol):
     see ``daemon.plane.stages``); one that does not is a single stage.
 
     A stage whose attempt has not finished when the executor stops waiting
-    for it (``health.attempt_slow_s`` on the live path, at once for a stage
-    behind) is returned as :class:`InFlight`: it is neither done nor failed,
+    for it (half of ``health.attempt_slow_s``, at once for a failing stage)
+    is returned as :class:`InFlight`: it is neither done nor failed,
     and its outcome comes later on ``InFlight.done`` (invariant 6: the
     other stages do not wait for it).
     """

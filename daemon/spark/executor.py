@@ -16,7 +16,7 @@ builds the SparkSession in the background (:mod:`daemon.spark.lifecycle`).
 Steps 3-5 are stages (``stage_names()``); a failed stage does not stop the
 others (invariant 6), a failure of steps 1-2 fails the batch. Each stream's
 commit runs in the stream's own thread (``_Lane``), and the batch waits for
-it at most ``health.attempt_slow_s`` (a stage behind: not at all); a commit
+it at most half of ``health.attempt_slow_s`` (a failing stage: not at all); a commit
 still running then is handed back as ``InFlight`` and lands later, so a
 stream hung on its store holds back only itself. A lost session
 is rebuilt (:mod:`daemon.spark.lifecycle`); retention and quarantine actions
@@ -342,7 +342,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
     ) -> dict[str, BaseException]:
         """Run ``batch`` for ``stages`` (all when None); the stages that failed,
         and as ``InFlight`` the streams whose commit outlived ``wait_s``
-        (default ``health.attempt_slow_s``) and goes on in its own thread."""
+        (default half of ``health.attempt_slow_s``) and goes on in its own thread."""
         if self._status.state in (State.STOPPING, State.STOPPED):
             raise ExecutorError(f"batch {batch.batch_id}: the Spark executor is stopped")
         # Free check first: a JVM that died while no batch ran fails this one at
@@ -357,7 +357,9 @@ class SparkExecutor(SessionLife, StreamMaintenance):
             raise exc
         await self.wait_ready()  # consumers hold their batches until Spark is up
         wanted = set(self.stage_names() if stages is None else stages)
-        wait = self.cfg.health.attempt_slow_s if wait_s is None else max(wait_s, 0.0)
+        # Half of attempt_slow_s: the stages done meanwhile hear of it (the
+        # planner records them when this returns) before they could look slow.
+        wait = self.cfg.health.attempt_slow_s / 2 if wait_s is None else max(wait_s, 0.0)
         async with self._lock:
             return await self._execute_locked(batch, wanted, wait)
 
