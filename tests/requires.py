@@ -15,6 +15,7 @@ def missing(what: str, fix: str) -> NoReturn:
     """Skip the test (fail it under ``CI``): ``what`` is not on this machine."""
     if os.environ.get("CI"):
         pytest.fail(f"{what} is missing, and CI must run this test: {fix}", pytrace=False)
+    # Outside CI only: a developer's machine may lack a tool; CI never skips.
     pytest.skip(f"needs {what}: {fix}")
 
 

@@ -199,6 +199,9 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         # How the CDC tables are written, decided with _inbox_kind: "direct"
         # (no Spark job, docs/cdc.md) or "spark job (why not direct)".
         self._cdc_write: str | None = None
+        # What this process started without (start(): a part added later counts
+        # only after a restart, so status reports the start's view, not the disk's).
+        self._missing_parts: list[dict[str, str]] = []
         self._direct = False  # _cdc_write == "direct"
         # Streams that need Delta's jars, missing here: their error (start()).
         self._no_delta: dict[str, str] = {}
@@ -271,7 +274,8 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         """Check configuration now (raises ConfigError); build Spark in the background."""
         self._handlers = self._load_handlers()
         self._check_stream_paths()
-        for part in missing_parts(self.cfg):
+        self._missing_parts = missing_parts(self.cfg)
+        for part in self._missing_parts:
             log.warning(
                 "optional_part_missing",
                 message=f"{part['part']} {part['path']} is missing: {part['without']}; "
@@ -457,7 +461,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
             "spark": {"remote": spark.remote} if spark.remote else {"master": spark.master},
             "inbox": self._inbox_kind,
             "cdc_write": self._cdc_write,
-            "missing_parts": missing_parts(self.cfg),
+            "missing_parts": self._missing_parts,
             "session_error": st.session_error,
             "session_attempts": st.session_attempts,
             "session_failures": st.session_failures,
