@@ -7,6 +7,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= config.toml
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test` (files whole, the long ones first: tests/conftest.py).
+TEST_WORKERS ?= 3
 
 .PHONY: run test lock lock-upgrade lint typecheck unit bench soak java jar delta-jars config-delta-jars clean
 # Optional: the Hadoop file system class of the CDC staging writes (jvm/src;
@@ -73,7 +75,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) java jar delta-jars lint typecheck
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP) java jar delta-jars
 	$(BIN)/python -m bench

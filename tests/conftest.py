@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true", help="run long soak and crash loops")
 
 
+# The files that run long, in the order they start under pytest-xdist: whole
+# daemons, injected faults, then the other crash tests and the benchmarks'
+# smoke runs (each boots daemons and JVMs for tens of seconds), so the quick
+# files fill the gaps at the end instead of a long file starting last.
+def _start_rank(item: pytest.Item) -> int:
+    path = item.path.as_posix()
+    if "/tests/integration/" in path:
+        return 0
+    if "/tests/faults/" in path:
+        return 1
+    if "crash" in item.keywords or path.endswith("_smoke.py"):
+        return 2
+    return 3
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if getattr(config.option, "numprocesses", None):
+        # pytest-xdist (`make test` runs `-n 3 --dist loadfile`) hands out whole
+        # files in collection order: the files that run long go first. A stable
+        # sort, so each file keeps its own order; every worker sorts alike.
+        rank: dict[Path, int] = {}
+        for item in items:
+            rank[item.path] = min(rank.get(item.path, 3), _start_rank(item))
+        items.sort(key=lambda item: rank[item.path])
     if config.getoption("--soak"):
         return
     skip = pytest.mark.skip(reason="soak test: run with --soak (make soak)")
