@@ -573,10 +573,10 @@ class WalArchive:
             try:
                 await asyncio.to_thread(lease.renew)
             except LeaseError as exc:
-                self._fence_off(
-                    f"fenced: the archive's manifest was taken over ({exc}); this daemon's "
-                    f"epoch {self.epoch} acknowledges nothing more; stop it"
-                )
+                # Taken over: the new holder's fences stop this daemon at its
+                # next upload (what fences is the objects, not the lease).
+                self.lease_error = f"the archive's manifest was taken over: {exc}"
+                log.error("archive.lease_lost", error=str(exc), epoch=self.epoch)
                 return
             except Exception as exc:
                 if self.lease_error is None:
@@ -653,6 +653,8 @@ class WalArchive:
         """What health reports about the archive (None: it keeps up)."""
         if self.fenced is not None:
             return self.fenced
+        if self.lease is not None and not self.lease.holding:
+            return self.lease_error or "the archive's manifest is not this daemon's"
         age = self.unarchived_age_s()
         if age > stall_after_s:
             why = self.outage or self.lease_error or "uploads are slow"
