@@ -299,3 +299,58 @@ async def _take_over(server: S3Server, data_dir: Path) -> dict[str, int]:
         return out
     finally:
         wal.close()
+
+
+def test_local_mode_acks_through_an_outage_until_max_unarchived_bytes(tmp_path: Path) -> None:
+    """``ack = "local"``: the store goes away, acks go on (``"ack": "local"``)
+    and stages keep committing, until ``max_unarchived_bytes``: then 503 +
+    Retry-After; when the store returns everything acknowledged is archived
+    (nothing was dropped) and ingest takes events again."""
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    daemon = _daemon(tmp_path, weed, "local", ack="local")
+    text = daemon.config.read_text().replace(
+        "flush_ms = 50\n", "flush_ms = 50\nmax_unarchived_bytes = 1048576\n"
+    )
+    daemon.config.write_text(text)
+    acked: set[int] = set()
+    try:
+        daemon.start(timeout_s=60)
+        weed.stop()
+        refused = None
+        for i in range(200):
+            status, body, headers = _post(daemon.ingest_url, n=500, start=i * 500)
+            if status != 200:
+                refused = (status, body, headers)
+                break
+            assert body["ack"] == "local", body
+            acked |= set(range(body["first_lsn"], body["last_lsn"] + 1))
+        assert refused is not None, "never refused"
+        status, body, headers = refused
+        assert status == 503 and body["error"] == "archive_unavailable", body
+        assert "max_unarchived_bytes" in body["message"] and headers.get("Retry-After") == "1"
+        st = daemon.status()
+        assert st["wal"]["archive"]["unarchived_bytes"] > 1 << 20
+        # Stages do not wait for the archive in this mode.
+        wait_for(
+            "stages commit unarchived events",
+            lambda: (
+                min(c["watermark"] for c in daemon.status()["cores"])
+                > daemon.status()["wal"]["archive"]["archived_lsn"]
+            ),
+            30,
+            daemon,
+        )
+        weed.start()
+        wait_for(
+            "everything archived",
+            lambda: daemon.status()["wal"]["archive"]["archived_lsn"] >= max(acked),
+            30,
+            daemon,
+        )
+        assert _post(daemon.ingest_url)[0] == 200
+        assert daemon.stop() == 0
+        assert _covered(_archive_contents(weed.server, "local")) >= max(acked)
+    finally:
+        daemon.stop()
+        weed.stop()
