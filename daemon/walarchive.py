@@ -158,6 +158,8 @@ class WalArchive:
         self._cut_lsn = 0  # every LSN up to here is in an object made (uploading or stored)
         self._next = 0  # the next object's number
         self._open: deque[_Object] = deque()  # made, in number order, not all stored
+        # (number, last LSN) of this process's stored data objects, for :meth:`prune`.
+        self._stored: deque[tuple[int, int]] = deque()
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         # (last LSN, monotonic time, bytes) of each durable group not yet archived.
         self._groups: deque[tuple[int, float, int]] = deque()
@@ -518,6 +520,7 @@ class WalArchive:
         while self._open and self._open[0].done:
             obj = self._open.popleft()
             self.archived_lsn = obj.last
+            self._stored.append((obj.number, obj.last))
             self._slots.release()
             moved = True
         if not moved:
@@ -586,6 +589,26 @@ class WalArchive:
             if self.lease_error is not None:
                 log.info("archive.lease_renewed_again")
             self.lease_error = None
+
+    def prune(self, below_lsn: int) -> int:
+        """Remove this epoch's data objects whose every LSN is below ``below_lsn``
+        (every stage is done with them: the WAL's own retention rule), keeping
+        the newest one; fences stay, they mask a paused writer's objects. Any
+        thread; a failed DELETE is tried again at the next retention pass."""
+        stored = self._stored
+        removed = 0
+        while len(stored) > 1 and stored[0][1] < below_lsn:
+            number = stored[0][0]
+            try:
+                self._s3.delete_object(Bucket=self.where.bucket, Key=self._object_key(number))
+            except Exception as exc:
+                log.warning("archive.prune_failed", object=object_name(number), error=str(exc))
+                break
+            stored.popleft()
+            removed += 1
+        if removed:
+            log.info("archive.objects_removed", count=removed, below_lsn=below_lsn)
+        return removed
 
     # ------------------------------------------------------------------ ingest
 
@@ -716,5 +739,9 @@ class ArchivedWal:
         return self._wal.retained_floor()
 
     def truncate_below(self, lsn: int) -> int:
-        """Only archived segments go (and, as ever, only below every reader)."""
-        return self._wal.truncate_below(min(lsn, self._archive.archived_lsn + 1))
+        """Only archived segments go (and, as ever, only below every reader);
+        the archive's objects below every reader go too."""
+        below = min(lsn, self._archive.archived_lsn + 1)
+        removed = self._wal.truncate_below(below)
+        self._archive.prune(below)
+        return removed

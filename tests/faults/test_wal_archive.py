@@ -65,7 +65,9 @@ flush_ms = 50
 [health]
 stall_after_s = 2
 """
-    config = write_config(tmp_path, extra, ingest="retry_after_s = 1")
+    # retention = "keep": the archive keeps every object too, so its content from LSN 1
+    # can be compared with the WAL's (test_wal_archive.py in tests/s3 covers retention).
+    config = write_config(tmp_path, extra, ingest="retry_after_s = 1", wal='retention = "keep"')
     return DaemonProcess.production(config)
 
 

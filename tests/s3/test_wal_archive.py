@@ -80,21 +80,26 @@ def test_the_archive_holds_exactly_the_wals_frames_and_gates_retention(
         # The stages' view: every event, and only once archived.
         assert view.head_lsn() == head
         assert sum(len(b.lsns) for batches in got for b in batches) == head
-        # Retention: segments go only below the archived LSN.
-        archived = archive.archived_lsn
-        assert view.truncate_below(head + 1) >= 1
-        assert wal.retained_floor() <= archived + 1
-        await archive.stop(5)
-        wal.close()
         # Content: the objects' frames, fences aside, are the WAL's frames from LSN 1.
         objects = _objects(s3_server, prefix)
         data = [f for head_, frames in objects if not head_.fence for f in frames]
         assert objects[0][0].fence and objects[0][0].epoch == 1
+        local = {f[0]: f[2] for f in wal.read_frames(1)}
         lsn = 1
-        for first, events, _ in data:
-            assert first == lsn
+        for first, events, raw in data:
+            assert first == lsn and local[first] == raw
             lsn += events
         assert lsn == head + 1
+        # Retention: segments go only below the archived LSN, and so do the
+        # archive's data objects (the newest stays, and every fence).
+        archived = archive.archived_lsn
+        assert view.truncate_below(head + 1) >= 1
+        assert wal.retained_floor() <= archived + 1
+        left = _objects(s3_server, prefix)
+        assert [h.last_lsn for h, _ in left if not h.fence] == [head]
+        assert sum(h.fence for h, _ in left) == sum(h.fence for h, _ in objects)
+        await archive.stop(5)
+        wal.close()
         # A restart of the same data_dir continues: epoch 2, nothing to upload.
         wal = Wal.open(tmp_path / "wal", segment_bytes=8192)
         again = _archive(s3_server, wal, uri, tmp_path)
