@@ -38,14 +38,16 @@ archive stops for good, ingest answers 503 and health says why.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import heapq
 import itertools
 import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import structlog
 
@@ -81,6 +83,7 @@ MAX_OBJECT_BYTES: Final = 16 * 1024 * 1024  # frames per object, about (one fram
 LOOK_BACK: Final = 2 * MAX_IN_FLIGHT  # objects whose headers a new holder reads
 RETRY_MAX_S: Final = 5.0
 MANIFEST: Final = "manifest.json"
+_T = TypeVar("_T")
 
 
 class ArchiveLease(Lease):
@@ -178,15 +181,25 @@ class WalArchive:
         self.forward: Callable[[Sequence[RecordBatch]], None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._key = self.where.key
+        # Uploads, the renewal and the WAL reads of uploads: their own threads.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            MAX_IN_FLIGHT + 2, thread_name_prefix="wal-archive"
+        )
 
     # ------------------------------------------------------------------ start
+
+    async def _io(self, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
+        """``fn`` in the archive's own threads: S3 calls that wait on a store that
+        is down never hold up the loop's default executor (WAL close, watermarks)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
 
     def _object_key(self, number: int) -> str:
         return self._key(f"wal/{object_name(number)}")
 
     async def open(self) -> None:
         """Steps 1-5 of the module doc; raises :class:`ArchiveRefusedError`."""
-        await asyncio.to_thread(self._open_sync)
+        await self._io(self._open_sync)
         m = self.metrics
         m.archive_lsn.set(self.archived_lsn)
         m.archive_epoch.set(self.epoch)
@@ -413,7 +426,7 @@ class WalArchive:
                 self._slots.release()
                 return
             try:
-                frames = await asyncio.to_thread(
+                frames = await self._io(
                     self.wal.read_frames, self._cut_lsn + 1, max_bytes=MAX_OBJECT_BYTES
                 )
             except Exception as exc:
@@ -451,7 +464,7 @@ class WalArchive:
                 return
             started = time.perf_counter()
             try:
-                await asyncio.to_thread(store.put, key, body, if_none_match=True)
+                await self._io(store.put, key, body, if_none_match=True)
             except PreconditionFailed:
                 if not await self._ours(key, body):
                     m.archive_puts.labels(result="fenced").inc()
@@ -477,7 +490,7 @@ class WalArchive:
         store = self.store
         assert store is not None
         try:
-            got = await asyncio.to_thread(store.get, key)
+            got = await self._io(store.get, key)
         except Exception:
             return False
         return got is not None and got[0] == body
@@ -486,7 +499,7 @@ class WalArchive:
         holder = "another daemon"
         try:
             assert self.store is not None
-            got = await asyncio.to_thread(self.store.get, self._key(MANIFEST))
+            got = await self._io(self.store.get, self._key(MANIFEST))
             if got is not None:
                 raw = json.loads(got[0])
                 h = raw.get("holder", {})
@@ -574,7 +587,7 @@ class WalArchive:
             if self.fenced is not None:
                 return
             try:
-                await asyncio.to_thread(lease.renew)
+                await self._io(lease.renew)
             except LeaseError as exc:
                 # Taken over: the new holder's fences stop this daemon at its
                 # next upload (what fences is the objects, not the lease).
@@ -698,9 +711,10 @@ class WalArchive:
         self._fail_waiters(ArchiveUnavailable("the daemon is stopping"))
         if self.lease is not None and self.fenced is None:
             try:
-                await asyncio.to_thread(self.lease.release)
+                await self._io(self.lease.release)
             except Exception as exc:
                 log.warning("archive.lease_not_released", error=str(exc))
+        self._pool.shutdown(wait=False)
 
 
 class ArchivedWal:

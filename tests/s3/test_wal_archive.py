@@ -182,3 +182,21 @@ def test_a_new_holders_fence_fails_the_old_holders_next_upload(
 
 def _no_lock(_dir: str, names: list[str]) -> list[str]:
     return [n for n in names if n == "LOCK"]
+
+
+def test_check_config_reaches_the_archives_bucket(s3_server: S3Server) -> None:
+    import dataclasses
+    import io
+
+    from daemon import config
+    from daemon.cli import checkconfig
+
+    def check(uri: str) -> tuple[int, str]:
+        parsed = config.parse({"wal": {"archive": {"uri": uri}}})
+        parsed = dataclasses.replace(parsed, s3=s3_server.config())
+        err = io.StringIO()
+        return checkconfig.main(parsed, spark=False, out=io.StringIO(), err=err), err.getvalue()
+
+    assert check(f"s3://{s3_server.bucket}/archive")[0] == 0
+    code, err = check("s3://no-such-bucket/archive")
+    assert code == 2 and "wal.archive.uri" in err and "does not exist" in err, err
