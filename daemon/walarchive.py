@@ -646,6 +646,8 @@ class WalArchive:
             return
         if self.fenced is not None:
             raise ArchiveUnavailable(self.fenced, fenced=True)
+        if self.outage is not None:
+            raise ArchiveUnavailable(f"the archive is unreachable: {self.outage}")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (lsn, next(self._seq), fut))
         await fut

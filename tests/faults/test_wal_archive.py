@@ -175,8 +175,9 @@ def test_an_outage_in_archived_mode_acks_nothing_unarchived_and_resumes(tmp_path
         loader.url = daemon.ingest_url
         loader.start()
         wait_for("acks flow", lambda: len(loader.acked) > 20, 30, daemon)
-        weed.stop()
         down = time.monotonic()
+        weed.stop()
+        timeline.append(("store stopped", time.monotonic() - down))
         answer = wait_for(
             "503 + Retry-After",
             lambda: (lambda r: r if r[0] == 503 else None)(_post(daemon.ingest_url)),
