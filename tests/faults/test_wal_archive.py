@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shutil
 import signal
 import time
@@ -354,6 +355,32 @@ def test_local_mode_acks_through_an_outage_until_max_unarchived_bytes(tmp_path: 
         assert _post(daemon.ingest_url)[0] == 200
         assert daemon.stop() == 0
         assert _covered(_archive_contents(weed.server, "local")) >= max(acked)
+    finally:
+        daemon.stop()
+        weed.stop()
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+def test_soak_sigkill_loop_in_archived_mode(tmp_path: Path) -> None:
+    """Twenty SIGKILLs at random moments of uploads, a restart after each:
+    every acknowledged event is in the archive each time (``--soak``)."""
+    rng = random.Random(41)
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    daemon = _daemon(tmp_path, weed, "soak")
+    acked: set[int] = set()
+    try:
+        for _round in range(20):
+            daemon.start(timeout_s=60)
+            loader = Loader(daemon.ingest_url, batch=50, producers=4)
+            loader.start()
+            time.sleep(rng.uniform(0.5, 3.0))
+            daemon.kill()
+            loader.stop()
+            acked |= loader.acked_lsns()
+            if acked:
+                assert max(acked) <= _covered(_archive_contents(weed.server, "soak"))
     finally:
         daemon.stop()
         weed.stop()
