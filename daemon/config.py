@@ -54,6 +54,7 @@ from daemon.configtypes import (
     SparkConfig,
     TlsConfig,
     TriggerSpec,
+    WalArchiveConfig,
     WalConfig,
 )
 from daemon.errors import ConfigError
@@ -96,6 +97,7 @@ __all__ = [
     "SparkConfig",
     "TlsConfig",
     "TriggerSpec",
+    "WalArchiveConfig",
     "WalConfig",
     "check_token_set",
     "credential_path",
@@ -434,7 +436,33 @@ _ADMIN: dict[str, Checker] = {
     "token_sha256": _sha256,
     "open_probes": _bool,
 }
+# [wal.archive] (docs/wal.md, "The archive").
+_WAL_ARCHIVE: dict[str, Checker] = {
+    "uri": lambda v, p, e: _archive_uri(v, p, e),
+    "ack": _choice("local", "archived"),
+    "flush_ms": _int(1, 60_000),
+    "max_unarchived_bytes": _int(1 * MiB, unit="bytes"),
+}
+
+
+def _archive_uri(value: Any, path: str, errors: list[str]) -> Any:
+    uri = value if isinstance(value, str) else ""
+    if uri.startswith(("s3://", "s3a://")) and uri.split("://", 1)[1].split("/", 1)[0]:
+        return value
+    errors.append(f'{path}: expected "s3://bucket/prefix", got {_show(value)}')
+    return None
+
+
+def _wal_archive(value: Any, path: str, errors: list[str]) -> Any:
+    got = _section(value, path, _WAL_ARCHIVE, errors)
+    if isinstance(value, dict) and "uri" not in value:
+        errors.append(f"{path}.uri: required key is missing")
+        return None
+    return WalArchiveConfig(**got) if "uri" in got else None
+
+
 _WAL: dict[str, Checker] = {
+    "archive": _wal_archive,
     "segment_bytes": _int(1 * MiB, 1 * GiB, unit="bytes"),
     "fsync": _choice("always", "interval", "never"),
     "fsync_interval_ms": _int(1),

@@ -148,6 +148,18 @@ class AdminConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class WalArchiveConfig:
+    """``[wal.archive]``: the WAL's copy off this machine (docs/wal.md, "The
+    archive"); the store's endpoint and credentials are ``[s3]``'s."""
+
+    uri: str = ""  # "s3://bucket/prefix"
+    # "local": 2xx after the local fsync; "archived": after the archive holds the events too.
+    ack: Literal["local", "archived"] = "local"
+    flush_ms: int = 100  # the longest a group waits before its upload
+    max_unarchived_bytes: int = 1 * GiB  # past this, ingest answers 503 + Retry-After
+
+
+@dataclass(frozen=True, slots=True)
 class WalConfig:
     segment_bytes: int = 64 * MiB
     fsync: FsyncMode = "always"
@@ -155,6 +167,7 @@ class WalConfig:
     retention: RetentionMode = "watermarks"
     # Upper bound on one group commit; bigger groups wait for the next fsync.
     max_group_bytes: int = 8 * MiB
+    archive: WalArchiveConfig | None = None  # none: no archive, nothing changes
 
 
 @dataclass(frozen=True, slots=True)

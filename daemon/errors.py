@@ -65,3 +65,17 @@ def error_text(exc: BaseException | str, limit: int = ERROR_TEXT_CHARS) -> str:
         head = f"{head} (root cause: {causes[-1]})"
     text = f"{type(exc).__name__}: {head}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ArchiveUnavailable(DaemonError):
+    """The WAL archive cannot take events now (an outage, over its byte bound,
+    fenced by a new holder): nothing unarchived is acknowledged (docs/wal.md,
+    "The archive"). ``fenced``: for good in this process."""
+
+    def __init__(self, message: str, *, fenced: bool = False) -> None:
+        super().__init__(message)
+        self.fenced = fenced
+
+
+class ArchiveRefusedError(DaemonError):
+    """The archive cannot be used by this data_dir (another WAL's, a gap, held)."""

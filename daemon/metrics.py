@@ -143,6 +143,43 @@ class Metrics:
             registry=r,
         )
         self.wal_segments = Gauge(p + "wal_segments", "WAL segment files on disk.", registry=r)
+        # The WAL archive ([wal.archive], docs/wal.md, "The archive"); zero without one.
+        self.archive_lsn = Gauge(
+            p + "wal_archived_lsn",
+            "Last LSN the WAL archive holds (and every one below it).",
+            registry=r,
+        )
+        self.archive_unarchived_bytes = Gauge(
+            p + "wal_unarchived_bytes", "WAL bytes durable here but not yet archived.", registry=r
+        )
+        self.archive_unarchived_age = Gauge(
+            p + "wal_unarchived_age_seconds",
+            "Age of the oldest durable group not yet archived (0: all archived).",
+            registry=r,
+        )
+        self.archive_upload_latency = Histogram(
+            p + "wal_archive_upload_seconds",
+            "Duration of one archive object's successful PUT.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.archive_puts = Counter(
+            p + "wal_archive_puts_total",
+            "Archive PUTs by result: ok, error (retried), fenced, fence (a fence object written).",
+            ["result"],
+            registry=r,
+        )
+        self.archive_uploaded_bytes = Counter(
+            p + "wal_archive_uploaded_bytes_total", "Bytes of archive objects stored.", registry=r
+        )
+        self.archive_epoch = Gauge(
+            p + "wal_archive_epoch", "This daemon's epoch in the archive's manifest.", registry=r
+        )
+        self.archive_fenced = Gauge(
+            p + "wal_archive_fenced",
+            "1 once a newer holder fenced this daemon out of the archive (it acks nothing).",
+            registry=r,
+        )
         self.wal_head_lsn = Gauge(p + "wal_head_lsn", "Last durable LSN in the WAL.", registry=r)
         self.wal_floor_lsn = Gauge(
             p + "wal_retained_floor_lsn",

@@ -25,6 +25,8 @@ def accepted_keys() -> set[str]:
         for key in checks:
             if (section, key) == ("ingest", "tokens"):
                 keys |= {f"ingest.tokens[].{k}" for k in config._TOKEN}
+            elif (section, key) == ("wal", "archive"):
+                keys |= {f"wal.archive.{k}" for k in config._WAL_ARCHIVE}
             else:
                 keys.add(f"{section}.{key}")
     keys |= {f"cdc.streams[].{k}" for k in config._STREAM}

@@ -107,6 +107,12 @@ _payload_of = itemgetter(1)
 T = TypeVar("T")
 
 
+def _raw_frame(
+    buf: ReadBuf, frame: Any, core: int | None, lo: int, hi: int
+) -> tuple[tuple[int, int, bytes]]:
+    return ((frame.first_lsn, frame.events, bytes(buf[frame.offset : frame.offset + frame.size])),)
+
+
 class Wal:
     """Segmented, checksummed write-ahead log with group commit. See docs/wal.md.
 
@@ -736,6 +742,28 @@ class Wal:
         """
         start = self._check_floor(from_lsn)
         return ReadIterator.over(self._scan(start, core, to_lsn, frame_batches))
+
+    def read_frames(
+        self, from_lsn: int, *, to_lsn: int | None = None, max_bytes: int = 1 << 62
+    ) -> list[tuple[int, int, bytes]]:
+        """Whole durable frames from the one holding ``from_lsn``: ``(first_lsn,
+        events, frame bytes)`` each, exactly as written (CRC included), until
+        ``to_lsn`` or about ``max_bytes`` (at least one frame). What the archive
+        uploads (docs/wal.md, "The archive"). Same errors as :meth:`read`."""
+        start = self._check_floor(from_lsn)
+        out: list[tuple[int, int, bytes]] = []
+        size = 0
+        gen = self._scan(start, None, to_lsn, _raw_frame)
+        try:
+            for one in gen:
+                for item in one:
+                    out.append(item)
+                    size += len(item[2])
+                if size >= max_bytes:
+                    break
+        finally:
+            gen.close()
+        return out
 
     def _check_floor(self, from_lsn: int) -> int:
         start = max(from_lsn, 1)

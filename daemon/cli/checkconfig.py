@@ -6,7 +6,7 @@
    everyone (``daemon.security.check_secret_files``); problems exit 2 too.
    A stream's table on S3: the bucket reached, conditional writes refused
    the second time (daemon/table/s3.py, ``check``), or exit 2 saying what
-   is wrong in one line.
+   is wrong in one line. The same for ``[wal.archive] uri``.
 2. With triggers, and unless ``--no-spark``: start a minimal local Spark
    session (``local[1]``, UI off, log level ERROR) and have it analyse every
    ``when``, emit expression and sql statement against an empty batch, as the
@@ -106,6 +106,20 @@ def main(
             print(
                 f"eventplane: invalid configuration: {cfg.source}: cdc.streams[{i}].path: "
                 f"{stream.uri}: {problem}",
+                file=err,
+            )
+            return 2
+    archive = cfg.wal.archive
+    if archive is not None:
+        from daemon.table import s3
+
+        # The archive's objects are create-only and its manifest a lease: the
+        # same checks as a table's (docs/wal.md, "The archive").
+        problem = s3.check(cfg.s3, archive.uri)
+        if problem is not None:
+            print(
+                f"eventplane: invalid configuration: {cfg.source}: wal.archive.uri: "
+                f"{archive.uri}: {problem}",
                 file=err,
             )
             return 2

@@ -141,6 +141,15 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
         f"WAL         head {_int(wal.get('head_lsn'))}  floor {_int(wal.get('retained_floor'))}"
         f"  segments {_int(wal.get('segments'))}"
     )
+    archive = _obj(wal.get("archive"))
+    if archive:
+        state = "FENCED" if archive.get("fenced") else "outage" if archive.get("outage") else "ok"
+        lines.append(
+            f"archive     {state}  ack {archive.get('ack')}"
+            f"  archived {_int(archive.get('archived_lsn'))}"
+            f"  unarchived {_int(archive.get('unarchived_bytes'))} B"
+            f" / {archive.get('unarchived_age_s')} s  epoch {archive.get('epoch')}"
+        )
     lines.append(f"last batch  {_last_batch(doc.get('last_batch'), now)}")
     spark = _obj(doc.get("spark"))
     spark_text = "ready" if spark.get("ready") else "not ready"

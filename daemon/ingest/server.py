@@ -41,7 +41,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from daemon.config import Config, ProducerToken
-from daemon.errors import DaemonError
+from daemon.errors import ArchiveUnavailable, DaemonError
 from daemon.ingest.coding import BodyDecoder, CodingError, content_coding
 from daemon.ingest.idempotency import (
     REPLAYED,
@@ -82,6 +82,8 @@ JSON_TYPES = frozenset({"application/json"})
 LINGER_S = 2.0
 # How often a drain looks at its connections (IngestServer.stop).
 DRAIN_POLL_S = 0.02
+# The answer's "ack" field under [wal.archive]: which mode acknowledged the request.
+_ACK_FIELD = {False: b',"ack":"local"', True: b',"ack":"archived"'}
 
 
 class WalAppender(Protocol):
@@ -92,6 +94,16 @@ class WalAppender(Protocol):
     ) -> tuple[int, int]: ...
 
     def find_request(self, key: bytes) -> RequestEntry | None: ...
+
+
+class ArchiveGate(Protocol):
+    """The slice of :class:`daemon.walarchive.WalArchive` that ingest needs."""
+
+    acks_archived: bool
+
+    def refusal(self) -> str | None: ...
+
+    async def until_archived(self, lsn: int) -> None: ...
 
 
 class IngestServer(Producers, Idempotency):
@@ -142,6 +154,9 @@ class IngestServer(Producers, Idempotency):
         # last refused append needed, the error); None once an append fits.
         self.wal_full: tuple[float, int, str] | None = None
         self._refusing = 0
+        # [wal.archive] (set by the daemon): 503 while it refuses; with ack =
+        # "archived" the 2xx waits until the request's events are archived.
+        self.archive: ArchiveGate | None = None
         self._runner: web.AppRunner | None = None
         self._site: _CappedSite | None = None
         self._seeds: dict[str, int] = {}
@@ -375,6 +390,13 @@ class IngestServer(Producers, Idempotency):
         c = self._cfg
         if self._draining:
             raise self._draining_rejection()
+        if self.archive is not None and (why := self.archive.refusal()) is not None:
+            raise Rejection(
+                503,
+                "archive_unavailable",
+                f"the WAL archive cannot take events: {why}",
+                retry_after=c.retry_after_s,
+            )
         producer = self._authenticate(request)
         if producer is not None and (wait := self._quotas.admit(producer.name)) is not None:
             raise self._over_quota(producer, wait, "its last second's worth is spent")
@@ -462,6 +484,7 @@ class IngestServer(Producers, Idempotency):
                     self._charge(producer, len(items), nbytes)
                     # Step 5. One append: atomic, consecutive LSNs, returns after fdatasync.
                     first, last = await self._append(items, None)
+                    await self._archived(first, last)
                 else:
                     tag = RequestTag(scoped_key(key, name), request_digest(body, ndjson))
                     stored = await self._claim(tag)
@@ -469,6 +492,7 @@ class IngestServer(Producers, Idempotency):
                         if scope is not None:
                             self._parse(body, ndjson, scope)  # a replay is in scope too
                         self._m_replays.inc()
+                        await self._archived(stored[0], stored[1])
                         return self._ack(stored[0], stored[1], nbytes, started, replayed=True)
                     try:
                         items = self._parse(body, ndjson, scope, name)
@@ -482,6 +506,7 @@ class IngestServer(Producers, Idempotency):
                     appending = asyncio.ensure_future(self._append(items, tag))
                     appending.add_done_callback(functools.partial(self._settle, tag))
                     first, last = await asyncio.shield(appending)
+                    await self._archived(first, last)
             finally:
                 self._budget.release(need)
         except Rejection as rej:
@@ -511,17 +536,37 @@ class IngestServer(Producers, Idempotency):
         self._m_bytes.inc(nbytes)
         self._m_latency.observe(time.perf_counter() - started)
         n = last - first + 1
+        archive = self.archive
+        mode = b"" if archive is None else _ACK_FIELD[archive.acks_archived]
         if replayed:
             return web.Response(
-                body=b'{"accepted":%d,"first_lsn":%d,"last_lsn":%d,"replayed":true}'
-                % (n, first, last),
+                body=b'{"accepted":%d,"first_lsn":%d,"last_lsn":%d%s,"replayed":true}'
+                % (n, first, last, mode),
                 content_type="application/json",
                 headers={REPLAYED: "true"},
             )
         return web.Response(
-            body=b'{"accepted":%d,"first_lsn":%d,"last_lsn":%d}' % (n, first, last),
+            body=b'{"accepted":%d,"first_lsn":%d,"last_lsn":%d%s}' % (n, first, last, mode),
             content_type="application/json",
         )
+
+    async def _archived(self, first: int, last: int) -> None:
+        """With ``[wal.archive] ack = "archived"``: return once the archive holds
+        ``last``; an outage or a fence is a 503 (the events stay in the WAL)."""
+        archive = self.archive
+        if archive is None or not archive.acks_archived:
+            return
+        try:
+            await archive.until_archived(last)
+        except ArchiveUnavailable as exc:
+            raise Rejection(
+                503,
+                "archive_unavailable",
+                f"LSN {first}..{last} are stored in this daemon's WAL but not archived "
+                f"({exc}); they are not acknowledged: retry (with the same Idempotency-Key "
+                "they are stored once)",
+                retry_after=self._cfg.retry_after_s,
+            ) from exc
 
     async def _append(self, items: CoreSections, tag: RequestTag | None) -> tuple[int, int]:
         """Step 5: one WAL append, its failures turned into answers."""

@@ -89,6 +89,7 @@ class Daemon:
         self.ingest: IngestServer | None = None
         self.admin: AdminServer | None = None
         self.triggers: Any = None
+        self.archive: Any = None  # daemon.walarchive.WalArchive under [wal.archive]
         # What startup() is doing, for the one line a start-up failure prints.
         self.startup_step = "configuration"
         self._watchdog: Watchdog | None = None
@@ -174,6 +175,26 @@ class Daemon:
             wal_id=self.wal.wal_id,
         )
 
+        # Step 1b. The WAL's archive (docs/wal.md, "The archive"): its manifest
+        # taken, this WAL's id checked against it, the fence written.
+        plane_wal: Any = self.wal
+        if cfg.wal.archive is not None:
+            from daemon.walarchive import ArchivedWal, WalArchive
+
+            self.startup_step = f"the WAL archive ([wal.archive] uri = {cfg.wal.archive.uri})"
+            self.archive = WalArchive(
+                cfg.wal.archive, cfg.s3, self.wal, str(cfg.data_dir), self.metrics
+            )
+            await self.archive.open()
+            self.archive.start()
+            self.wal.set_batch_listener(self.archive.on_durable_batches)
+            plane_wal = ArchivedWal(self.wal, self.archive)
+            if self.archive.acks_archived:
+                # Stages take only archived events: what this WAL holds from
+                # before this start goes to the archive before they start.
+                self.startup_step = "the WAL archive's upload of this WAL's unarchived events"
+                await self._archive_backlog()
+
         # Step 2. What runs each micro-batch: Spark only when there is work for it.
         self.startup_step = "the micro-batch executor (CDC streams, handlers, Spark)"
         self.executor = self._build_executor()
@@ -192,8 +213,11 @@ class Daemon:
 
         # Step 3. Rings, consumers, planner, watermarks. Rings are fed after fsync.
         self.startup_step = "the event plane (watermarks, batch plans)"
-        self.plane = EventPlane(cfg, self.wal, self.executor, self.metrics)
-        self.wal.set_batch_listener(self.plane.on_durable_batches)
+        self.plane = EventPlane(cfg, plane_wal, self.executor, self.metrics)
+        if self.archive is not None:
+            self.archive.forward = self.plane.on_durable_batches
+        else:
+            self.wal.set_batch_listener(self.plane.on_durable_batches)
         await self.plane.start()
 
         # Step 4. Listeners: admin first so /healthz answers while ingest binds. Their
@@ -227,6 +251,7 @@ class Daemon:
         self.ingest = IngestServer(
             cfg, self.wal, self.metrics, lag=self.plane.max_lag, tokens=tokens, tls=ingest_tls
         )
+        self.ingest.archive = self.archive
         wal = self.wal
         self.metrics.ingest_idempotency_keys.set_function(lambda: float(wal.request_keys()))
         await self.ingest.start()
@@ -292,6 +317,8 @@ class Daemon:
             await self._stop_step("executor", self.executor.stop(), deadline)
         if self.admin is not None:
             await self._stop_step("admin", self.admin.stop(deadline.remaining()), deadline)
+        if self.archive is not None:
+            await self._stop_step("archive", self.archive.stop(deadline.remaining(0.1)), deadline)
         # Step 3. Final group commit and close.
         if self.wal is not None:
             await self._stop_step("wal", self.wal.aclose(), deadline, floor=1.0)
@@ -352,6 +379,20 @@ class Daemon:
         )
         return SparkExecutor(cfg, self.metrics, stages, wal_id=wal_id, session_factory=factory)
 
+    async def _archive_backlog(self) -> None:
+        """Wait until the archive holds this WAL's head (an outage: until it is back)."""
+        from daemon.errors import ArchiveUnavailable
+
+        while not self.should_exit:
+            try:
+                await self.archive.until_archived(self.wal.head_lsn() if self.wal else 0)
+                return
+            except ArchiveUnavailable as exc:
+                if exc.fenced:
+                    raise
+                log.warning("archive.backlog_waits", error=str(exc))
+                await asyncio.sleep(1.0)
+
     def _check_retry_loop(self) -> None:
         """The trigger retry loop gives up after repeated failures: fail-stop then."""
         task = getattr(self.triggers, "retry_task", None)
@@ -363,6 +404,8 @@ class Daemon:
             self.metrics.wal_head_lsn.set(self.wal.head_lsn())
             self.metrics.wal_floor_lsn.set(self.wal.retained_floor())
             self.metrics.wal_segments.set(self.wal.segment_count())
+        if self.archive is not None:
+            self.archive.publish()
 
     def _observe_group(self, events: int, nbytes: int, fsync_s: float) -> None:
         # Runs on the WAL writer thread: prometheus_client metrics are thread-safe.
@@ -565,6 +608,9 @@ class Daemon:
                     f"(for {time.time() - since:.0f} s): {full_error}",
                 }
             )
+        archive = self.archive.problem(self.cfg.health.stall_after_s) if self.archive else None
+        if archive is not None:
+            out.append({"part": "wal archive", "message": archive})
         planner = plane.planner if plane is not None else None
         if planner is None:
             return out
@@ -668,6 +714,8 @@ class Daemon:
                 "idempotency_keys": wal.request_keys(),
             },
         }
+        if self.archive is not None and out["wal"] is not None:
+            out["wal"]["archive"] = self.archive.status()
         if self.plane is not None:
             out.update(self.plane.status())
         executor_status = getattr(self.executor, "status", None)

@@ -375,3 +375,14 @@ def test_a_file_count_older_than_the_last_batch_says_up_to_which_batch() -> None
     assert "counted 18 s ago, up to batch #4)" in text
     compaction["scanned_batch_id"] = 9
     assert "counted 18 s ago)" in statuscmd.render(sample_status(spark=spark), now=NOW)
+
+
+def test_the_wal_archive_has_a_line_when_configured() -> None:
+    from daemon.cli import status as statusmod
+
+    archive = {"ack": "archived", "archived_lsn": 4, "unarchived_bytes": 100}
+    archive |= {"unarchived_age_s": 0.2, "epoch": 2, "fenced": "fenced: taken", "outage": None}
+    doc = {"wal": {"head_lsn": 5, "retained_floor": 1, "segments": 1, "archive": archive}}
+    text = statusmod.render(doc)
+    assert "archive     FENCED  ack archived  archived 4  unarchived 100 B / 0.2 s" in text
+    assert "archive " not in statusmod.render({"wal": {"head_lsn": 5}})

@@ -1,0 +1,202 @@
+"""The WAL archive (daemon/walarchive.py) against a real S3 server, in process:
+its objects hold exactly the WAL's frames (every checksum verified), local
+segments go only once archived, a data_dir of another WAL is refused naming
+both, and a new holder's fence stops the old one at its next upload."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.config import WalArchiveConfig
+from daemon.errors import ArchiveRefusedError, ArchiveUnavailable
+from daemon.metrics import Metrics
+from daemon.walarchive import MANIFEST, ArchivedWal, WalArchive
+from tests.s3.server import S3Server
+from wal import Wal
+from wal.archive import parse_object
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _archive(server: S3Server, wal: Wal, uri: str, data_dir: Path, **kw: Any) -> WalArchive:
+    s3cfg = server.config(
+        lease_ttl_s=4.0, lease_skew_s=1.0, connect_timeout_s=1, request_timeout_s=1, max_retries=0
+    )
+    return WalArchive(WalArchiveConfig(uri=uri, **kw), s3cfg, wal, str(data_dir), Metrics(cores=4))
+
+
+def _objects(server: S3Server, prefix: str) -> list[tuple[Any, list[tuple[int, int, bytes]]]]:
+    s3 = server.client()
+    keys = [
+        o["Key"]
+        for o in s3.list_objects_v2(Bucket=server.bucket, Prefix=f"{prefix}/wal/").get(
+            "Contents", []
+        )
+    ]
+    out = []
+    for key in sorted(keys):
+        body = s3.get_object(Bucket=server.bucket, Key=key)["Body"].read()
+        out.append(parse_object(body))  # every CRC: header, body, each frame
+    return out
+
+
+async def _append(wal: Wal, start: int, groups: int, per: int = 7) -> int:
+    last = 0
+    for g in range(groups):
+        items = [
+            (i % 4, b'{"n":%d,"pad":"%s"}' % (start + g * per + i, b"x" * 90)) for i in range(per)
+        ]
+        _, last = await wal.append(items)
+    return last
+
+
+def test_the_archive_holds_exactly_the_wals_frames_and_gates_retention(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    prefix = f"arch-{uuid.uuid4().hex[:8]}"
+    uri = f"s3://{s3_server.bucket}/{prefix}"
+
+    async def run() -> None:
+        wal = Wal.open(tmp_path / "wal", segment_bytes=8192)
+        archive = _archive(s3_server, wal, uri, tmp_path, ack="archived", flush_ms=20)
+        await archive.open()
+        got: list[Any] = []
+        archive.forward = got.append
+        archive.start()
+        wal.set_batch_listener(archive.on_durable_batches)
+        view = ArchivedWal(wal, archive)
+        # Concurrent appends: uploads overlap.
+        lasts = await asyncio.gather(*(_append(wal, 1000 * k, 20) for k in range(5)))
+        head = wal.head_lsn()
+        assert max(lasts) == head == 5 * 20 * 7
+        await archive.until_archived(head)
+        assert archive.archived_lsn == head and archive.refusal() is None
+        # The stages' view: every event, and only once archived.
+        assert view.head_lsn() == head
+        assert sum(len(b.lsns) for batches in got for b in batches) == head
+        # Content: the objects' frames, fences aside, are the WAL's frames from LSN 1.
+        objects = _objects(s3_server, prefix)
+        data = [f for head_, frames in objects if not head_.fence for f in frames]
+        assert objects[0][0].fence and objects[0][0].epoch == 1
+        local = {f[0]: f[2] for f in wal.read_frames(1)}
+        lsn = 1
+        for first, events, raw in data:
+            assert first == lsn and local[first] == raw
+            lsn += events
+        assert lsn == head + 1
+        # Retention: segments go only below the archived LSN, and so do the
+        # archive's data objects (the newest stays, and every fence).
+        archived = archive.archived_lsn
+        assert view.truncate_below(head + 1) >= 1
+        assert wal.retained_floor() <= archived + 1
+        left = _objects(s3_server, prefix)
+        assert [h.last_lsn for h, _ in left if not h.fence] == [head]
+        assert sum(h.fence for h, _ in left) == sum(h.fence for h, _ in objects)
+        await archive.stop(5)
+        wal.close()
+        # A restart of the same data_dir continues: epoch 2, nothing to upload.
+        wal = Wal.open(tmp_path / "wal", segment_bytes=8192)
+        again = _archive(s3_server, wal, uri, tmp_path)
+        await again.open()
+        assert (again.epoch, again.archived_lsn) == (2, head)
+        await again.stop(1)
+        wal.close()
+
+    asyncio.run(run())
+
+
+def test_a_data_dir_of_another_wal_is_refused_naming_both(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    uri = f"s3://{s3_server.bucket}/arch-{uuid.uuid4().hex[:8]}"
+
+    async def run() -> None:
+        first = Wal.open(tmp_path / "a" / "wal")
+        a = _archive(s3_server, first, uri, tmp_path / "a")
+        await a.open()
+        await a.stop(1)
+        other = Wal.open(tmp_path / "b" / "wal")
+        b = _archive(s3_server, other, uri, tmp_path / "b")
+        with pytest.raises(ArchiveRefusedError) as info:
+            await b.open()
+        assert first.wal_id in str(info.value) and other.wal_id in str(info.value)
+        first.close()
+        other.close()
+
+    asyncio.run(run())
+
+
+def test_a_new_holders_fence_fails_the_old_holders_next_upload(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """The old holder's lease lapses (its renewals stop, as in a paused
+    process); a second holder takes the manifest and writes its fences; the
+    old holder's next upload collides with a fence: it is fenced and
+    acknowledges nothing more."""
+    prefix = f"arch-{uuid.uuid4().hex[:8]}"
+    uri = f"s3://{s3_server.bucket}/{prefix}"
+
+    async def run() -> None:
+        wal = Wal.open(tmp_path / "a" / "wal")
+        old = _archive(s3_server, wal, uri, tmp_path / "a", ack="archived", flush_ms=10)
+        await old.open()
+        old.forward = lambda batches: None
+        old.start()
+        wal.set_batch_listener(old.on_durable_batches)
+        last = await _append(wal, 0, 10)
+        await old.until_archived(last)
+        # Pause: no renewal from here on (the upload task stays).
+        old._tasks[1].cancel()
+        await asyncio.sleep(4.0 + 1.0 + 0.5)  # past expires_at + skew
+        # The second holder: a copy of the same WAL (same id) elsewhere.
+        shutil.copytree(tmp_path / "a" / "wal", tmp_path / "b" / "wal", ignore=_no_lock)
+        copy = Wal.open(tmp_path / "b" / "wal")
+        new = _archive(s3_server, copy, uri, tmp_path / "b")
+        await new.open()
+        assert new.epoch == old.epoch + 1 and new.archived_lsn == last
+        # The old holder wakes up: its next upload fails at the fence.
+        more = await _append(wal, 10_000, 3)
+        with pytest.raises(ArchiveUnavailable) as info:
+            await old.until_archived(more)
+        assert info.value.fenced and "fenced" in str(info.value)
+        assert old.fenced is not None and old.archived_lsn == last
+        assert old.refusal() == old.fenced
+        assert "taken" in old.problem(30.0)  # type: ignore[operator]
+        manifest = s3_server.client().get_object(
+            Bucket=s3_server.bucket, Key=f"{prefix}/{MANIFEST}"
+        )
+        assert b'"epoch":%d' % new.epoch in manifest["Body"].read()
+        await old.stop(1)
+        await new.stop(1)
+        wal.close()
+        copy.close()
+
+    asyncio.run(run())
+
+
+def _no_lock(_dir: str, names: list[str]) -> list[str]:
+    return [n for n in names if n == "LOCK"]
+
+
+def test_check_config_reaches_the_archives_bucket(s3_server: S3Server) -> None:
+    import dataclasses
+    import io
+
+    from daemon import config
+    from daemon.cli import checkconfig
+
+    def check(uri: str) -> tuple[int, str]:
+        parsed = config.parse({"wal": {"archive": {"uri": uri}}})
+        parsed = dataclasses.replace(parsed, s3=s3_server.config())
+        err = io.StringIO()
+        return checkconfig.main(parsed, spark=False, out=io.StringIO(), err=err), err.getvalue()
+
+    assert check(f"s3://{s3_server.bucket}/archive")[0] == 0
+    code, err = check("s3://no-such-bucket/archive")
+    assert code == 2 and "wal.archive.uri" in err and "does not exist" in err, err
