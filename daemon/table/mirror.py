@@ -316,6 +316,7 @@ class MirrorTable:
             assert mirror.s3 is not None
             self.storage_options = storage_options(mirror.s3)
         self._lock_fd: int | None = None
+        self.keeper: Any = None  # on S3: the writer's lease (daemon/table/lease.py)
         self._dt: Any = None
         self.commits_since_compaction = 0
         self.last_batch_id: int | None = None  # the table's txn version (open, commit)
@@ -346,6 +347,7 @@ class MirrorTable:
                 f"another path"
             ) from None
         try:
+            self._take_lease()
             table = self._table(create=False)
             if table is not None:
                 self._check(table)
@@ -355,7 +357,36 @@ class MirrorTable:
             self.close()
             raise
 
+    def _take_lease(self) -> None:
+        """A table on S3: the writer's lease, ``_eventplane/lease.json`` under
+        its prefix (one writer per table, invariant 18), checked before each
+        merge."""
+        if not self.mirror.uri:
+            return
+        from daemon.table import s3
+        from daemon.table.lease import Holder, Keeper, Lease, S3Store
+
+        cfg = self.mirror.s3
+        assert cfg is not None
+        problem = s3.check(cfg, self.mirror.uri)
+        if problem is not None:
+            raise s3.S3Error(f"mirror {self.name!r}: {self.mirror.uri}: {problem}")
+        where = s3.Location.parse(self.mirror.uri)
+        holder = Holder.this_process(str(self.path), self.wal_id, self.stage)
+        lease = Lease(
+            S3Store(s3.client(cfg), where.bucket),
+            where.key(f"{META_DIR}/lease.json"),
+            holder,
+            ttl_s=cfg.lease_ttl_s,
+            skew_s=cfg.lease_skew_s,
+        )
+        self.keeper = Keeper(lease, f"mirror {self.name!r} ({self.mirror.uri})")
+        self.keeper.start()
+
     def close(self) -> None:
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None:
+            keeper.stop()
         self._dt = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
@@ -489,6 +520,8 @@ class MirrorTable:
         import pyarrow as pa
         from deltalake import CommitProperties, PostCommitHookProperties, Transaction
 
+        if self.keeper is not None:
+            self.keeper.check()
         table = self._table(create=True)
         table.update_incremental()
         before = int(table.version())
@@ -590,4 +623,5 @@ class MirrorTable:
             "last_commit": self.last_commit,
             "last_compaction": self.last_compaction,
             "cast_failures": dict(self.cast_failures),
+            **({"lease": self.keeper.status()} if self.keeper is not None else {}),
         }
