@@ -375,3 +375,13 @@ def test_a_file_count_older_than_the_last_batch_says_up_to_which_batch() -> None
     assert "counted 18 s ago, up to batch #4)" in text
     compaction["scanned_batch_id"] = 9
     assert "counted 18 s ago)" in statuscmd.render(sample_status(spark=spark), now=NOW)
+
+
+def test_a_mirror_has_a_line_with_its_batch_and_cast_failures() -> None:
+    doc = sample_status()
+    doc["spark"] = {
+        "ready": True,
+        "mirrors": {"orders": {"last_batch_id": 41, "cast_failures": {"amount": 3, "day": 2}}},
+    }
+    text = statuscmd.render(doc, now=NOW)
+    assert "mirror orders batch 41  5 values that did not fit their column" in text
