@@ -8,6 +8,7 @@ Layout of ``path``::
     <path>/_delta_log/                    Delta's transaction log: the table
     <path>/bucket=<n>/part-*.parquet      data files, bucket = crc32(key) % buckets
     <path>/_eventplane/lock               flock: one writer per mirror
+    <path>/_eventplane/quarantine/        a strict mirror's events that do not fit
 
 Commit protocol for batch B of mirror M (:meth:`MirrorTable.commit`):
 
@@ -47,7 +48,7 @@ from daemon.config import MIRROR_COLUMNS, CdcMirror
 from daemon.errors import IdentityMismatchError
 from daemon.plane.batch import MicroBatch
 from daemon.table.crash import crash_point
-from daemon.table.durable import fsync_dir, fsync_file
+from daemon.table.durable import atomic_write_json, fsync_dir, fsync_file
 from daemon.table.errors import CdcLayoutError, CdcStreamLockedError
 from daemon.table.layout import META_DIR
 from daemon.table.location import LOG_DIR
@@ -231,18 +232,38 @@ class Reduced:
     rows: list[dict[str, Any]]  # one per key: the highest LSN's
     events: int  # the collection's events in the batch
     cast_failures: dict[str, int] = field(default_factory=dict)  # column -> values nulled
+    # A strict mirror's events that do not fit (an emit action's: ingest
+    # refuses a producer's), set aside before the reduction.
+    set_aside: list[dict[str, Any]] = field(default_factory=list)
 
 
 def reduce(mirror: CdcMirror, table: Any) -> Reduced:
     """``table`` (a batch's rows as ``daemon.spark.frame.batch_table`` makes them)
     reduced to the mirror's rows: its collection's, the highest LSN per key,
-    typed columns cast (a value that does not fit: null, counted per column)."""
+    typed columns cast (a value that does not fit: null, counted per column;
+    a strict mirror sets the event aside instead)."""
     import pyarrow.compute as pc
 
     mine = table.filter(pc.equal(table["collection"], mirror.collection))
     latest: dict[str, dict[str, Any]] = {}
+    set_aside: list[dict[str, Any]] = []
     cols = ("lsn", "op", "key", "new_json", "ingest_ts", "producer")
     for lsn, op, key, new, ts, producer in zip(*(mine[c].to_pylist() for c in cols), strict=True):
+        if mirror.strict and op != "delete" and new is not None:
+            bad = check_new(parse_doc(new), mirror.columns)
+            if bad is not None:
+                field_name, value_type, column_type = bad
+                set_aside.append(
+                    {
+                        "lsn": lsn,
+                        "key": key,
+                        "op": op,
+                        "new": new,
+                        "error": f'field "new.{field_name}": a {value_type} does not fit '
+                        f"the {column_type} column",
+                    }
+                )
+                continue
         held = latest.get(key)
         if held is None or held["lsn"] < lsn:
             latest[key] = {"lsn": lsn, "op": op, "key": key, "doc": new, "ts": ts, "p": producer}
@@ -267,7 +288,8 @@ def reduce(mirror: CdcMirror, table: Any) -> Reduced:
                 row[name] = None
                 failures[name] = failures.get(name, 0) + 1
         rows.append(row)
-    return Reduced(rows, mine.num_rows, failures)
+    set_aside.sort(key=lambda e: e["lsn"])  # the batch is in core order
+    return Reduced(rows, mine.num_rows, failures, set_aside)
 
 
 def fold(mirror: CdcMirror, state: dict[str, dict[str, Any]], reduced: Reduced) -> None:
@@ -323,6 +345,7 @@ class MirrorTable:
         self.last_commit: dict[str, Any] | None = None
         self.last_compaction: dict[str, Any] | None = None
         self.cast_failures: dict[str, int] = {}
+        self.quarantined = 0  # events a strict mirror set aside (_eventplane/quarantine/)
 
     @property
     def name(self) -> str:
@@ -348,6 +371,9 @@ class MirrorTable:
             ) from None
         try:
             self._take_lease()
+            self.quarantined = sum(
+                len(json.loads(f.read_bytes())["events"]) for f in self._quarantine_files()
+            )
             table = self._table(create=False)
             if table is not None:
                 self._check(table)
@@ -486,6 +512,8 @@ class MirrorTable:
         if self.done(bid):  # Step 0.
             return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
         reduced = reduce(self.mirror, table)  # Step 1.
+        if reduced.set_aside:
+            self._set_aside(bid, reduced.set_aside)
         if not reduced.rows:
             return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
         crash_point("mirror.before_commit")
@@ -515,6 +543,21 @@ class MirrorTable:
             reduced.cast_failures,
             metrics,
         )
+
+    def _quarantine_files(self) -> list[Path]:
+        return sorted((self.meta / "quarantine").glob("b*.json"))
+
+    def _set_aside(self, bid: int, rows: list[dict[str, Any]]) -> None:
+        """A strict mirror's events that do not fit, durable before the merge
+        (a re-run writes the same file again): each event is then in the table
+        or in ``_eventplane/quarantine/b<batch>.json``, never both."""
+        folder = self.meta / "quarantine"
+        folder.mkdir(exist_ok=True)
+        path = folder / f"b{bid:012d}.json"
+        had = len(json.loads(path.read_bytes())["events"]) if path.exists() else 0
+        atomic_write_json(path, {"mirror": self.name, "batch_id": bid, "events": rows})
+        self.quarantined += len(rows) - had
+        log.warning("mirror_events_set_aside", mirror=self.name, batch_id=bid, events=len(rows))
 
     def _merge(self, reduced: Reduced, batch: MicroBatch) -> dict[str, Any]:
         import pyarrow as pa
@@ -623,5 +666,6 @@ class MirrorTable:
             "last_commit": self.last_commit,
             "last_compaction": self.last_compaction,
             "cast_failures": dict(self.cast_failures),
+            "quarantined": self.quarantined,
             **({"lease": self.keeper.status()} if self.keeper is not None else {}),
         }

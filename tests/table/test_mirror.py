@@ -324,3 +324,37 @@ def test_changed_buckets_columns_or_another_wal_refuse_at_open(tmp_path: Path) -
     assert again.last_batch_id == 1
     assert commit(again, make_batch(1, [(1, "orders", "insert", "a", {"amount": 1})])).noop
     again.close()
+
+
+def test_a_strict_mirror_sets_aside_an_event_that_does_not_fit_before_the_merge(
+    tmp_path: Path,
+) -> None:
+    """An emit action's event skips ingest's refusal: in a strict mirror it
+    goes to the quarantine, durably, and the key keeps the events that fit."""
+    path = tmp_path / "m"
+    m = MirrorTable(mirror_config(path, strict=True), wal_id="w1", cores=CORES)
+    m.open()
+    commit(m, make_batch(1, [(1, "orders", "insert", "a", {"amount": 1, "n": 1})]))
+    batch = make_batch(
+        2,
+        [
+            (2, "orders", "update", "a", {"amount": 2, "n": 2}),
+            (3, "orders", "update", "a", {"amount": "two", "n": 3}),  # does not fit
+            (4, "orders", "insert", "b", {"amount": 4, "n": 4.5}),  # does not fit
+        ],
+    )
+    result = commit(m, batch)
+    assert result.cast_failures == {}
+    rows = read_rows(path)
+    assert {k: (r["lsn"], r["amount"]) for k, r in rows.items()} == {"a": (2, 2.0)}
+    (held,) = (path / "_eventplane" / "quarantine").glob("b*.json")
+    events = json.loads(held.read_bytes())["events"]
+    assert [(e["lsn"], e["key"]) for e in events] == [(3, "a"), (4, "b")]
+    assert events[1]["error"] == 'field "new.n": a number does not fit the long column'
+    assert m.status()["quarantined"] == 2
+    assert commit(m, batch).noop  # a re-run: nothing merged, nothing set aside again
+    m.close()
+    again = MirrorTable(mirror_config(path, strict=True), wal_id="w1", cores=CORES)
+    again.open()
+    assert again.quarantined == 2
+    again.close()
