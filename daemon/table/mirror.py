@@ -379,6 +379,8 @@ class MirrorTable:
                 self._check(table)
                 done = table.transaction_version(self.app_id)
                 self.last_batch_id = None if done is None else int(done)
+            else:  # made now, empty: a reader finds the table before the first row
+                self._table(create=True)
         except BaseException:
             self.close()
             raise
