@@ -10,7 +10,8 @@ builds the SparkSession in the background (:mod:`daemon.spark.lifecycle`).
    or one Arrow table for non-local masters;
 2. -> DataFrame (:mod:`daemon.spark.frame`), built only when something reads it;
 3. each ``BatchStage.run_in_spark`` (triggers); its ``finish`` starts at once;
-4. meanwhile each CDC stream commits its rows exactly once (``daemon.table``);
+4. meanwhile each CDC stream commits its rows exactly once (``daemon.table``),
+   then each mirror merges its collection's (``daemon.spark.mirrors``);
 5. each ``[[cdc.handlers]]`` function gets ``(df, batch_id)``.
 
 Steps 3-5 are stages (``stage_names()``); a failed stage does not stop the
@@ -430,7 +431,8 @@ class SparkExecutor(SessionLife, StreamMaintenance):
 
     def _count_collections(self) -> bool:
         """Whether a batch's rows per collection are needed: by a CDC stream
-        that takes some collections, not all (``_rows_for``)."""
+        that takes some collections, not all (``_rows_for``), or a mirror (a
+        batch without its collection's rows is not decoded for it)."""
         return bool(self._mirrors) or any(s.stream.collections != ("*",) for s in self._sinks)
 
     async def stop(self) -> None:
