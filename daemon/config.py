@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,10 +27,12 @@ from daemon.configtypes import (
     ALLOW_DUPLICATE_KEYS,
     MAX_EVENT_BYTES,
     MAX_JSON_DEPTH,
+    MIRROR_TYPES,
     OPS,
     AdminConfig,
     CdcConfig,
     CdcHandler,
+    CdcMirror,
     CdcStream,
     Config,
     ConsumerConfig,
@@ -66,12 +69,15 @@ __all__ = [
     "ENV_CREDENTIALS",
     "MAX_EVENT_BYTES",
     "MAX_JSON_DEPTH",
+    "MIRROR_COLUMNS",
+    "MIRROR_TYPES",
     "OPS",
     "PARTITION_LAYOUTS",
     "SECTIONS",
     "AdminConfig",
     "CdcConfig",
     "CdcHandler",
+    "CdcMirror",
     "CdcStream",
     "Checker",
     "Config",
@@ -592,6 +598,87 @@ _STREAM: dict[str, Checker] = {
     **_COMPACTION,
 }
 _STREAM_KEYS = ("quarantine_max_rows", "format", "variant", "vacuum_retain_hours")
+
+# A mirror's own columns, before its typed ones (docs/cdc.md, "Mirror tables").
+MIRROR_COLUMNS = ("key", "bucket", "lsn", "op", "updated_at", "producer", "doc")
+_DECIMAL = re.compile(r"^decimal\((\d+),\s*(\d+)\)$")
+
+
+def _mirror_type(value: Any) -> str | None:
+    """A column type as the mirror keeps it ("decimal(10,2)"), None if unknown."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip().lower()
+    if text in MIRROR_TYPES:
+        return text
+    m = _DECIMAL.match(text)
+    if m and 1 <= int(m.group(1)) <= 38 and 0 <= int(m.group(2)) <= int(m.group(1)):
+        return f"decimal({int(m.group(1))},{int(m.group(2))})"
+    return None
+
+
+def _mirror_columns(value: Any, path: str, errors: list[str]) -> Any:
+    if not isinstance(value, dict):
+        errors.append(f'{path}: expected a table like {{ amount = "double" }}, got {_show(value)}')
+        return None
+    out: list[tuple[str, str]] = []
+    for name, kind in value.items():
+        typed = _mirror_type(kind)
+        if name in MIRROR_COLUMNS:
+            errors.append(f"{path}.{name}: a mirror's own column ({', '.join(MIRROR_COLUMNS)})")
+        elif not name.isidentifier():
+            errors.append(f"{path}.{name}: expected a column name of letters, digits and _")
+        elif typed is None:
+            shown = " | ".join(f'"{t}"' for t in MIRROR_TYPES)
+            errors.append(f'{path}.{name}: expected {shown} | "decimal(p,s)", got {_show(kind)}')
+        else:
+            out.append((name, typed))
+    return tuple(out)
+
+
+# One [[cdc.mirrors]] entry's keys.
+_MIRROR: dict[str, Checker] = {
+    "name": _str(),
+    "collection": _str(),
+    "path": _table_path,
+    "columns": _mirror_columns,
+    "strict": _bool,
+    "buckets": _int(1, 10_000),
+}
+
+
+def _parse_mirrors(raw: Any, errors: list[str]) -> list[CdcMirror]:
+    out: list[CdcMirror] = []
+    seen: dict[str, int] = {}
+    for i, table in enumerate(_array_of_tables(raw, "cdc.mirrors", errors)):
+        where = f"cdc.mirrors[{i}]"
+        got = _section(table, where, _MIRROR, errors)
+        if not _required(table, ("name", "collection", "path"), where, errors):
+            continue
+        if len(got) != len(table):
+            continue
+        if got["name"] in seen:
+            errors.append(
+                f'{where}.name: duplicate mirror name "{got["name"]}" '
+                f"(also cdc.mirrors[{seen[got['name']]}])"
+            )
+            continue
+        seen[got["name"]] = i
+        uri = got["path"] if isinstance(got["path"], str) else ""
+        out.append(
+            CdcMirror(
+                got["name"],
+                got["collection"],
+                Path("mirrors") / got["name"] if uri else got["path"],
+                got.get("columns", ()),
+                got.get("strict", False),
+                got.get("buckets", 16),
+                uri=uri,
+            )
+        )
+    return out
+
+
 _HANDLER: dict[str, Checker] = {"function": _function_ref}
 # The keys of [[triggers]]; each action type's own keys: triggers.spec._ACTION_KEYS.
 _TRIGGER: dict[str, Checker] = {
@@ -627,8 +714,8 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
     if not isinstance(raw, dict):
         errors.append(f"cdc: expected a table, got {_show(raw)}")
     for key in body:
-        if key not in ("streams", "handlers"):
-            errors.append(f"cdc.{key}: unknown key (known keys: handlers, streams)")
+        if key not in ("streams", "handlers", "mirrors"):
+            errors.append(f"cdc.{key}: unknown key (known keys: handlers, mirrors, streams)")
     streams: list[CdcStream] = []
     seen: dict[str, int] = {}
     for i, table in enumerate(_array_of_tables(body.get("streams", []), "cdc.streams", errors)):
@@ -690,7 +777,8 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
         got = _section(table, where, _HANDLER, errors)
         if _required(table, ("function",), where, errors) and "function" in got:
             handlers.append(CdcHandler(got["function"]))
-    return CdcConfig(tuple(streams), tuple(handlers))
+    mirrors = _parse_mirrors(body.get("mirrors", []), errors)
+    return CdcConfig(tuple(streams), tuple(handlers), tuple(mirrors))
 
 
 def _collections(value: Any, path: str, errors: list[str]) -> Any:
@@ -881,6 +969,12 @@ def _resolve_paths(cfg: Config) -> Config:
         else dataclasses.replace(s, path=resolve(s.path))
         for s in cfg.cdc.streams
     )
+    mirrors = tuple(
+        dataclasses.replace(m, path=data_dir / m.path, s3=s3)
+        if m.uri
+        else dataclasses.replace(m, path=resolve(m.path))
+        for m in cfg.cdc.mirrors
+    )
     ingest = dataclasses.replace(
         cfg.ingest, tls=tls(cfg.ingest.tls), tokens_file=secret(cfg.ingest.tokens_file)
     )
@@ -889,7 +983,7 @@ def _resolve_paths(cfg: Config) -> Config:
     fields.update(
         daemon=daemon,
         s3=s3,
-        cdc=CdcConfig(streams, cfg.cdc.handlers),
+        cdc=CdcConfig(streams, cfg.cdc.handlers, mirrors),
         ingest=ingest,
         admin=admin,
     )

@@ -307,6 +307,35 @@ class CdcStream:
         return self.collections == ("*",) or collection in self.collections
 
 
+# The types a mirror's typed column may have ("decimal(p,s)" besides).
+MIRROR_TYPES = ("string", "long", "double", "boolean", "timestamp", "date")
+
+
+@dataclass(frozen=True, slots=True)
+class CdcMirror:
+    """One ``[[cdc.mirrors]]`` entry: a collection's current state, one row per
+    key, as a Delta table (docs/cdc.md, "Mirror tables")."""
+
+    name: str  # its stage is "mirror:<name>"
+    collection: str
+    # The table's folder; for a table on S3, the folder of the mirror's own
+    # state (its lock): <data_dir>/mirrors/<name>.
+    path: Path
+    # Typed columns from `new`, in order: (name, type), type one of
+    # MIRROR_TYPES or "decimal(p,s)".
+    columns: tuple[tuple[str, str], ...] = ()
+    # Ingest refuses (422) an event whose `new` does not fit the columns.
+    strict: bool = False
+    # The table's partitions: bucket = crc32(key) % buckets, fixed at creation.
+    buckets: int = 16
+    uri: str = ""  # "s3://bucket/prefix" when on S3
+    s3: S3Config | None = None
+
+    @property
+    def location(self) -> str:
+        return self.uri or str(self.path)
+
+
 @dataclass(frozen=True, slots=True)
 class CdcHandler:
     function: str  # "pkg.mod:func", called as func(df, batch_id)
@@ -316,6 +345,7 @@ class CdcHandler:
 class CdcConfig:
     streams: tuple[CdcStream, ...] = ()
     handlers: tuple[CdcHandler, ...] = ()
+    mirrors: tuple[CdcMirror, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -458,6 +458,13 @@ class Metrics:
             ["stream"],
             registry=r,
         )
+        self.mirror_cast_failures = Counter(
+            p + "mirror_cast_failures_total",
+            "Values of a mirror's typed column that did not fit its type (the column is "
+            "null, doc keeps the value), since the daemon started.",
+            ["mirror", "column"],
+            registry=r,
+        )
         self.cdc_quarantined = Counter(
             p + "cdc_quarantined_rows_total",
             "Rows a CDC stream set aside in its quarantine since the daemon started.",

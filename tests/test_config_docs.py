@@ -2,7 +2,7 @@
 and only those, each with a default and a meaning.
 
 The accepted keys come from the parser's own tables (``daemon.config.SECTIONS``,
-its ``[[cdc.streams]]``, ``[[cdc.handlers]]``, ``[[ingest.tokens]]``,
+its ``[[cdc.streams]]``, ``[[cdc.mirrors]]``, ``[[cdc.handlers]]``, ``[[ingest.tokens]]``,
 ``[[triggers]]`` and retry tables, and ``triggers.spec``'s keys of each action
 type), so a key added to the parser without its row fails here, and so does a
 row for a key the parser refuses."""
@@ -31,6 +31,7 @@ def accepted_keys() -> set[str]:
                 keys.add(f"{section}.{key}")
     keys |= {f"cdc.streams[].{k}" for k in config._STREAM}
     keys |= {f"cdc.handlers[].{k}" for k in config._HANDLER}
+    keys |= {f"cdc.mirrors[].{k}" for k in config._MIRROR}
     for key in config._TRIGGER:
         if key == "retry":
             keys |= {f"triggers[].retry.{k}" for k in config._RETRY}
@@ -71,6 +72,7 @@ def test_the_parser_has_the_keys_it_is_compared_with() -> None:
         "daemon.cores",
         "cdc.streams[].start",
         "cdc.streams[].vacuum_retain_hours",
+        "cdc.mirrors[].buckets",
         "ingest.tokens[].sha256",
         "triggers[].retry.max_attempts",
         "triggers[].action.timeout_s",

@@ -191,6 +191,13 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
                 f"cdc {name:<7} {_count(held)} rows in quarantine "
                 f"(eventplane cdc quarantine list {name})"
             )
+    for name, mirror in _obj(spark.get("mirrors")).items():
+        m = _obj(mirror)
+        failed = sum(v for v in _obj(m.get("cast_failures")).values() if isinstance(v, int))
+        lines.append(
+            f"mirror {name:<4} batch {_int(m.get('last_batch_id'))}  "
+            f"{_count(failed)} values that did not fit their column"
+        )
 
     stages = doc.get("stages")
     if isinstance(stages, list) and stages:

@@ -40,7 +40,7 @@ from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from daemon.config import Config, ProducerToken
+from daemon.config import CdcMirror, Config, ProducerToken
 from daemon.errors import ArchiveUnavailable, DaemonError
 from daemon.ingest.coding import BodyDecoder, CodingError, content_coding
 from daemon.ingest.idempotency import (
@@ -69,6 +69,7 @@ from daemon.ingest.validate import (
 from daemon.metrics import Metrics
 from daemon.security import ProducerAuth, ServerTls
 from daemon.shard import collection_seed
+from daemon.table.mirror import check_new, parse_doc
 from wal.errors import WalClosedError, WalFatalError, WalFullError
 from wal.format import CoreSections, EncodedSection, RequestEntry, RequestTag
 
@@ -139,6 +140,11 @@ class IngestServer(Producers, Idempotency):
         self._max_events = c.max_events_per_request
         self._max_event_id = c.max_event_id_chars
         self._max_depth = c.max_json_depth
+        # Strict mirrors' typed columns, by collection (docs/cdc.md, "Mirror tables").
+        self._strict: dict[str, list[CdcMirror]] = {}
+        for m in cfg.cdc.mirrors:
+            if m.strict and m.columns:
+                self._strict.setdefault(m.collection, []).append(m)
         # Payloads shorter than this cannot break a CDC writer's limit (min_length).
         self._check_from = min_length(c.max_json_depth)
         # Bodies being read or parsed hold at most max_buffered_bytes; parsed
@@ -723,7 +729,34 @@ class IngestServer(Producers, Idempotency):
         if items is None:
             self._explain(body, ndjson)
             raise _disagreement(None)
+        if self._strict:
+            self._check_strict(events)
         return items
+
+    def _check_strict(self, events: list[InEvent]) -> None:
+        """A strict mirror's refusal, after the writers' limits: the first event
+        whose ``new`` does not fit the mirror's typed columns (a 422)."""
+        for index, ev in enumerate(events):
+            mirrors = self._strict.get(ev.collection)
+            if not mirrors or ev.op == "delete":
+                continue
+            doc = parse_doc(bytes(ev.new))
+            for m in mirrors:
+                bad = check_new(doc, m.columns)
+                if bad is None:
+                    continue
+                field, value_type, column_type = bad
+                raise Rejection(
+                    422,
+                    "mirror_type_mismatch",
+                    f'event {index}, field "new.{field}": a {value_type} does not fit the '
+                    f"{column_type} column of strict mirror {m.name!r}; nothing was stored",
+                    index=index,
+                    field=f"new.{field}",
+                    value_type=value_type,
+                    column_type=column_type,
+                    mirror=m.name,
+                )
 
     def _explain(self, body: bytes, ndjson: bool) -> None:
         """The slow path behind a refusal: raises the 400/413/422 that says what is wrong."""

@@ -267,7 +267,7 @@ class Daemon:
             ingest=self.ingest.url,
             admin=self.admin.url,
             cores=cfg.daemon.cores,
-            spark=not isinstance(self.executor, NullExecutor),
+            spark=hasattr(self.executor, "add_stage"),
             startup_s=round(time.monotonic() - t0, 3),
         )
 
@@ -342,7 +342,7 @@ class Daemon:
     # -- wiring helpers -----------------------------------------------------
 
     def _build_executor(self) -> Executor:
-        """Spark when there is work for it (CDC streams, handlers or triggers).
+        """Spark when there is work for it (CDC streams, mirrors, handlers or triggers).
 
         Without triggers at start no trigger stage is plugged in (an idle one
         would still make the executor cache each batch for a second reader); a
@@ -355,8 +355,14 @@ class Daemon:
 
             self.triggers = build_trigger_stage(cfg, lambda: self.wal, self.metrics)
             stages.append(self.triggers)
-        if not (cfg.cdc.streams or cfg.cdc.handlers or stages):
+        if not (cfg.cdc.streams or cfg.cdc.mirrors or cfg.cdc.handlers or stages):
             return NullExecutor()
+        if not (cfg.cdc.streams or cfg.cdc.handlers or stages):
+            # Mirrors only: they need no Spark (daemon/spark/mirrors.py).
+            from daemon.spark.mirrors import MirrorExecutor
+
+            wal = self.wal.wal_id if self.wal is not None else ""
+            return MirrorExecutor(cfg, self.metrics, wal_id=wal)
         from daemon.spark import session as sparkmod
         from daemon.spark.executor import SparkExecutor, uses_delta
 
@@ -456,15 +462,15 @@ class Daemon:
         before: dict[str, Any] = dict(self.triggers.triggers) if self.triggers is not None else {}
         if self.triggers is not None:
             errors = await self.triggers.reload_specs(new.triggers)
-        elif new.triggers and isinstance(self.executor, NullExecutor):
+        elif new.triggers and not hasattr(self.executor, "add_stage"):
             errors = []
             not_applied = names
             log.error(
                 "reload.triggers_need_restart",
                 triggers=names,
                 message="the daemon started without Spark (no [[cdc.streams]], "
-                "[[cdc.handlers]] or [[triggers]]), and triggers run inside Spark "
-                "micro-batches: restart the daemon to start Spark and apply them",
+                "[[cdc.handlers]] or [[triggers]]; mirrors need none), and triggers run "
+                "inside Spark micro-batches: restart the daemon to start Spark and apply them",
             )
         elif new.triggers:
             errors = await self._add_trigger_stage(new)

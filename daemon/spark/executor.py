@@ -10,7 +10,8 @@ builds the SparkSession in the background (:mod:`daemon.spark.lifecycle`).
    or one Arrow table for non-local masters;
 2. -> DataFrame (:mod:`daemon.spark.frame`), built only when something reads it;
 3. each ``BatchStage.run_in_spark`` (triggers); its ``finish`` starts at once;
-4. meanwhile each CDC stream commits its rows exactly once (``daemon.table``);
+4. meanwhile each CDC stream commits its rows exactly once (``daemon.table``),
+   then each mirror merges its collection's (``daemon.spark.mirrors``);
 5. each ``[[cdc.handlers]]`` function gets ``(df, batch_id)``.
 
 Steps 3-5 are stages (``stage_names()``); a failed stage does not stop the
@@ -50,11 +51,13 @@ from daemon.spark import deltajars, frame, rawinbox
 from daemon.spark import session as sparkmod
 from daemon.spark.lifecycle import SessionLife, State, _Status
 from daemon.spark.maintenance import StreamMaintenance
+from daemon.spark.mirrors import commit_mirrors, mirror_stage, open_mirrors
 from daemon.table import sparkio
 from daemon.table.compact import CompactionService
 from daemon.table.crash import crash_point
 from daemon.table.delta import sink_class
 from daemon.table.layout import CDC_COLUMNS
+from daemon.table.mirror import MirrorTable
 from daemon.table.parquet import CdcSink
 from daemon.table.sink import CommitResult
 
@@ -189,6 +192,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         self._factory = session_factory or self._default_factory
         self._sleep = sleep
         self._sinks: list[CdcSink] = []
+        self._mirrors: list[MirrorTable] = []
         self.compaction: CompactionService | None = None
         self._inbox: Path | None = cfg.data_dir / "spark-inbox" if uses_inbox(cfg) else None
         self._cores: int | None = None  # Spark's default parallelism, asked once
@@ -241,6 +245,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         return [
             *(st.name for st in self._stages),
             *(sink_stage(s) for s in self._sinks),
+            *(mirror_stage(m) for m in self._mirrors),
             *(handler_stage(ref) for ref, _ in self._handlers),
         ]
 
@@ -294,6 +299,13 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                 ) from exc
         loop = asyncio.get_running_loop()
         self._sinks = await loop.run_in_executor(self._pool, self._open_sinks)
+        try:
+            self._mirrors = await loop.run_in_executor(
+                self._pool, open_mirrors, self.cfg, self.wal_id
+            )
+        except BaseException:
+            await loop.run_in_executor(self._pool, self._close_in_thread)
+            raise
         for sink in self._sinks:
             self._status.streams[sink.name] = sink.last_batch_id
         if any(s.stream.retention_s is not None for s in self._sinks):
@@ -419,8 +431,9 @@ class SparkExecutor(SessionLife, StreamMaintenance):
 
     def _count_collections(self) -> bool:
         """Whether a batch's rows per collection are needed: by a CDC stream
-        that takes some collections, not all (``_rows_for``)."""
-        return any(s.stream.collections != ("*",) for s in self._sinks)
+        that takes some collections, not all (``_rows_for``), or a mirror (a
+        batch without its collection's rows is not decoded for it)."""
+        return bool(self._mirrors) or any(s.stream.collections != ("*",) for s in self._sinks)
 
     async def stop(self) -> None:
         """Wait for the batch in flight, close streams, stop the session we built."""
@@ -489,6 +502,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                 }
                 for s in self._sinks
             },
+            "mirrors": {m.name: m.status() for m in self._mirrors},
             "stages": [s.name for s in self._stages],
             "handlers": [ref for ref, _ in self._handlers],
         }
@@ -523,6 +537,14 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                 (p / "_eventplane").mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 errors.append(f"cdc.streams[{i}].path: cannot create {p} ({exc.strerror})")
+        for i, m in enumerate(self.cfg.cdc.mirrors):
+            p = Path(m.path).resolve()
+            for j, q in seen:
+                if p == q or p.is_relative_to(q) or q.is_relative_to(p):
+                    errors.append(
+                        f"cdc.mirrors[{i}].path: {p} overlaps cdc.streams[{j}].path ({q}); "
+                        f"a mirror needs its own folder (a reader of one would see both)"
+                    )
         if errors:
             raise ConfigError(errors, str(self.cfg.source or "config"))
 
@@ -551,6 +573,8 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         return sinks
 
     def _close_in_thread(self) -> None:
+        for mirror in self._mirrors:
+            mirror.close()
         for sink in self._sinks:
             sink.close()
         # _built covers a session whose build finished after stop() cancelled the boot.
@@ -674,6 +698,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         stages = [st for st in self._stages if st.name in wanted]
         handlers = [(ref, f) for ref, f in self._handlers if handler_stage(ref) in wanted]
         failures: dict[str, BaseException] = {}
+        mirrors = 0  # mirror stages that ran (step 4b)
         commits: list[CommitResult] = []
         results: list[tuple[BatchStage, Any]] = []
         cached = False
@@ -760,6 +785,8 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                     commits.append(sink.commit(df, batch, rows, source))
                 except Exception as exc:
                     failures[sink_stage(sink)] = exc
+            # Step 4b. Each mirror merges its collection's rows exactly once.
+            mirrors = commit_mirrors(self._mirrors, batch, wanted, counts, failures, self.metrics)
             # Step 5. Handlers.
             if handlers:
                 contract = batch_df().select(*CDC_COLUMNS)
@@ -775,7 +802,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                 except Exception as exc:  # a dead JVM took the cache with it
                     log.warning("batch_unpersist_failed", error=f"{type(exc).__name__}: {exc}")
             self._remove_inbox_files(batch.batch_id)  # even when the JVM died mid-batch
-        ran = len(sinks) + len(stages) + len(handlers)
+        ran = len(sinks) + len(stages) + len(handlers) + mirrors
         return _Outcome(nrows, commits, results, time.monotonic() - started, failures, ran)
 
     def _parallelism(self, spark: Any) -> int:

@@ -65,6 +65,12 @@ DELTA_CRASH_POINTS = (
 S3_CRASH_POINTS = (
     "delta.before_log_commit",  # files uploaded, the log read, the entry not written
 )
+# A mirror's commit (daemon/table/mirror.py).
+MIRROR_CRASH_POINTS = (
+    "mirror.before_commit",  # the batch reduced, nothing merged
+    "mirror.after_commit",  # merged with its txn, the stage's progress not recorded
+    "executor.after_commit",  # every sink and stage done, execute() not returned
+)
 CRASH_POINTS = tuple(
     dict.fromkeys(
         COMMIT_CRASH_POINTS
@@ -73,6 +79,7 @@ CRASH_POINTS = tuple(
         + REPLAY_CRASH_POINTS
         + DELTA_CRASH_POINTS
         + S3_CRASH_POINTS
+        + MIRROR_CRASH_POINTS
     )
 )
 _crash_hits: dict[str, int] = {}

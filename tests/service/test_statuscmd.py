@@ -386,3 +386,13 @@ def test_the_wal_archive_has_a_line_when_configured() -> None:
     text = statusmod.render(doc)
     assert "archive     FENCED  ack archived  archived 4  unarchived 100 B / 0.2 s" in text
     assert "archive " not in statusmod.render({"wal": {"head_lsn": 5}})
+
+
+def test_a_mirror_has_a_line_with_its_batch_and_cast_failures() -> None:
+    doc = sample_status()
+    doc["spark"] = {
+        "ready": True,
+        "mirrors": {"orders": {"last_batch_id": 41, "cast_failures": {"amount": 3, "day": 2}}},
+    }
+    text = statuscmd.render(doc, now=NOW)
+    assert "mirror orders batch 41  5 values that did not fit their column" in text

@@ -1,0 +1,673 @@
+"""Mirror tables: a collection's current state, one row per key, as a Delta table.
+
+A ``[[cdc.mirrors]]`` entry's table is a fold of its collection's change log
+(invariant 22): after the mirror's stage committed batch B, it holds, per
+key, the event of the highest LSN up to B's, unless that event is a delete.
+Layout of ``path``::
+
+    <path>/_delta_log/                    Delta's transaction log: the table
+    <path>/bucket=<n>/part-*.parquet      data files, bucket = crc32(key) % buckets
+    <path>/_eventplane/lock               flock: one writer per mirror
+    <path>/_eventplane/quarantine/        a strict mirror's events that do not fit
+
+Commit protocol for batch B of mirror M (:meth:`MirrorTable.commit`):
+
+0. **Idempotency.** The table's ``txn`` of ``eventplane/<WAL id>/mirror/<M>``
+   is at or above B: the batch is in the table, nothing is written.
+1. **Reduce.** The batch's rows of the collection, the highest LSN per key;
+   the typed columns cast from ``new`` (:func:`cast`).
+2. **Merge.** One delta-rs MERGE of those rows into the buckets they touch
+   (a literal ``bucket IN (...)`` prunes the rest), with the ``txn``
+   (app id, B) in its own commit: an insert or update upserts, a delete
+   removes the key (``t.lsn < s.lsn`` guards both: a row never goes back);
+   then the new log entries and their data files are fsynced.
+
+A crash anywhere before step 2's commit leaves the table as it was; after
+it, the re-run stops at step 0. A merge that changes nothing (deletes of
+unknown keys only) commits nothing, which is the same table.
+Compaction (OPTIMIZE, then VACUUM) runs after a commit in the same thread,
+never beside a merge (delta-rs fails a merge that an OPTIMIZE overtook).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Context, Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from daemon.config import MIRROR_COLUMNS, CdcMirror
+from daemon.errors import IdentityMismatchError
+from daemon.plane.batch import MicroBatch
+from daemon.table.crash import crash_point
+from daemon.table.durable import atomic_write_json, fsync_dir, fsync_file
+from daemon.table.errors import CdcLayoutError, CdcStreamLockedError
+from daemon.table.layout import META_DIR
+from daemon.table.location import LOG_DIR
+from wal import lockfile
+
+log = structlog.get_logger("eventplane.mirror")
+
+# Delta's properties of a mirror's table (no deletion vectors: delta-rs
+# writes none, and some readers cannot read them; a checkpoint every 10
+# commits, as Spark's default).
+MIRROR_PROPERTIES = {
+    "delta.enableDeletionVectors": "false",
+    "delta.checkpointInterval": "10",
+}
+# Commits between two compactions (OPTIMIZE, then VACUUM) of a mirror.
+COMPACT_EVERY = 50
+# VACUUM keeps the files the snapshots of the last this many hours read.
+VACUUM_RETAIN_HOURS = 168
+_INT64 = (-(2**63), 2**63 - 1)
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+# Wide enough for any decimal(38, s) and for telling a value that does not fit.
+_DECIMALS = Context(prec=200)
+
+
+def app_id(wal_id: str, name: str) -> str:
+    """The Delta ``txnAppId`` of a mirror's batch commits."""
+    return f"eventplane/{wal_id}/mirror/{name}"
+
+
+def bucket_of(key: str, buckets: int) -> int:
+    """The bucket (the table's partition) of ``key``: crc32 of its UTF-8 bytes."""
+    return zlib.crc32(key.encode("utf-8")) % buckets
+
+
+# -- casting -----------------------------------------------------------------
+
+
+def json_type(value: Any) -> str:
+    """A parsed JSON value's type, as a refusal names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float | Decimal):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def parse_doc(text: str | bytes) -> Any:
+    """``new`` as JSON with exact numbers (a fraction is a ``Decimal``)."""
+    return json.loads(text, parse_float=Decimal)
+
+
+class NoFit(Exception):
+    """A value that the column's type cannot hold."""
+
+
+def cast(value: Any, kind: str) -> Any:
+    """``value`` (parsed by :func:`parse_doc`) as a column of type ``kind``
+    holds it, None for null; raises :class:`NoFit`. The rules: a JSON number
+    fills long (if integral and in range), double and decimal(p,s) (if it
+    fits p,s without rounding); an ISO-8601 string or epoch milliseconds fills
+    timestamp (no offset: UTC) and date (the UTC day); a string is never read
+    as a number, nor a number as a string; boolean takes true and false only."""
+    if value is None:
+        return None
+    number = isinstance(value, int | Decimal) and not isinstance(value, bool)
+    if kind == "string":
+        if isinstance(value, str):
+            return value
+    elif kind == "boolean":
+        if isinstance(value, bool):
+            return value
+    elif kind == "long":
+        if number:
+            exact = Decimal(value)
+            if exact == exact.to_integral_value() and _INT64[0] <= exact <= _INT64[1]:
+                return int(exact)
+    elif kind == "double":
+        if number:
+            out = float(value)
+            if abs(out) != float("inf"):
+                return out
+    elif kind.startswith("decimal("):
+        if number:
+            return _decimal(Decimal(value), kind)
+    elif kind in ("timestamp", "date"):
+        moment = _moment(value)
+        if moment is not None:
+            return moment if kind == "timestamp" else moment.date()
+    raise NoFit(kind)
+
+
+def _decimal(value: Decimal, kind: str) -> Decimal:
+    p, s = (int(x) for x in kind[len("decimal(") : -1].split(","))
+    try:
+        exact = value.quantize(Decimal(1).scaleb(-s), context=_DECIMALS)
+    except InvalidOperation:
+        raise NoFit(kind) from None
+    if exact != value or abs(exact) >= Decimal(10) ** (p - s):
+        raise NoFit(kind)
+    return exact
+
+
+def _moment(value: Any) -> dt.datetime | None:
+    """An ISO-8601 string or epoch milliseconds as a UTC datetime."""
+    try:
+        if isinstance(value, str):
+            if len(value) == 10:  # a date: its midnight, UTC
+                day = dt.date.fromisoformat(value)
+                return dt.datetime(day.year, day.month, day.day, tzinfo=dt.UTC)
+            moment = dt.datetime.fromisoformat(value)
+            if moment.tzinfo is None:
+                return moment.replace(tzinfo=dt.UTC)
+            return moment.astimezone(dt.UTC)
+        if isinstance(value, int | Decimal) and not isinstance(value, bool):
+            exact = Decimal(value)
+            if exact == exact.to_integral_value():
+                return _EPOCH + dt.timedelta(milliseconds=int(exact))
+    except (ValueError, OverflowError):
+        return None
+    return None
+
+
+def check_new(doc: Any, columns: tuple[tuple[str, str], ...]) -> tuple[str, str, str] | None:
+    """The first typed column that ``doc`` (a parsed ``new``) does not fit, as
+    ``(field, value type, column type)``; None when every one fits."""
+    if not isinstance(doc, dict):
+        return None
+    for name, kind in columns:
+        try:
+            cast(doc.get(name), kind)
+        except NoFit:
+            return name, json_type(doc.get(name)), kind
+    return None
+
+
+def arrow_type(kind: str) -> Any:
+    import pyarrow as pa
+
+    simple = {
+        "string": pa.string(),
+        "long": pa.int64(),
+        "double": pa.float64(),
+        "boolean": pa.bool_(),
+        "timestamp": pa.timestamp("us", tz="UTC"),
+        "date": pa.date32(),
+    }
+    if kind in simple:
+        return simple[kind]
+    p, s = (int(x) for x in kind[len("decimal(") : -1].split(","))
+    return pa.decimal128(p, s)
+
+
+def arrow_schema(mirror: CdcMirror) -> Any:
+    """The mirror table's columns (docs/cdc.md, "Mirror tables")."""
+    import pyarrow as pa
+
+    fixed = [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("bucket", pa.int32(), nullable=False),
+        pa.field("lsn", pa.int64(), nullable=False),
+        pa.field("op", pa.string(), nullable=False),
+        pa.field("updated_at", pa.timestamp("us", tz="UTC")),
+        pa.field("producer", pa.string()),
+        pa.field("doc", pa.string()),
+    ]
+    assert [f.name for f in fixed] == list(MIRROR_COLUMNS)
+    return pa.schema(fixed + [pa.field(n, arrow_type(k)) for n, k in mirror.columns])
+
+
+# -- the fold of one batch ------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Reduced:
+    """A batch's rows of a mirror's collection, reduced (commit step 1)."""
+
+    rows: list[dict[str, Any]]  # one per key: the highest LSN's
+    events: int  # the collection's events in the batch
+    cast_failures: dict[str, int] = field(default_factory=dict)  # column -> values nulled
+    # A strict mirror's events that do not fit (an emit action's: ingest
+    # refuses a producer's), set aside before the reduction.
+    set_aside: list[dict[str, Any]] = field(default_factory=list)
+
+
+def reduce(mirror: CdcMirror, table: Any) -> Reduced:
+    """``table`` (a batch's rows as ``daemon.spark.frame.batch_table`` makes them)
+    reduced to the mirror's rows: its collection's, the highest LSN per key,
+    typed columns cast (a value that does not fit: null, counted per column;
+    a strict mirror sets the event aside instead)."""
+    import pyarrow.compute as pc
+
+    mine = table.filter(pc.equal(table["collection"], mirror.collection))
+    latest: dict[str, dict[str, Any]] = {}
+    set_aside: list[dict[str, Any]] = []
+    cols = ("lsn", "op", "key", "new_json", "ingest_ts", "producer")
+    for lsn, op, key, new, ts, producer in zip(*(mine[c].to_pylist() for c in cols), strict=True):
+        if mirror.strict and op != "delete" and new is not None:
+            bad = check_new(parse_doc(new), mirror.columns)
+            if bad is not None:
+                field_name, value_type, column_type = bad
+                set_aside.append(
+                    {
+                        "lsn": lsn,
+                        "key": key,
+                        "op": op,
+                        "new": new,
+                        "error": f'field "new.{field_name}": a {value_type} does not fit '
+                        f"the {column_type} column",
+                    }
+                )
+                continue
+        held = latest.get(key)
+        if held is None or held["lsn"] < lsn:
+            latest[key] = {"lsn": lsn, "op": op, "key": key, "doc": new, "ts": ts, "p": producer}
+    failures: dict[str, int] = {}
+    rows = []
+    for key, ev in latest.items():
+        row: dict[str, Any] = {
+            "key": key,
+            "bucket": bucket_of(key, mirror.buckets),
+            "lsn": ev["lsn"],
+            "op": ev["op"],
+            "updated_at": ev["ts"],
+            "producer": ev["p"],
+            "doc": None if ev["op"] == "delete" else ev["doc"],
+        }
+        doc = parse_doc(ev["doc"]) if row["doc"] is not None else None
+        for name, kind in mirror.columns:
+            value = doc.get(name) if isinstance(doc, dict) else None
+            try:
+                row[name] = cast(value, kind)
+            except NoFit:
+                row[name] = None
+                failures[name] = failures.get(name, 0) + 1
+        rows.append(row)
+    set_aside.sort(key=lambda e: e["lsn"])  # the batch is in core order
+    return Reduced(rows, mine.num_rows, failures, set_aside)
+
+
+def fold(mirror: CdcMirror, state: dict[str, dict[str, Any]], reduced: Reduced) -> None:
+    """What a merge of ``reduced`` does to a mirror, on a dict key -> row: the
+    reference the tests compare the table with."""
+    for row in reduced.rows:
+        held = state.get(row["key"])
+        if held is not None and held["lsn"] >= row["lsn"]:
+            continue
+        if row["op"] == "delete":
+            state.pop(row["key"], None)
+        else:
+            state[row["key"]] = row
+
+
+# -- the table ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorResult:
+    mirror: str
+    batch_id: int
+    events: int  # the collection's events in the batch
+    keys: int  # rows merged (one per key)
+    noop: bool  # the table held the batch already, or it had no rows
+    seconds: float
+    cast_failures: Mapping[str, int]
+    metrics: Mapping[str, Any]  # delta-rs's merge metrics
+
+
+class MirrorTable:
+    """One mirror's Delta table, as its stage drives it (module docstring)."""
+
+    def __init__(self, mirror: CdcMirror, *, wal_id: str, cores: int) -> None:
+        self.mirror = mirror
+        self.wal_id = wal_id
+        self.cores = cores
+        self.app_id = app_id(wal_id, mirror.name)
+        self.path = Path(mirror.path)
+        self.meta = self.path / META_DIR
+        self.uri = mirror.uri or str(self.path)
+        self.storage_options: dict[str, str] | None = None
+        if mirror.uri:
+            from daemon.table.s3 import storage_options
+
+            assert mirror.s3 is not None
+            self.storage_options = storage_options(mirror.s3)
+        self._lock_fd: int | None = None
+        self.keeper: Any = None  # on S3: the writer's lease (daemon/table/lease.py)
+        self._dt: Any = None
+        self.commits_since_compaction = 0
+        self.last_batch_id: int | None = None  # the table's txn version (open, commit)
+        self.last_commit: dict[str, Any] | None = None
+        self.last_compaction: dict[str, Any] | None = None
+        self.cast_failures: dict[str, int] = {}
+        self.quarantined = 0  # events a strict mirror set aside (_eventplane/quarantine/)
+
+    @property
+    def name(self) -> str:
+        return self.mirror.name
+
+    @property
+    def stage(self) -> str:
+        return f"mirror:{self.mirror.name}"
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def open(self) -> None:
+        """Lock the mirror, check an existing table is this mirror's, unchanged."""
+        self.meta.mkdir(parents=True, exist_ok=True)
+        holder = {"mirror": self.name, "wal_id": self.wal_id}
+        try:
+            self._lock_fd = lockfile.take(self.meta / "lock", holder)
+        except lockfile.LockHeld as exc:
+            raise CdcStreamLockedError(
+                f"mirror {self.name!r}: {self.mirror.location} is locked by another process "
+                f"(another eventplane daemon writes it): its lock {exc}; stop that one or use "
+                f"another path"
+            ) from None
+        try:
+            self._take_lease()
+            self.quarantined = sum(
+                len(json.loads(f.read_bytes())["events"]) for f in self._quarantine_files()
+            )
+            table = self._table(create=False)
+            if table is not None:
+                self._check(table)
+                done = table.transaction_version(self.app_id)
+                self.last_batch_id = None if done is None else int(done)
+            else:  # made now, empty: a reader finds the table before the first row
+                self._table(create=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def _take_lease(self) -> None:
+        """A table on S3: the writer's lease, ``_eventplane/lease.json`` under
+        its prefix (one writer per table, invariant 18), checked before each
+        merge."""
+        if not self.mirror.uri:
+            return
+        from daemon.table import s3
+        from daemon.table.lease import Holder, Keeper, Lease, S3Store
+
+        cfg = self.mirror.s3
+        assert cfg is not None
+        problem = s3.check(cfg, self.mirror.uri)
+        if problem is not None:
+            raise s3.S3Error(f"mirror {self.name!r}: {self.mirror.uri}: {problem}")
+        where = s3.Location.parse(self.mirror.uri)
+        holder = Holder.this_process(str(self.path), self.wal_id, self.stage)
+        lease = Lease(
+            S3Store(s3.client(cfg), where.bucket),
+            where.key(f"{META_DIR}/lease.json"),
+            holder,
+            ttl_s=cfg.lease_ttl_s,
+            skew_s=cfg.lease_skew_s,
+        )
+        self.keeper = Keeper(lease, f"mirror {self.name!r} ({self.mirror.uri})")
+        self.keeper.start()
+
+    def close(self) -> None:
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None:
+            keeper.stop()
+        self._dt = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def _properties(self) -> dict[str, str]:
+        return {
+            "eventplane.mirror": self.name,
+            "eventplane.collection": self.mirror.collection,
+            "eventplane.wal_id": self.wal_id,
+            "eventplane.cores": str(self.cores),
+            "eventplane.buckets": str(self.mirror.buckets),
+        }
+
+    def _table(self, *, create: bool) -> Any:
+        """The table, loaded once then updated; None when there is none and
+        ``create`` is False."""
+        from deltalake import DeltaTable
+        from deltalake.exceptions import TableNotFoundError
+
+        if self._dt is not None:
+            return self._dt
+        try:
+            self._dt = DeltaTable(self.uri, storage_options=self.storage_options)
+        except TableNotFoundError:
+            if not create:
+                return None
+            self._dt = DeltaTable.create(
+                self.uri,
+                arrow_schema(self.mirror),
+                mode="ignore",
+                partition_by=["bucket"],
+                configuration={**MIRROR_PROPERTIES, **self._properties()},
+                storage_options=self.storage_options,
+                raise_if_key_not_exists=False,
+            )
+            log.info("mirror_table_created", mirror=self.name, path=self.mirror.location)
+        return self._dt
+
+    def _check(self, table: Any) -> None:
+        """Invariant 13 and the fixed layout: another daemon's table refuses, so
+        do a changed ``buckets`` and changed columns."""
+        props = dict(table.metadata().configuration)
+        ours = self._properties()
+        where = f"mirror {self.name!r}: the Delta table at {self.mirror.location}"
+        if "eventplane.mirror" not in props:
+            raise IdentityMismatchError(
+                f"{where} does not name an eventplane mirror (no eventplane.mirror property): "
+                f"eventplane did not make it. Point the mirror's path at a new folder."
+            )
+        for key in ("eventplane.wal_id", "eventplane.cores", "eventplane.collection"):
+            if props.get(key) != ours[key]:
+                raise IdentityMismatchError(
+                    f"{where} was made by another event plane or for another collection "
+                    f"({key} = {props.get(key)!r}; this one: {ours[key]!r}). Point the mirror's "
+                    f"path at a new folder, or move the old one away."
+                )
+        rebuild = (
+            "a mirror's buckets and columns are fixed when its table is made; to change them, "
+            'rebuild the mirror: point its path at a new folder (docs/cdc.md, "Mirror tables")'
+        )
+        if props.get("eventplane.buckets") != ours["eventplane.buckets"]:
+            raise CdcLayoutError(
+                f"{where} has {props.get('eventplane.buckets')} buckets, the config says "
+                f"buckets = {self.mirror.buckets}: {rebuild}"
+            )
+        import pyarrow as pa
+
+        have = pa.schema(table.schema().to_arrow())
+        want = arrow_schema(self.mirror)
+        shown_have = [(f.name, str(f.type)) for f in have]
+        shown_want = [(f.name, str(f.type)) for f in want]
+        if shown_have != shown_want:
+            diff = [c for c in shown_want if c not in shown_have]
+            gone = [c for c in shown_have if c not in shown_want]
+            raise CdcLayoutError(
+                f"{where} has other columns than the config's (the config adds or changes "
+                f"{diff or 'none'}; the table has {gone or 'no others'}): {rebuild}"
+            )
+
+    # -- one batch -----------------------------------------------------------
+
+    def done(self, batch_id: int) -> bool:
+        """The table holds ``batch_id`` (commit step 0)."""
+        table = self._table(create=False)
+        if table is None:
+            return False
+        table.update_incremental()
+        version = table.transaction_version(self.app_id)
+        return version is not None and int(version) >= batch_id
+
+    def commit(self, table: Any, batch: MicroBatch) -> MirrorResult:
+        """Merge the mirror's rows of ``batch`` (its rows as an Arrow table,
+        ``daemon.spark.frame.batch_table``) exactly once (module docstring)."""
+        started = time.monotonic()
+        bid = batch.batch_id
+        if self.done(bid):  # Step 0.
+            return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
+        reduced = reduce(self.mirror, table)  # Step 1.
+        if reduced.set_aside:
+            self._set_aside(bid, reduced.set_aside)
+        if not reduced.rows:
+            return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
+        crash_point("mirror.before_commit")
+        metrics = self._merge(reduced, batch)  # Step 2.
+        crash_point("mirror.after_commit")
+        self.last_batch_id = bid
+        self.commits_since_compaction += 1
+        for column, n in reduced.cast_failures.items():
+            self.cast_failures[column] = self.cast_failures.get(column, 0) + n
+        seconds = time.monotonic() - started
+        self.last_commit = {
+            "batch_id": bid,
+            "events": reduced.events,
+            "keys": len(reduced.rows),
+            "seconds": round(seconds, 4),
+            "at": time.time(),
+        }
+        if self.commits_since_compaction >= COMPACT_EVERY:
+            self.compact()
+        return MirrorResult(
+            self.name,
+            bid,
+            reduced.events,
+            len(reduced.rows),
+            False,
+            seconds,
+            reduced.cast_failures,
+            metrics,
+        )
+
+    def _quarantine_files(self) -> list[Path]:
+        return sorted((self.meta / "quarantine").glob("b*.json"))
+
+    def _set_aside(self, bid: int, rows: list[dict[str, Any]]) -> None:
+        """A strict mirror's events that do not fit, durable before the merge
+        (a re-run writes the same file again): each event is then in the table
+        or in ``_eventplane/quarantine/b<batch>.json``, never both."""
+        folder = self.meta / "quarantine"
+        folder.mkdir(exist_ok=True)
+        path = folder / f"b{bid:012d}.json"
+        had = len(json.loads(path.read_bytes())["events"]) if path.exists() else 0
+        atomic_write_json(path, {"mirror": self.name, "batch_id": bid, "events": rows})
+        self.quarantined += len(rows) - had
+        log.warning("mirror_events_set_aside", mirror=self.name, batch_id=bid, events=len(rows))
+
+    def _merge(self, reduced: Reduced, batch: MicroBatch) -> dict[str, Any]:
+        import pyarrow as pa
+        from deltalake import CommitProperties, PostCommitHookProperties, Transaction
+
+        if self.keeper is not None:
+            self.keeper.check()
+        table = self._table(create=True)
+        table.update_incremental()
+        before = int(table.version())
+        schema = arrow_schema(self.mirror)
+        source = pa.Table.from_pylist(reduced.rows, schema=schema)
+        buckets = ", ".join(str(b) for b in sorted({r["bucket"] for r in reduced.rows}))
+        # A literal list of the target's buckets: delta-rs prunes the others.
+        predicate = f"t.bucket IN ({buckets}) AND t.bucket = s.bucket AND t.key = s.key"
+        values = {name: f"s.{name}" for name in schema.names}
+        meta = {
+            "eventplane": {
+                "batch_id": batch.batch_id,
+                "ranges": {str(c): [a, b] for c, (a, b) in sorted(batch.ranges().items())},
+                "events": reduced.events,
+                "keys": len(reduced.rows),
+            }
+        }
+        properties = CommitProperties(
+            custom_metadata={"userMetadata": json.dumps(meta, separators=(",", ":"))},
+            app_transactions=[Transaction(self.app_id, batch.batch_id, int(time.time() * 1000))],
+        )
+        metrics: dict[str, Any] = (
+            table.merge(
+                source,
+                predicate,
+                source_alias="s",
+                target_alias="t",
+                commit_properties=properties,
+                post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
+            )
+            .when_matched_delete(predicate="s.op = 'delete' AND t.lsn < s.lsn")
+            .when_matched_update(values, predicate="s.op <> 'delete' AND t.lsn < s.lsn")
+            .when_not_matched_insert(values, predicate="s.op <> 'delete'")
+            .execute()
+        )
+        table.update_incremental()
+        self._sync(before, int(table.version()))
+        return metrics
+
+    def _sync(self, before: int, after: int) -> None:
+        """fsync the data files and log entries of versions ``before+1..after``
+        (delta-rs does not): the stage's progress that follows never names a
+        commit a power loss could take back. Nothing to do on S3."""
+        if self.mirror.uri or after <= before:
+            return
+        log_dir = self.path / LOG_DIR
+        folders: set[Path] = set()
+        for version in range(before + 1, after + 1):
+            entry = log_dir / f"{version:020d}.json"
+            for line in entry.read_text().splitlines():
+                add = json.loads(line).get("add") if line.strip() else None
+                if add is not None:
+                    from urllib.parse import unquote
+
+                    file = self.path / unquote(add["path"])
+                    fsync_file(file)
+                    folders.add(file.parent)
+            fsync_file(entry)
+        for folder in folders:
+            fsync_dir(folder)
+        fsync_dir(log_dir)
+
+    # -- maintenance -----------------------------------------------------------
+
+    def compact(self) -> dict[str, Any]:
+        """OPTIMIZE (bin-packing each bucket's files), then VACUUM of the files
+        no snapshot of the last ``VACUUM_RETAIN_HOURS`` reads; in the commit's
+        thread, so never beside a merge."""
+        started = time.monotonic()
+        table = self._table(create=False)
+        if table is None:
+            return {}
+        table.update_incremental()
+        metrics = table.optimize.compact(max_concurrent_tasks=1)
+        table.vacuum(
+            retention_hours=VACUUM_RETAIN_HOURS,
+            dry_run=False,
+            enforce_retention_duration=False,
+        )
+        table.cleanup_metadata()
+        table.update_incremental()
+        self.commits_since_compaction = 0
+        self.last_compaction = {
+            "at": time.time(),
+            "seconds": round(time.monotonic() - started, 3),
+            "files_removed": int(metrics.get("numFilesRemoved", 0)),
+            "files_added": int(metrics.get("numFilesAdded", 0)),
+        }
+        log.info("mirror_compacted", mirror=self.name, **self.last_compaction)
+        return self.last_compaction
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "path": self.mirror.location,
+            "collection": self.mirror.collection,
+            "buckets": self.mirror.buckets,
+            "strict": self.mirror.strict,
+            "last_batch_id": self.last_batch_id,
+            "last_commit": self.last_commit,
+            "last_compaction": self.last_compaction,
+            "cast_failures": dict(self.cast_failures),
+            "quarantined": self.quarantined,
+            **({"lease": self.keeper.status()} if self.keeper is not None else {}),
+        }

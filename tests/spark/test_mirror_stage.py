@@ -1,0 +1,80 @@
+"""A mirror beside a CDC stream in the Spark executor: its own stage
+(``mirror:<name>``), run with the batch after the streams, without a Spark
+job; each stage runs alone when it is the only one level with a batch (a
+paused or failing mirror holds back only itself), and status shows it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.config import CdcConfig, CdcMirror
+from daemon.errors import ExecutorError
+from daemon.metrics import Metrics
+from daemon.spark.executor import SparkExecutor
+from tests.spark.support import make_config
+from tests.table.test_mirror import COLUMNS, make_batch, read_rows
+
+pytestmark = pytest.mark.spark
+
+
+async def test_the_mirror_stage_commits_beside_a_stream_and_alone(
+    spark: Any, tmp_path: Path, metrics: Metrics, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = make_config(tmp_path)
+    mirror = CdcMirror("orders", "orders", tmp_path / "mirror", COLUMNS, buckets=4)
+    cfg = dataclasses.replace(cfg, cdc=dataclasses.replace(cfg.cdc, mirrors=(mirror,)))
+    assert isinstance(cfg.cdc, CdcConfig)
+    ex = SparkExecutor(cfg, metrics, wal_id="wal-1", session=spark)
+    await ex.start()
+    try:
+        assert ex.stage_names() == ["cdc:all", "mirror:orders"]
+        b1 = make_batch(
+            1,
+            [
+                (1, "orders", "insert", "a", {"amount": "x"}),
+                (2, "other", "insert", "a", {"amount": 2}),
+            ],
+        )
+        assert await ex.execute(b1) == {}
+        assert {k: r["lsn"] for k, r in read_rows(tmp_path / "mirror").items()} == {"a": 1}
+        value = metrics.mirror_cast_failures.labels("orders", "amount")._value.get()
+        assert value == 1
+
+        # Batch 2 for the stream alone (the mirror paused or behind): the mirror waits.
+        b2 = make_batch(
+            2,
+            [
+                (3, "orders", "update", "a", {"amount": 3}),
+                (4, "orders", "insert", "b", {"amount": 4}),
+            ],
+        )
+        assert await ex.execute(b2, {"cdc:all"}) == {}
+        assert set(read_rows(tmp_path / "mirror")) == {"a"}
+        # The mirror's failure is its own: the stream commits batch 3 meanwhile.
+        b3 = make_batch(3, [(5, "orders", "delete", "a", None)])
+        with monkeypatch.context() as patched:
+            patched.setattr(ex._mirrors[0], "commit", _fail)
+            with pytest.raises(ExecutorError, match="the mirror's volume is gone"):
+                await ex.execute(b2, {"mirror:orders"})
+            assert await ex.execute(b3, {"cdc:all"}) == {}
+        # Resumed, it catches up batch by batch.
+        assert await ex.execute(b2, {"mirror:orders"}) == {}
+        assert await ex.execute(b3, {"mirror:orders"}) == {}
+        rows = read_rows(tmp_path / "mirror")
+        assert {k: (r["lsn"], r["amount"]) for k, r in rows.items()} == {"b": (4, 4.0)}
+        status = ex.status()["mirrors"]["orders"]
+        assert status["last_batch_id"] == 3 and status["cast_failures"] == {"amount": 1}
+        lsns = {
+            r.lsn for r in spark.read.parquet(str(tmp_path / "cdc" / "all")).select("lsn").collect()
+        }
+        assert lsns == {1, 2, 3, 4, 5}
+    finally:
+        await ex.stop()
+
+
+def _fail(*_: Any) -> Any:
+    raise OSError("the mirror's volume is gone")
