@@ -65,6 +65,13 @@ DELTA_CRASH_POINTS = (
 S3_CRASH_POINTS = (
     "delta.before_log_commit",  # files uploaded, the log read, the entry not written
 )
+# `eventplane restore` (daemon/restore.py): a kill at any of them leaves no WAL
+# in the data_dir (run refuses, a new restore starts over).
+RESTORE_CRASH_POINTS = (
+    "restore.mid_download",  # after an object's frames are in the temp segments
+    "restore.after_takeover",  # the archive fenced at the next epoch, nothing in place
+    "restore.after_watermarks",  # watermarks.json in place, the WAL not yet
+)
 CRASH_POINTS = tuple(
     dict.fromkeys(
         COMMIT_CRASH_POINTS
@@ -73,6 +80,7 @@ CRASH_POINTS = tuple(
         + REPLAY_CRASH_POINTS
         + DELTA_CRASH_POINTS
         + S3_CRASH_POINTS
+        + RESTORE_CRASH_POINTS
     )
 )
 _crash_hits: dict[str, int] = {}
