@@ -39,6 +39,7 @@ from typing import IO, Any
 import structlog
 
 from daemon.config import Config
+from daemon.errors import ArchiveRefusedError
 from daemon.plane.watermarks import FILENAME as WATERMARKS_FILENAME
 from daemon.plane.watermarks import WatermarkSnapshot, WatermarkStore
 from daemon.table.crash import crash_point
@@ -249,7 +250,10 @@ def restore(
         summary.first_lsn, summary.last_lsn = segs.first_lsn, segs.next_lsn - 1
         if problem is not None:
             _move_lost(s3, where, numbers[problem[0] :])
-        summary.epoch = asyncio.run(_take_over(cfg, tmp_wal))
+        try:
+            summary.epoch = asyncio.run(_take_over(cfg, tmp_wal))
+        except ArchiveRefusedError as exc:  # a live holder, or objects that came meanwhile
+            raise RestoreRefused(f"{exc}. Nothing was changed; run the restore again") from exc
         crash_point("restore.after_takeover")
         snap = _watermarks(cfg, wal_id, summary)
         # Step 5: watermarks first (no WAL yet: run still refuses), then the WAL.
@@ -407,6 +411,8 @@ def _watermarks(cfg: Config, wal_id: str, summary: Summary) -> WatermarkSnapshot
 
 
 def main(cfg: Config, accept_loss_from: int | None, out: IO[str] = sys.stdout) -> int:
+    # The log to stderr: stdout is the summary.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     try:
         summary = restore(cfg, accept_loss_from=accept_loss_from, progress=sys.stderr)
     except RestoreRefused as exc:
