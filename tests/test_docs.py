@@ -28,7 +28,7 @@ CITING_SUFFIXES = {".py", ".toml", ".yml", ".yaml", ".service", ".md"}
 SKIP_DIRS = {".git", ".venv", "var", "node_modules", ".mypy_cache", ".ruff_cache"}
 
 README_MAX_LINES = 250
-DOCS_MAX_LINES = 4500
+DOCS_MAX_LINES = 4550
 
 FENCE = re.compile(r"^(\s*)```(.*)$")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
