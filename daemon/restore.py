@@ -394,6 +394,12 @@ def _watermarks(cfg: Config, wal_id: str, summary: Summary) -> WatermarkSnapshot
         positions[f"cdc:{stream.name}"] = _stream_position(stream, wal_id)
     for stage, (bid, high) in positions.items():
         summary.tables[stage] = (bid, [high.get(c, 0) for c in range(cores)])
+        if high and max(high.values()) > summary.last_lsn:
+            summary.not_derived.append(
+                f"{stage} holds LSN {max(high.values())}, above the restored WAL's last "
+                f"({summary.last_lsn}): `run` refuses to reuse those LSNs (docs/operating.md, "
+                '"Losing the machine")'
+            )
     if not positions:
         return WatermarkSnapshot(wal_id, cores, 0, tuple(max(floor, 0) for _ in range(cores)))
     batch_id = min(bid for bid, _ in positions.values())
