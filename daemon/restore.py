@@ -206,6 +206,7 @@ def restore(
     bar = _Progress(progress, len(numbers))
     masked = 0
     expected = 0  # the next LSN; 0 until the first data object
+    fenced_at = 0  # the highest archived LSN a fence records
     problem: tuple[int, int, str] | None = None  # (index, first LSN lost, why)
     try:
         for i, number in enumerate(numbers):
@@ -227,6 +228,7 @@ def restore(
             if head.fence:
                 summary.fences += 1
                 masked = max(masked, head.epoch)
+                fenced_at = max(fenced_at, head.last_lsn)  # what the archive held then
             elif head.epoch >= masked:
                 if expected and head.first_lsn != expected:
                     what = "missing" if head.first_lsn > expected else "overlapping"
@@ -244,8 +246,15 @@ def restore(
                 crash_point("restore.mid_download")
             bar(i + 1, summary.bytes)
         bar(len(numbers) if problem is None else problem[0], summary.bytes, final=True)
+        if problem is None and fenced_at > max(expected - 1, 0):
+            problem = (
+                len(numbers),
+                max(expected, 1),
+                f"the archive's objects end at LSN {expected - 1}, but a fence records that "
+                f"it held LSNs up to {fenced_at}: its last objects are missing (deleted by hand?)",
+            )
         if problem is not None:
-            _on_problem(s3, where, numbers, problem, accept_loss_from, summary, wal_id)
+            _on_problem(s3, where, numbers, problem, accept_loss_from, summary, wal_id, fenced_at)
         segs.finish()
         summary.first_lsn, summary.last_lsn = segs.first_lsn, segs.next_lsn - 1
         if problem is not None:
@@ -294,9 +303,10 @@ def _on_problem(
     accept: int | None,
     summary: Summary,
     wal_id: str,
+    fenced_at: int,
 ) -> None:
     index, first_lost, why = problem
-    last: int | None = None
+    last: int | None = fenced_at if fenced_at >= first_lost else None
     for number in numbers[index:]:
         try:
             got = s3.get_object(

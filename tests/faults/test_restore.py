@@ -137,6 +137,9 @@ def test_a_bit_flip_or_a_deleted_object_is_refused_by_name_and_loss_is_named(
     try:
         daemon.start(timeout_s=60)
         wal_id, last = _fill(daemon, 30)
+        # A restart: its fences record where the archive ended.
+        assert daemon.stop() == 0
+        daemon.start(timeout_s=60)
         daemon.kill()
         shutil.rmtree(data)
         _run_refuses(config)
@@ -157,6 +160,17 @@ def test_a_bit_flip_or_a_deleted_object_is_refused_by_name_and_loss_is_named(
         assert f"--accept-loss-from {head.first_lsn}" in got.stderr
         assert not (data / "wal").exists() and not (data / ".restore").exists()
         s3.put_object(Bucket=server.bucket, Key=key, Body=good)
+
+        # The last data object deleted by hand: the fences after it say so.
+        key, tail = objects[-1]
+        kept = s3.get_object(Bucket=server.bucket, Key=key)["Body"].read()
+        s3.delete_object(Bucket=server.bucket, Key=key)
+        got = _eventplane(config, "restore")
+        assert got.returncode == 1, got.stdout + got.stderr
+        assert f"objects end at LSN {tail.first_lsn - 1}, but a fence" in got.stderr
+        assert f"would lose LSN {tail.first_lsn}..{tail.last_lsn}:" in got.stderr
+        assert not (data / "wal").exists()
+        s3.put_object(Bucket=server.bucket, Key=key, Body=kept)
 
         # An object deleted by hand: the gap is named, nothing changed.
         key, head = objects[-2]
