@@ -117,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     access.add_arguments(p, access.ENV_TOKEN_FILE, "producer")
 
+    p = sub.add_parser(
+        "restore",
+        help="rebuild an empty data_dir from the WAL archive ([wal.archive]), same WAL id",
+    )
+    _add_config(p)
+    p.add_argument(
+        "--accept-loss-from",
+        type=int,
+        default=None,
+        metavar="LSN",
+        help="a gap or a bad object at LSN: restore what is before it (the LSNs lost are named)",
+    )
+
     p = sub.add_parser("wal", help="inspect, verify or repair the write-ahead log")
     wal_sub = p.add_subparsers(dest="wal_command", required=True, metavar="ACTION")
     for name, text in (
@@ -325,6 +338,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from daemon.cli import send
 
         return send.main(args, _load_for_client(args))
+    if args.command == "restore":
+        from daemon import restore
+
+        return restore.main(_load(args), args.accept_loss_from)
     if args.command == "wal":
         from wal import tool
 

@@ -47,7 +47,7 @@ import uvloop
 
 from daemon import security
 from daemon.config import Config
-from daemon.errors import ConfigError, DaemonError
+from daemon.errors import ArchiveRefusedError, ConfigError, DaemonError
 from daemon.ingest.server import IngestServer
 from daemon.plane.batch import BatchStage, Executor, NullExecutor
 from daemon.plane.eventplane import EventPlane
@@ -149,6 +149,19 @@ class Daemon:
         self.startup_step = f"the data dir {cfg.data_dir}"
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
 
+        if cfg.wal.archive is not None:
+            # A wiped disk never silently becomes a new WAL (docs/operating.md,
+            # "Losing the machine").
+            from daemon.restore import archive_holds_wal
+
+            self.startup_step = f"the WAL archive ([wal.archive] uri = {cfg.wal.archive.uri})"
+            held = await asyncio.to_thread(archive_holds_wal, cfg)
+            if held is not None:
+                raise ArchiveRefusedError(
+                    f"{cfg.wal_dir} holds no WAL, but the archive {cfg.wal.archive.uri} holds "
+                    f"WAL {held}: run `eventplane restore --config <this config>` to rebuild "
+                    "this data_dir from it (or point [wal.archive] uri at a new prefix)"
+                )
         # Step 1. The WAL: recovery of a torn tail happens here. Its lock file
         # names us, so a second daemon on this data_dir is told who holds it.
         self.startup_step = f"the WAL in {cfg.wal_dir}"

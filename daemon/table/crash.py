@@ -71,6 +71,13 @@ MIRROR_CRASH_POINTS = (
     "mirror.after_commit",  # merged with its txn, the stage's progress not recorded
     "executor.after_commit",  # every sink and stage done, execute() not returned
 )
+# `eventplane restore` (daemon/restore.py): a kill at any of them leaves no WAL
+# in the data_dir (run refuses, a new restore starts over).
+RESTORE_CRASH_POINTS = (
+    "restore.mid_download",  # after an object's frames are in the temp segments
+    "restore.after_takeover",  # the archive fenced at the next epoch, nothing in place
+    "restore.after_watermarks",  # watermarks.json in place, the WAL not yet
+)
 CRASH_POINTS = tuple(
     dict.fromkeys(
         COMMIT_CRASH_POINTS
@@ -80,6 +87,7 @@ CRASH_POINTS = tuple(
         + DELTA_CRASH_POINTS
         + S3_CRASH_POINTS
         + MIRROR_CRASH_POINTS
+        + RESTORE_CRASH_POINTS
     )
 )
 _crash_hits: dict[str, int] = {}

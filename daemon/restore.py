@@ -1,0 +1,455 @@
+"""``eventplane restore``: rebuild an empty data_dir from the WAL archive (docs/operating.md,
+"Losing the machine").
+
+1. Refuse a data_dir that holds a WAL (IDENTITY or a segment in ``wal/``).
+2. Read the manifest (the archive's WAL id), list ``<uri>/wal/``, download every
+   object in number order and check it whole (wal/archive.py: header CRC, body
+   CRC, every frame's CRC, LSNs contiguous); fences mask an older epoch's
+   objects after them, as at a start (daemon/walarchive.py). Frames are written
+   byte for byte into segments of ``<data_dir>/.restore/wal`` (one per segment
+   stamp the frames carry), IDENTITY last. A gap in the LSNs or a bad object
+   stops it here: the temp dir goes, nothing else changed, the object named.
+   ``--accept-loss-from L`` (L must be the first LSN that is not restorable)
+   keeps what is before it; the objects from the bad one on are moved to
+   ``<uri>/lost/`` so the archive agrees with the WAL, and the LSNs lost are
+   named in the summary and the log.
+3. Open the rebuilt WAL (a second full scan) and take the archive over, as
+   ``run`` does (:meth:`WalArchive.open`: the next epoch, fences at the next
+   names: an old holder still running is stopped at its next upload); release.
+4. Derive the watermarks from the Delta tables on S3: each stream's commits of
+   app id ``eventplane/<WAL id>/<stream>`` give its last batch id (the txn
+   version) and per core its last LSN (the commits' ``userMetadata``); batch
+   ids go on above, no committed LSN is appended again.
+5. Move into place: ``watermarks.json`` first, then ``wal/`` (a rename). A kill
+   before that leaves no WAL: ``run`` still refuses, a new restore starts over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+from daemon.config import Config
+from daemon.errors import ArchiveRefusedError
+from daemon.plane.watermarks import FILENAME as WATERMARKS_FILENAME
+from daemon.plane.watermarks import WatermarkSnapshot, WatermarkStore
+from daemon.table.crash import crash_point
+from daemon.table.s3 import Location, client
+from wal.archive import ArchiveFormatError, ObjectHeader, object_name, parse_header, parse_object
+from wal.files import IDENTITY, create_segment, fsync_dir, write_identity
+from wal.format import FRAME_HEADER, SEGMENT_NAME_RE, segment_name
+
+log = structlog.get_logger("eventplane.restore")
+
+TMP = ".restore"
+
+
+class RestoreRefused(Exception):
+    """Restore stopped; nothing in the data_dir changed."""
+
+
+@dataclass
+class Summary:
+    wal_id: str = ""
+    first_lsn: int = 0
+    last_lsn: int = 0
+    objects: int = 0
+    fences: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    lost: tuple[int, int | None] | None = None  # first, last LSN lost (None: unknown)
+    lost_because: str = ""
+    epoch: int = 0
+    tables: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    not_derived: list[str] = field(default_factory=list)
+    batch_id: int = 0
+
+    def lines(self) -> list[str]:
+        out = [
+            f"restored WAL {self.wal_id}: LSN {self.first_lsn}..{self.last_lsn}, "
+            f"{self.objects} objects ({self.fences} fences), {self.bytes} bytes, "
+            f"{self.seconds:.1f} s; every checksum verified; archive epoch now {self.epoch}",
+        ]
+        if self.lost is not None:
+            first, last = self.lost
+            out.append(
+                f"LOST: LSN {first}..{last if last is not None else '?'} "
+                f"({self.lost_because}); accepted with --accept-loss-from {first}"
+            )
+        for name, (bid, lsns) in sorted(self.tables.items()):
+            out.append(f"table {name}: last batch {bid}, last LSN per core {lsns}")
+        for why in self.not_derived:
+            out.append(f"not derived: {why}")
+        out.append(f"batch ids go on above {self.batch_id}")
+        return out
+
+
+class _Segments:
+    """Frames written byte for byte into segment files, one per segment stamp."""
+
+    def __init__(self, directory: Path, wal_id: bytes) -> None:
+        self.directory, self.wal_id = directory, wal_id
+        self._fd = -1
+        self.number = 0
+        self.next_lsn = 0
+        self.first_lsn = 0
+
+    def add(self, first_lsn: int, events: int, frame: bytes, where: str) -> None:
+        stamp = FRAME_HEADER.unpack_from(frame, 0)[5]
+        if stamp != self.number:
+            if self.number and stamp != self.number + 1:
+                raise ArchiveFormatError(
+                    f"{where}: a frame of segment {stamp} follows segment {self.number}"
+                )
+            self._close()
+            create_segment(self.directory, self.wal_id, stamp, first_lsn)
+            self._fd = os.open(self.directory / segment_name(first_lsn), os.O_WRONLY | os.O_APPEND)
+            self.number = stamp
+            if not self.first_lsn:
+                self.first_lsn = first_lsn
+        view = memoryview(frame)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self.next_lsn = first_lsn + events
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+    def finish(self) -> None:
+        self._close()
+        if not self.number:  # an archive without data objects: a WAL that starts at 1
+            create_segment(self.directory, self.wal_id, 1, 1)
+            self.first_lsn, self.next_lsn = 1, 1
+        write_identity(self.directory, self.wal_id)
+        fsync_dir(self.directory)
+
+
+def _has_wal(wal_dir: Path) -> bool:
+    if not wal_dir.is_dir():
+        return False
+    return (wal_dir / IDENTITY).exists() or any(
+        SEGMENT_NAME_RE.match(p.name) for p in wal_dir.iterdir()
+    )
+
+
+class _Progress:
+    def __init__(self, out: IO[str] | None, total: int) -> None:
+        self.out, self.total, self.last = out, total, 0.0
+
+    def __call__(self, done: int, nbytes: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if self.out is None or (not final and now - self.last < 0.2):
+            return
+        self.last = now
+        width = 30
+        full = width * done // max(self.total, 1)
+        bar = "#" * full + "." * (width - full)
+        self.out.write(f"\rrestore [{bar}] {done}/{self.total} objects, {nbytes} bytes")
+        if final:
+            self.out.write("\n")
+        self.out.flush()
+
+
+def restore(
+    cfg: Config,
+    *,
+    accept_loss_from: int | None = None,
+    progress: IO[str] | None = None,
+    s3: Any = None,
+) -> Summary:
+    """Steps 1-5 of the module doc; raises :class:`RestoreRefused`."""
+    started = time.monotonic()
+    arc = cfg.wal.archive
+    if arc is None:
+        raise RestoreRefused("the config has no [wal.archive]: there is nothing to restore from")
+    if _has_wal(cfg.wal_dir):
+        raise RestoreRefused(
+            f"{cfg.wal_dir} already holds a WAL: restore only rebuilds an empty data_dir "
+            "(move it away first if it is really lost)"
+        )
+    where = Location.parse(arc.uri)
+    s3 = s3 if s3 is not None else client(cfg.s3)
+    from daemon.walarchive import MANIFEST
+
+    try:
+        got = s3.get_object(Bucket=where.bucket, Key=where.key(MANIFEST))["Body"].read()
+    except s3.exceptions.NoSuchKey:
+        raise RestoreRefused(f"{arc.uri} holds no WAL ({MANIFEST} is missing)") from None
+    wal_id = str(json.loads(got)["wal_id"])
+    summary = Summary(wal_id=wal_id)
+    prefix = where.key("wal/")
+    numbers: list[int] = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=where.bucket, Prefix=prefix):
+        for item in page.get("Contents", []):
+            name = item["Key"][len(prefix) :]
+            if name.isdigit():
+                numbers.append(int(name))
+    numbers.sort()
+
+    tmp = cfg.data_dir / TMP
+    shutil.rmtree(tmp, ignore_errors=True)  # a restore killed before: start over
+    tmp_wal = tmp / "wal"
+    tmp_wal.mkdir(parents=True)
+    segs = _Segments(tmp_wal, bytes.fromhex(wal_id))
+    bar = _Progress(progress, len(numbers))
+    masked = 0
+    expected = 0  # the next LSN; 0 until the first data object
+    fenced_at = 0  # the highest archived LSN a fence records
+    problem: tuple[int, int, str] | None = None  # (index, first LSN lost, why)
+    try:
+        for i, number in enumerate(numbers):
+            name = object_name(number)
+            body = s3.get_object(Bucket=where.bucket, Key=prefix + name)["Body"].read()
+            try:
+                head, frames = parse_object(body)
+                if head.wal_id != wal_id:
+                    raise ArchiveFormatError(
+                        f"it is of WAL {head.wal_id}, the manifest's is {wal_id}"
+                    )
+                if head.number != number:
+                    raise ArchiveFormatError(f"its header says object {head.number}")
+            except ArchiveFormatError as exc:
+                problem = (i, expected or 1, f"archive object {name} is damaged: {exc}")
+                break
+            summary.bytes += len(body)
+            summary.objects += 1
+            if head.fence:
+                summary.fences += 1
+                masked = max(masked, head.epoch)
+                fenced_at = max(fenced_at, head.last_lsn)  # what the archive held then
+            elif head.epoch >= masked:
+                if expected and head.first_lsn != expected:
+                    what = "missing" if head.first_lsn > expected else "overlapping"
+                    problem = (
+                        i,
+                        expected,
+                        f"LSN gap before archive object {name}: the objects before it end at LSN "
+                        f"{expected - 1}, it starts at LSN {head.first_lsn} (objects {what}: "
+                        "deleted by hand?)",
+                    )
+                    break
+                for first, events, frame in frames:
+                    segs.add(first, events, frame, f"archive object {name}")
+                expected = head.last_lsn + 1
+                crash_point("restore.mid_download")
+            bar(i + 1, summary.bytes)
+        bar(len(numbers) if problem is None else problem[0], summary.bytes, final=True)
+        if problem is None and fenced_at > max(expected - 1, 0):
+            problem = (
+                len(numbers),
+                max(expected, 1),
+                f"the archive's objects end at LSN {expected - 1}, but a fence records that "
+                f"it held LSNs up to {fenced_at}: its last objects are missing (deleted by hand?)",
+            )
+        if problem is not None:
+            _on_problem(s3, where, numbers, problem, accept_loss_from, summary, wal_id, fenced_at)
+        segs.finish()
+        summary.first_lsn, summary.last_lsn = segs.first_lsn, segs.next_lsn - 1
+        if problem is not None:
+            _move_lost(s3, where, numbers[problem[0] :])
+        try:
+            summary.epoch = asyncio.run(_take_over(cfg, tmp_wal))
+        except ArchiveRefusedError as exc:  # a live holder, or objects that came meanwhile
+            raise RestoreRefused(f"{exc}. Nothing was changed; run the restore again") from exc
+        crash_point("restore.after_takeover")
+        snap = _watermarks(cfg, wal_id, summary)
+        # Step 5: watermarks first (no WAL yet: run still refuses), then the WAL.
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        WatermarkStore(cfg.data_dir / WATERMARKS_FILENAME).save(snap)
+        for stale in ("plans.log",):
+            (cfg.data_dir / stale).unlink(missing_ok=True)
+        crash_point("restore.after_watermarks")
+        if cfg.wal_dir.exists():
+            cfg.wal_dir.rmdir()  # empty (checked in step 1)
+        os.rename(tmp_wal, cfg.wal_dir)
+        fsync_dir(cfg.data_dir)
+        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    summary.seconds = time.monotonic() - started
+    log.info(
+        "restore.done",
+        wal_id=wal_id,
+        first_lsn=summary.first_lsn,
+        last_lsn=summary.last_lsn,
+        objects=summary.objects,
+        bytes=summary.bytes,
+        seconds=round(summary.seconds, 3),
+        lost_from=summary.lost[0] if summary.lost else None,
+        lost_to=summary.lost[1] if summary.lost else None,
+        batch_id=summary.batch_id,
+    )
+    return summary
+
+
+def _on_problem(
+    s3: Any,
+    where: Location,
+    numbers: list[int],
+    problem: tuple[int, int, str],
+    accept: int | None,
+    summary: Summary,
+    wal_id: str,
+    fenced_at: int,
+) -> None:
+    index, first_lost, why = problem
+    last: int | None = fenced_at if fenced_at >= first_lost else None
+    for number in numbers[index:]:
+        try:
+            got = s3.get_object(
+                Bucket=where.bucket, Key=where.key(f"wal/{object_name(number)}"), Range="bytes=0-79"
+            )
+            head: ObjectHeader = parse_header(got["Body"].read())
+        except Exception:
+            continue
+        if head.wal_id == wal_id and not head.fence:
+            last = max(last or 0, head.last_lsn)
+    lost = f"LSN {first_lost}..{last if last is not None else '?'}"
+    if accept != first_lost:
+        log.error("restore.refused", reason=why, lost=lost)
+        raise RestoreRefused(
+            f"{why}. Nothing was changed. Restoring what is before it would lose {lost}: "
+            f"if that is accepted, run again with --accept-loss-from {first_lost}"
+        )
+    summary.lost = (first_lost, last)
+    summary.lost_because = why
+    log.warning("restore.lsns_lost", first_lsn=first_lost, last_lsn=last, reason=why)
+
+
+def _move_lost(s3: Any, where: Location, numbers: list[int]) -> None:
+    """The objects from the bad one on go to ``<uri>/lost/``: the archive then
+    ends where the restored WAL does, and the next holder writes above it."""
+    for number in numbers:
+        name = object_name(number)
+        key = where.key(f"wal/{name}")
+        try:
+            s3.copy_object(
+                Bucket=where.bucket,
+                Key=where.key(f"lost/{name}"),
+                CopySource={"Bucket": where.bucket, "Key": key},
+            )
+        except s3.exceptions.NoSuchKey:
+            continue
+        except Exception as exc:
+            if "NoSuchKey" not in str(exc) and "404" not in str(exc):
+                raise
+            continue
+        s3.delete_object(Bucket=where.bucket, Key=key)
+        log.warning("restore.object_moved_aside", object=name, to=f"lost/{name}")
+
+
+async def _take_over(cfg: Config, wal_dir: Path) -> int:
+    """Step 3: what ``run`` does at a start (the next epoch, the fences), then release."""
+    from daemon.metrics import Metrics
+    from daemon.walarchive import WalArchive
+    from wal import Wal
+
+    assert cfg.wal.archive is not None
+    wal = await asyncio.to_thread(Wal.open, wal_dir, segment_bytes=cfg.wal.segment_bytes)
+    try:
+        archive = WalArchive(cfg.wal.archive, cfg.s3, wal, str(cfg.data_dir), Metrics())
+        await archive.open()
+        await archive.stop(0.0)
+        return archive.epoch
+    finally:
+        await wal.aclose()
+
+
+def _stream_position(stream: Any, wal_id: str) -> tuple[int, dict[int, int]]:
+    from daemon.table.delta import app_id, log_commits
+    from daemon.table.location import table_files
+
+    mine = app_id(wal_id, stream.name)
+    bid = 0
+    high: dict[int, int] = {}
+    for _version, actions in log_commits(table_files(stream), -1):
+        txns = [t for t in actions.get("txn", []) if t.get("appId") == mine]
+        meta = json.loads(actions.get("commitInfo", {}).get("userMetadata") or "{}").get(
+            "eventplane"
+        )
+        if not txns or meta is None:
+            continue
+        bid = max(bid, int(txns[0]["version"]))
+        for core, (_first, last) in meta["ranges"].items():
+            high[int(core)] = max(high.get(int(core), 0), int(last))
+    return bid, high
+
+
+def _watermarks(cfg: Config, wal_id: str, summary: Summary) -> WatermarkSnapshot:
+    """Step 4. Every core's events below the restored WAL's first LSN were
+    committed by every stage (the archive prunes only below every reader)."""
+    cores = cfg.daemon.cores
+    floor = summary.first_lsn - 1
+    positions: dict[str, tuple[int, dict[int, int]]] = {}
+    for stream in cfg.cdc.streams:
+        if stream.format != "delta" or not stream.uri:
+            summary.not_derived.append(
+                f"stream {stream.name!r} ({stream.format} at {stream.uri or stream.path}): only "
+                "Delta tables on S3 are read; it starts as a stream new to this data_dir"
+            )
+            continue
+        positions[f"cdc:{stream.name}"] = _stream_position(stream, wal_id)
+    for stage, (bid, high) in positions.items():
+        summary.tables[stage] = (bid, [high.get(c, 0) for c in range(cores)])
+        if high and max(high.values()) > summary.last_lsn:
+            summary.not_derived.append(
+                f"{stage} holds LSN {max(high.values())}, above the restored WAL's last "
+                f"({summary.last_lsn}): `run` refuses to reuse those LSNs (docs/operating.md, "
+                '"Losing the machine")'
+            )
+    if not positions:
+        return WatermarkSnapshot(wal_id, cores, 0, tuple(max(floor, 0) for _ in range(cores)))
+    batch_id = min(bid for bid, _ in positions.values())
+    lsns = tuple(
+        max(floor, min(high.get(c, 0) for _, high in positions.values())) for c in range(cores)
+    )
+    if len({(bid, tuple(sorted(h.items()))) for bid, h in positions.values()}) > 1:
+        summary.not_derived.append(
+            "the tables are not level (different last batches): the watermarks are the lowest; "
+            "a table ahead of them refuses its re-run batches (see docs/operating.md)"
+        )
+    summary.batch_id = max(bid for bid, _ in positions.values())
+    stages = tuple((stage, bid) for stage, (bid, _) in sorted(positions.items()))
+    return WatermarkSnapshot(wal_id, cores, batch_id, lsns, stages)
+
+
+def main(cfg: Config, accept_loss_from: int | None, out: IO[str] = sys.stdout) -> int:
+    # The log to stderr: stdout is the summary.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    try:
+        summary = restore(cfg, accept_loss_from=accept_loss_from, progress=sys.stderr)
+    except RestoreRefused as exc:
+        print(f"eventplane restore: {exc}", file=sys.stderr)
+        return 1
+    for line in summary.lines():
+        print(line, file=out)
+    return 0
+
+
+def archive_holds_wal(cfg: Config) -> str | None:
+    """``run`` on a data_dir without a WAL: the WAL id the archive already holds, if any."""
+    arc = cfg.wal.archive
+    if arc is None or _has_wal(cfg.wal_dir):
+        return None
+    from daemon.walarchive import MANIFEST
+
+    where = Location.parse(arc.uri)
+    s3 = client(cfg.s3)
+    try:
+        got = s3.get_object(Bucket=where.bucket, Key=where.key(MANIFEST))["Body"].read()
+    except s3.exceptions.NoSuchKey:
+        return None
+    return str(json.loads(got).get("wal_id") or "") or None
