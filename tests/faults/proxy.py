@@ -11,7 +11,9 @@ networks and restarts do to a producer:
 - ``delay``: a chunk waits before it is forwarded (slow networks, timeouts).
 
 While the daemon is down, a new connection is accepted and then closed at
-once, like a load balancer with no backend. It runs its own event loop in a
+once, like a load balancer with no backend. ``stall(True)`` is a network
+partition: connections are accepted and nothing is forwarded either way
+until ``stall(False)`` (what was held is then delivered). It runs its own event loop in a
 thread, so blocking tests and producer threads can use it alike.
 """
 
@@ -44,6 +46,9 @@ class FaultyProxy:
         self.delay = delay
         self.max_delay_s = max_delay_s
         self.faults: Counter[str] = Counter()  # what was injected, for the test's asserts
+        self.stalling = False
+        self._flowing = asyncio.Event()  # cleared while stalling (its loop only)
+        self._flowing.set()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -70,6 +75,11 @@ class FaultyProxy:
                 if name not in ("drop_response", "reset_mid_body", "delay"):
                     raise ValueError(f"no fault {name!r}")
                 setattr(self, name, rate)
+
+    def stall(self, on: bool) -> None:
+        """Hold every byte both ways (a partition) from now on, or let them go."""
+        self.stalling = on
+        self._loop.call_soon_threadsafe(self._flowing.clear if on else self._flowing.set)
 
     def close(self) -> None:
         async def shut() -> None:
@@ -105,6 +115,7 @@ class FaultyProxy:
     async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         self._writers.add(c_writer)
         try:
+            await self._flowing.wait()  # while stalling: accepted, never answered
             try:
                 u_reader, u_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
             except OSError:
@@ -138,6 +149,7 @@ class FaultyProxy:
                 with suppress(OSError):
                     writer.write_eof()
                 return
+            await self._flowing.wait()
             if self.delay and self._roll("delay"):
                 await asyncio.sleep(self._rng.uniform(0, self.max_delay_s))
             if upstream and self.reset_mid_body and self._roll("reset_mid_body"):
