@@ -331,6 +331,7 @@ class StageTracker:
         """A backfill chunk committed: the stage's failure streak ends (its
         progress does not move: chunks are below it)."""
         st = self._states.setdefault(name, StageState(name))
+        st.in_flight = False
         if st.failing_since is not None:
             log.info("stage_recovered", stage=name, failed_attempts=st.attempts)
         self._reset(name)
