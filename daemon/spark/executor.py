@@ -906,6 +906,8 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                 result: CommitResult = f.result()
                 st = self._status
                 st.streams[result.stream] = max(st.streams.get(result.stream) or 0, result.batch_id)
+                if result.quarantined:  # as _record_success counts a waited-for commit's
+                    self.metrics.cdc_quarantined.labels(result.stream).inc(result.quarantined)
                 self.metrics.cdc_quarantined_rows.labels(sink.name).set(sink.quarantined)
                 done.set_result(None)
             else:
@@ -914,6 +916,13 @@ class SparkExecutor(SessionLife, StreamMaintenance):
 
         running.add_done_callback(landed)
         return InFlight(sink_stage(sink), batch.batch_id, done)
+
+    async def _in_stream_thread(self, sink: CdcSink, what: str, call: Callable[[], Any]) -> Any:
+        """Run ``call`` in ``sink``'s own thread (``_Lane``), after the commits
+        queued there: work on a stream's table never runs beside its commit."""
+        lane = self._lanes.setdefault(sink.name, _Lane(sink.name))
+        run = functools.partial(contextvars.copy_context().run, call)
+        return await asyncio.wrap_future(lane.submit(what, run))
 
     def waiting_for(self, stage: str) -> str | None:
         """What the running attempt of ``stage`` waits for (a stream's commit to
