@@ -13,8 +13,10 @@ networks and restarts do to a producer:
 While the daemon is down, a new connection is accepted and then closed at
 once, like a load balancer with no backend. ``stall(True)`` is a network
 partition: connections are accepted and nothing is forwarded either way
-until ``stall(False)`` (what was held is then delivered). It runs its own event loop in a
-thread, so blocking tests and producer threads can use it alike.
+until ``stall(False)`` (what was held is then delivered). ``refuse(True)`` is
+a stopped server: open connections are reset and nothing listens on the port
+until ``refuse(False)``. It runs its own event loop in a thread, so blocking
+tests and producer threads can use it alike.
 """
 
 from __future__ import annotations
@@ -80,6 +82,23 @@ class FaultyProxy:
         """Hold every byte both ways (a partition) from now on, or let them go."""
         self.stalling = on
         self._loop.call_soon_threadsafe(self._flowing.clear if on else self._flowing.set)
+
+    def refuse(self, on: bool) -> None:
+        """From now on be what a stopped server is to its clients (open
+        connections reset, new ones refused: nothing listens on the port), or
+        listen on the same port again."""
+
+        async def switch() -> None:
+            if on:
+                if self._server is not None:
+                    self._server.close()
+                    self._server = None
+                for w in list(self._writers):
+                    _abort(w)
+            elif self._server is None:
+                self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+        asyncio.run_coroutine_threadsafe(switch(), self._loop).result(10)
 
     def close(self) -> None:
         async def shut() -> None:
