@@ -319,7 +319,9 @@ async def test_a_slow_store_makes_batches_slower_never_wrong(
     port = int(s3_server.endpoint.rsplit(":", 1)[1])
     with FaultyProxy(port, seed=28, delay=1.0, max_delay_s=0.15) as proxy:
         slow = with_(s3_server.config(), endpoint=proxy.url)
-        ex = await executor_factory(stream_options={**on_s3(s3_server, table_uri), "s3": slow})
+        ex = await executor_factory(
+            stream_options={**on_s3(s3_server, table_uri), "s3": slow}, attempt_slow_s=1.0
+        )
         batches = make_batches(4, 200)
         for b in batches:
             for marker in (await ex.execute(b)).values():
