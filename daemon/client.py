@@ -102,6 +102,8 @@ class Retry(NamedTuple):
 class IngestError(DaemonError):
     """The ingest API refused a request (``status`` set) or could not be reached."""
 
+    retriable: bool | None = False  # subclasses that a retry may cure say True
+
     def __init__(
         self,
         message: str,
@@ -343,8 +345,8 @@ class _Attempts:
         # A definite refusal settles an earlier attempt that got no answer: its
         # checks give the same answer for the same body, and a stored request
         # would have been answered from the window (a 200 replay) instead.
-        exc.maybe_stored = self.maybe_stored and exc.retriable
-        exc.gave_up = exc.retriable
+        exc.maybe_stored = self.maybe_stored and bool(exc.retriable)
+        exc.gave_up = bool(exc.retriable)
         if not exc.gave_up:
             return
         note = f"gave up after {self.count} attempts in {self.spent:.1f} s"

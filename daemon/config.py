@@ -523,6 +523,7 @@ _S3: dict[str, Checker] = {
 }
 _HEALTH: dict[str, Checker] = {
     "stall_after_s": _float(0.0),
+    "attempt_slow_s": _float(0.1),
     "session_restart_attempts": _int(1),
     "paused_max_lag_events": _int(0),
 }

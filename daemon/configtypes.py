@@ -380,6 +380,15 @@ class HealthConfig:
     # that has failed, or been held, for this long without a commit is
     # stalled: /healthz, /v1/status, `eventplane status` and metrics say so.
     stall_after_s: float = 60.0
+    # A stage that has not committed the batch it is on this long (an attempt
+    # still running, or failed ones) is slow: health says so at once (503
+    # naming the stage and what it waits for); the batches stop waiting for
+    # an attempt that runs half this long. 5 s: five default batch
+    # intervals, several times a healthy commit to S3, and a quarter of the
+    # longest one S3 request may take with its retries (s3.request_worst_s,
+    # (2 + 5) x 3 = 21 s by default), so a hung request shows long before
+    # the attempt gives up.
+    attempt_slow_s: float = 5.0
     # Failed attempts in a row to (re)build the Spark session before the
     # systemd watchdog is withheld, so that systemd restarts the process.
     session_restart_attempts: int = 5

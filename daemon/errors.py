@@ -2,8 +2,11 @@
 
 Retry policy lives on the class (``retriable``) where a caller reads it: the
 ingest client (daemon/client.py) retries an ``IngestError`` only when it says
-so. The planner retries every failed micro-batch with backoff, whatever its
-type. Messages say what happened, where, and what to do.
+so. The planner retries a failed stage with backoff unless its error, or an
+error it was raised from, is a ``DaemonError`` whose class says
+``retriable = False`` (``retry_cannot_cure``): the stage then stops until an
+operator resumes it. A class that says nothing (``None``) is retried.
+Messages say what happened, where, and what to do.
 """
 
 from __future__ import annotations
@@ -12,11 +15,15 @@ from __future__ import annotations
 class DaemonError(Exception):
     """Base error of the event plane."""
 
-    retriable = False
+    # True: retry; False: retrying cannot cure it; None: the class does not say
+    # (the planner retries it, the ingest client does not).
+    retriable: bool | None = None
 
 
 class ConfigError(DaemonError):
     """The configuration is invalid; ``errors`` holds one line per problem."""
+
+    retriable = False
 
     def __init__(self, errors: list[str], source: str = "config") -> None:
         self.errors = list(errors)
@@ -27,6 +34,8 @@ class ConfigError(DaemonError):
 
 class IdentityMismatchError(DaemonError):
     """A state file belongs to another WAL or another ``cores`` count."""
+
+    retriable = False
 
 
 class LsnRegressionError(DaemonError):
@@ -43,6 +52,19 @@ class ExecutorError(DaemonError):
 
 class UnknownStreamError(DaemonError):
     """No CDC stream of that name is configured."""
+
+
+def retry_cannot_cure(exc: BaseException) -> DaemonError | None:
+    """The error of ``exc``'s cause chain whose class says ``retriable = False``
+    (None: retrying may cure it: S3, OS, py4j and lease errors among others)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, DaemonError) and type(cur).retriable is False:
+            return cur
+        cur = cur.__cause__
+    return None
 
 
 # Longest error text kept for status, logs and health (Java traces are long).

@@ -345,6 +345,26 @@ class Metrics:
             ["stage"],
             registry=r,
         )
+        self.stage_slow = Gauge(
+            p + "stage_slow",
+            "1 while the stage has not committed the batch it is on within "
+            "health.attempt_slow_s; the other stages go on without it.",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_attempt_seconds = Gauge(
+            p + "stage_attempt_seconds",
+            "How long the stage has been trying the batch it is on (0: none to do).",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_stopped = Gauge(
+            p + "stage_stopped",
+            "1 while the stage is stopped by an error retrying cannot cure; "
+            "eventplane resume retries it after the fix.",
+            ["stage"],
+            registry=r,
+        )
         self.stage_lag_events = Gauge(
             p + "stage_lag_events",
             "Events from the first event of the oldest batch the stage has not committed "

@@ -268,9 +268,21 @@ def _stage_row(st: Mapping[str, Any], now: float) -> tuple[str, ...]:
 
 
 def stage_state(st: Mapping[str, Any], now: float) -> str:
-    """A stage's state in words: ok, catching up, backfilling, failing, STALLED or paused."""
+    """A stage's state in words: ok, catching up, backfilling, failing, STALLED,
+    SLOW, STOPPED or paused."""
     behind = st.get("behind_events")
     events = f"{_count(behind)} events behind" if isinstance(behind, int) else ""
+    if st.get("stopped"):
+        return f"STOPPED on {st.get('stopped_by')} (eventplane resume after the fix): " + str(
+            st.get("last_error")
+        )
+    if st.get("slow"):
+        running = st.get("attempt_for_s")
+        took = f" {_duration(running)}" if isinstance(running, int | float) else ""
+        waits = st.get("waiting_for") or "its attempt"
+        return f"SLOW: batch {st.get('attempt_batch_id')} running{took}, waiting for {waits}" + (
+            f"; {events}" if events else ""
+        )
     if st.get("paused"):
         state = "PAUSED, OVER ITS LIMIT" if st.get("paused_over_limit") else "paused"
         since = _timestamp(st.get("paused_since"))

@@ -21,12 +21,13 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from daemon.errors import DaemonError
-from daemon.plane.batch import Executor, MicroBatch, Slice
+from daemon.plane.batch import Executor, InFlight, MicroBatch, Slice
 from daemon.plane.parts import Part, Rows
 from daemon.plane.stages import StageTracker
 from daemon.plane.watermarks import Backfill
@@ -261,21 +262,65 @@ class Backfills:
         batch = MicroBatch(last_id + 1, slices)
         with structlog.contextvars.bound_contextvars(batch_id=batch.batch_id, backfill=name):
             failures = await self._call(batch, [name])
-        if name in failures:
-            self.stages.failed(name, batch.batch_id, failures[name])
+        failure = failures.get(name)
+        if isinstance(failure, InFlight):
+            # The chunk's commit goes on in the stream's thread (a slow or hung
+            # store). It is not a failure: the commit may still land, and a
+            # retry from the same ``run.next`` under the next chunk id would
+            # then start below what it committed (LsnRegressionError, forever).
+            # The stage takes no other chunk until it lands (``_chunk_landed``).
+            self.stages.in_flight(name, batch.batch_id)
+            loop = asyncio.get_running_loop()
+            failure.done.add_done_callback(
+                lambda done: loop.call_soon_threadsafe(
+                    self._chunk_landed, name, run, batch, limits, done
+                )
+            )
             return
+        if failure is not None:
+            self.stages.failed(name, batch.batch_id, failure)
+            return
+        self._chunk_done(name, run, batch, limits)
+
+    def _chunk_done(
+        self, name: str, run: _BackfillRun, batch: MicroBatch, limits: Mapping[int, int]
+    ) -> None:
+        """A chunk committed: the backfill's position moves past its rows."""
+        bf = self.watermarks.backfill[name]
         self.stages.chunk_committed(name)
-        for core, sl in slices.items():
+        for core, sl in batch.slices.items():
             # A short read took everything of the core up to ``until``.
             done = sl.rows < limits[core] or sl.last_lsn >= bf.until[core]
             run.next[core] = bf.until[core] + 1 if done else sl.last_lsn + 1
         log.debug("cdc.backfill_chunk", stage=name, chunk=batch.batch_id, rows=batch.rows)
         self._reaper.give(batch)
-        del batch
         now = self._clock()
         if now - run.logged >= BACKFILL_LOG_S:
             run.logged = now
-            log.info("cdc.backfill_progress", stage=name, chunk=last_id + 1, **self._progress(name))
+            log.info(
+                "cdc.backfill_progress", stage=name, chunk=batch.batch_id, **self._progress(name)
+            )
+
+    def _chunk_landed(
+        self,
+        name: str,
+        run: _BackfillRun,
+        batch: MicroBatch,
+        limits: Mapping[int, int],
+        done: Future[None],
+    ) -> None:
+        """A chunk handed back ``InFlight`` is over (on the loop): its commit
+        moves the position as if it had been waited for; its error is a failed
+        attempt (the retry has the same id and rows)."""
+        if self._backfills.get(name) is not run or name not in self.stages.names:
+            return  # removed by a reload, or a new run: it holds nothing
+        exc = done.exception()
+        if exc is None:
+            self._chunk_done(name, run, batch, limits)
+            log.info("stage_attempt_landed", stage=name, chunk=batch.batch_id)
+        else:
+            self.stages.failed(name, batch.batch_id, exc)
+        self._wake.set()
 
     def _finish_backfill(self, name: str) -> None:
         bf = self.watermarks.backfill.pop(name)

@@ -8,9 +8,11 @@ crash has the same id and the same rows (Spark's offset-log rule).
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from daemon.errors import DaemonError
 from wal.record import Record
 
 
@@ -51,6 +53,12 @@ class Executor(Protocol):
     ``ready`` tells the planner when batches can be handed over (Spark starts
     in the background). An executor may name its stages (``stage_names()``,
     see ``daemon.plane.stages``); one that does not is a single stage.
+
+    A stage whose attempt has not finished when the executor stops waiting
+    for it (half of ``health.attempt_slow_s``, at once for a failing stage)
+    is returned as :class:`InFlight`: it is neither done nor failed,
+    and its outcome comes later on ``InFlight.done`` (invariant 6: the
+    other stages do not wait for it).
     """
 
     async def start(self) -> None: ...
@@ -62,6 +70,20 @@ class Executor(Protocol):
     ) -> Mapping[str, BaseException] | None: ...
 
     async def stop(self) -> None: ...
+
+
+class InFlight(DaemonError):
+    """A stage's attempt at ``batch_id`` is still running in its own thread.
+
+    ``done`` resolves (in that thread) to None once the stage committed the
+    batch, or to the stage's error. Until then the stage takes no other batch.
+    """
+
+    def __init__(self, stage: str, batch_id: int, done: Future[None]) -> None:
+        self.stage = stage
+        self.batch_id = batch_id
+        self.done = done
+        super().__init__(f"stage {stage}: its attempt at batch {batch_id} is still running")
 
 
 @runtime_checkable

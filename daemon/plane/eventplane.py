@@ -232,6 +232,7 @@ class EventPlane:
             sleep=self._sleep,
             clock=self._clock,
             stall_after_s=cfg.health.stall_after_s,
+            attempt_slow_s=cfg.health.attempt_slow_s,
             paused_max_lag_events=cfg.health.paused_max_lag_events,
             head_lsn=lambda: self.rings.pushed_lsn,
             read_chunk=read_chunk,

@@ -10,7 +10,9 @@ batches commit in id order and watermarks only move forward. Batch protocol
    fsync it, *before* anything runs (:mod:`daemon.plane.planlog`).
 3. Execute for the stages level with the batch; a batch that fails whole is
    retried with backoff, same id and same rows, forever. A stage that fails
-   on its own falls behind and catches up later (:mod:`daemon.plane.behind`).
+   on its own falls behind and catches up later (:mod:`daemon.plane.behind`);
+   so does one whose attempt outlives ``health.attempt_slow_s`` (the
+   executor hands it back ``InFlight``): the others take the next batches.
 4. Commit: stages' progress moves, then the watermarks once every stage has it.
 
 After a crash, plans above the persisted watermarks are re-run first with
@@ -34,7 +36,7 @@ import structlog
 
 from daemon.errors import DaemonError, LsnRegressionError, error_text
 from daemon.plane.backfill import BackfillError, _BackfillRun
-from daemon.plane.batch import Executor, MicroBatch, Preparer, Slice
+from daemon.plane.batch import Executor, InFlight, MicroBatch, Preparer, Slice
 from daemon.plane.behind import CatchUp
 from daemon.plane.closing import (
     ETA_BATCHES,
@@ -130,6 +132,7 @@ class Planner(CatchUp, ClosingPolicy):
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
         stall_after_s: float = 60.0,
+        attempt_slow_s: float = 5.0,
         paused_max_lag_events: int = 0,
         head_lsn: Callable[[], int] | None = None,
         read_chunk: ChunkReader | None = None,
@@ -197,7 +200,9 @@ class Planner(CatchUp, ClosingPolicy):
             cfg,
             metrics,
             stall_after_s=stall_after_s,
+            attempt_slow_s=attempt_slow_s,
             paused_max_lag_events=paused_max_lag_events,
+            waiting_for=self._waiting_for,
             events_behind=self._events_behind,
             backfill_report=self.backfill_report,
             clock=clock,
@@ -320,6 +325,10 @@ class Planner(CatchUp, ClosingPolicy):
         first = self._first_after(progress)
         return 0 if first is None else max(self._head_lsn() - first + 1, 0)
 
+    def _waiting_for(self, name: str) -> str | None:
+        ask = getattr(self.executor, "waiting_for", None)
+        return ask(name) if callable(ask) else None
+
     def pause_stage(self, name: str, *, reason: str | None = None, by: str | None = None) -> bool:
         """Pause a stage from its next batch on (``StageTracker.pause``)."""
         return self.stages.pause(name, reason=reason, by=by)
@@ -381,6 +390,9 @@ class Planner(CatchUp, ClosingPolicy):
                 await self._run_behind()
                 if not (self._due_by_size() or self._deadline_passed()):
                     continue
+                if self._nobody_takes_it():
+                    await self._wait_for_a_stage()
+                    continue
                 closed = await self._close_and_plan()
                 if closed is None:
                     continue
@@ -392,6 +404,29 @@ class Planner(CatchUp, ClosingPolicy):
             self._reaper.give(batch)
             del batch
         # A batch closed ahead stays planned: a restart re-runs it from the plan log.
+
+    def _nobody_takes_it(self) -> bool:
+        """No stage would run the next live batch, but one will come back: every
+        stage is behind (catching up, or backing off after failures) or has an
+        attempt in flight. Closing batches then would only make many small
+        plans that each stage re-runs one by one; the rows wait instead
+        (pending slices are bounded by ``pending_max_bytes``, the rest stays in
+        the WAL) and go out in one batch once a stage is level again."""
+        if not self._named_stages:
+            return False
+        st = self.stages
+        self._sync_stages(self._next_id)
+        if st.participants(self._next_id):
+            return False
+        return bool(st.behind(self._live_id)) or st.any_in_flight()
+
+    async def _wait_for_a_stage(self) -> None:
+        """Until a stage behind is due, an attempt lands, or an interval passes."""
+        due = self.stages.next_due(self._live_id)
+        limit = self.cfg.interval_ms / 1000
+        wait = limit if due is None else min(max(due - self._clock(), 0.0), limit)
+        self._wake.clear()
+        await wait_event(self._wake, wait)
 
     def _sync_stages(self, batch_id: int) -> tuple[str, ...]:
         return self.stages.sync(stage_names(self.executor), batch_id)
@@ -579,6 +614,9 @@ class Planner(CatchUp, ClosingPolicy):
             # and the others, ahead or behind, go on (invariant 6). A paused
             # stage is not asked, and does not count.
             failed_whole = bool(failures) and set(failures) >= set(self.stages.active())
+            failed_whole = failed_whole and not any(
+                isinstance(f, InFlight) for f in failures.values()
+            )
             self._record(batch.batch_id, names, failures, quiet=failed_whole)
             if failed_whole:
                 first = next(iter(failures.values()))

@@ -26,6 +26,15 @@ whose backlog passes ``health.paused_max_lag_events`` is over its limit
 (the daemon reports a problem; nothing is dropped). Pauses are kept in the
 watermarks file, so they survive restarts.
 
+A stage whose **attempt is slow** (still running after
+``health.attempt_slow_s``) is reported at once, and when the executor hands
+it back unfinished (``InFlight``: a stream's commit hung on its store) it is
+*in flight*: it takes no other batch until that attempt lands, the others
+run ahead of it as ahead of a failing stage. An error that retrying cannot
+cure (its class says ``retriable = False``, ``daemon.errors.retry_cannot_cure``)
+**stops** the stage: it is not retried, health names the error, and
+``eventplane resume`` retries it after the fix.
+
 A CDC stream new to the data_dir with ``start = "earliest"`` or an LSN
 **backfills** (docs/cdc.md, "Adding a stream: backfill"): its progress stays
 at the batch it was added at while the planner commits chunks read from the
@@ -42,13 +51,13 @@ blocks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from daemon.errors import DaemonError, error_text
+from daemon.errors import DaemonError, error_text, retry_cannot_cure
 from daemon.plane.watermarks import Pause
 
 if TYPE_CHECKING:
@@ -92,6 +101,12 @@ class StageState:
     error_batch_id: int | None = None
     next_due: float = 0.0  # planner clock: when a behind stage may try again
     last_commit_wall: float | None = None
+    # Planner clock of the first attempt at the batch it is on (kept across
+    # failed attempts, cleared by a commit): slow after attempt_slow_s.
+    attempt_since: float | None = None
+    attempt_batch_id: int | None = None
+    in_flight: bool = False  # handed back unfinished (InFlight): takes no other batch
+    stopped: str | None = None  # the class of an error retrying cannot cure
 
 
 class StageTracker:
@@ -104,7 +119,9 @@ class StageTracker:
         metrics: Metrics | None = None,
         *,
         stall_after_s: float = 60.0,
+        attempt_slow_s: float = 5.0,
         paused_max_lag_events: int = 0,
+        waiting_for: Callable[[str], str | None] = lambda name: None,
         events_behind: Callable[[int], int] = lambda progress: 0,
         backfill_report: Callable[[str], dict[str, Any] | None] = lambda name: None,
         clock: Callable[[], float] = time.monotonic,
@@ -114,6 +131,9 @@ class StageTracker:
         self.cfg = cfg
         self.metrics = metrics
         self.stall_after_s = stall_after_s
+        self.attempt_slow_s = attempt_slow_s
+        # stage -> what its running attempt waits for (the executor's words).
+        self._waiting_for = waiting_for
         # health.paused_max_lag_events: a paused stage further behind is a problem (0: none).
         self.paused_max_lag_events = paused_max_lag_events
         # progress -> events (LSN distance) from the oldest batch above it to the head.
@@ -167,17 +187,18 @@ class StageTracker:
         return self.watermarks.stages.get(name, self.watermarks.batch_id)
 
     def participants(self, batch_id: int) -> list[str]:
-        """The stages level with ``batch_id`` and not paused: they run it live."""
-        return [
-            n
-            for n in self._names
-            if self.progress(n) == batch_id - 1 and not self.is_paused(n)
-            if not self.is_backfilling(n)
-        ]
+        """The stages level with ``batch_id`` and free (not paused, stopped,
+        backfilling or in flight): they run it live."""
+        return [n for n in self._names if self.progress(n) == batch_id - 1 and self._free(n)]
 
     def active(self) -> list[str]:
-        """The stages that take batches: not paused, not backfilling."""
-        return [n for n in self._names if not self.is_paused(n) and not self.is_backfilling(n)]
+        """The stages that take batches: not paused, stopped, backfilling or in flight."""
+        return [n for n in self._names if self._free(n)]
+
+    def _free(self, name: str) -> bool:
+        st = self._states.get(name)
+        held = st is not None and (st.in_flight or st.stopped is not None)
+        return not held and not self.is_paused(name) and not self.is_backfilling(name)
 
     def floor(self) -> int:
         """The last batch every stage committed."""
@@ -185,8 +206,33 @@ class StageTracker:
 
     # -- outcomes ------------------------------------------------------------
 
+    def attempt_started(self, name: str, batch_id: int) -> None:
+        """``name`` begins an attempt at ``batch_id`` (slow after attempt_slow_s)."""
+        st = self._states.setdefault(name, StageState(name))
+        if st.attempt_since is None or st.attempt_batch_id != batch_id:
+            st.attempt_since, st.attempt_batch_id = self._clock(), batch_id
+
+    def in_flight(self, name: str, batch_id: int) -> None:
+        """The executor stopped waiting for ``name``'s attempt at ``batch_id``;
+        its outcome comes later (``succeeded``/``failed``)."""
+        st = self._states.setdefault(name, StageState(name))
+        st.in_flight = True
+        if st.attempt_since is None:
+            st.attempt_since, st.attempt_batch_id = self._clock(), batch_id
+        running = self._clock() - st.attempt_since
+        (log.warning if running >= self.attempt_slow_s else log.debug)(
+            "stage_attempt_in_flight",
+            stage=name,
+            batch_id=batch_id,
+            running_s=round(running, 3),
+            waiting_for=self._waiting_for(name),
+            message=f"stage {name} is still at batch {batch_id}; the other stages go on",
+        )
+
     def succeeded(self, name: str, batch_id: int) -> None:
         st = self._states.setdefault(name, StageState(name))
+        st.attempt_since = st.attempt_batch_id = None
+        st.in_flight = False
         self.watermarks.stage_done(name, batch_id)
         if st.failing_since is not None:
             log.info(
@@ -207,6 +253,7 @@ class StageTracker:
     ) -> float:
         """Record a failed attempt; returns the backoff before the next one (s)."""
         st = self._states.setdefault(name, StageState(name))
+        st.in_flight = False  # attempt_since stays: the batch is still not done
         now = self._clock()
         st.attempts += 1
         if st.failing_since is None:
@@ -217,6 +264,19 @@ class StageTracker:
         st.next_due = now + delay
         if self.metrics is not None:
             self.metrics.stage_failures.labels(stage=name).inc()
+        cause = retry_cannot_cure(exc) if isinstance(exc, BaseException) else None
+        if cause is not None:
+            # Not retried: the same batch would fail the same way.
+            st.stopped = type(cause).__name__
+            st.next_due = float("inf")
+            log.error(
+                "stage_stopped",
+                stage=name,
+                batch_id=batch_id,
+                error=st.error,
+                message=stopped_message(name, st.stopped, st.error),
+            )
+            return st.next_due
         if quiet:
             return delay
         log.warning(
@@ -239,12 +299,7 @@ class StageTracker:
     def behind(self, live_id: int) -> list[str]:
         """Stages behind the live batches that may catch up (a paused or a
         backfilling one may not)."""
-        return [
-            n
-            for n in self._names
-            if self.progress(n) < live_id and not self.is_paused(n)
-            if not self.is_backfilling(n)
-        ]
+        return [n for n in self._names if self.progress(n) < live_id and self._free(n)]
 
     def next_due(self, live_id: int) -> float | None:
         """When (planner clock) the next behind or backfilling stage may run;
@@ -258,8 +313,13 @@ class StageTracker:
         return name in self.watermarks.backfill
 
     def backfilling(self) -> list[str]:
-        """Backfilling stages that may run a chunk (not paused)."""
-        return [n for n in self._names if self.is_backfilling(n) and not self.is_paused(n)]
+        """Backfilling stages that may run a chunk (not paused, stopped or in flight)."""
+        return [
+            n
+            for n in self._names
+            if self.is_backfilling(n) and not self.is_paused(n)
+            if not (self._states[n].in_flight or self._states[n].stopped)
+        ]
 
     def backfill_due(self) -> str | None:
         """A backfilling stage whose backoff allows a chunk now."""
@@ -271,15 +331,19 @@ class StageTracker:
         """A backfill chunk committed: the stage's failure streak ends (its
         progress does not move: chunks are below it)."""
         st = self._states.setdefault(name, StageState(name))
+        st.in_flight = False
         if st.failing_since is not None:
             log.info("stage_recovered", stage=name, failed_attempts=st.attempts)
         self._reset(name)
         st.last_commit_wall = self._wall()
 
-    def due(self, live_id: int) -> tuple[int, list[str]] | None:
-        """The oldest batch that behind stages due now need, and those stages."""
+    def due(self, live_id: int, skip: Collection[str] = ()) -> tuple[int, list[str]] | None:
+        """The oldest batch that behind stages due now (not in ``skip``) need,
+        and those stages."""
         now = self._clock()
-        ready = [n for n in self.behind(live_id) if self._states[n].next_due <= now]
+        ready = [
+            n for n in self.behind(live_id) if self._states[n].next_due <= now and n not in skip
+        ]
         if not ready:
             return None
         oldest = min(self.progress(n) for n in ready)
@@ -315,8 +379,18 @@ class StageTracker:
 
     def resume(self, name: str) -> bool:
         """Resume ``name``: it catches up on the batches it missed, at once and
-        then with the usual backoff. False if it was not paused."""
+        then with the usual backoff. A stage stopped by an error retrying
+        cannot cure tries again. False if it was neither paused nor stopped."""
         self._require(name)
+        st = self._states.setdefault(name, StageState(name))
+        if st.stopped is not None:
+            log.info(
+                "stage.resumed", stage=name, stopped_by=st.stopped, batch_id=self.progress(name)
+            )
+            st.stopped = None
+            st.next_due = 0.0
+            self._publish(name)
+            return True
         pause = self.watermarks.paused.pop(name, None)
         if pause is None:
             return False
@@ -340,6 +414,8 @@ class StageTracker:
         st.attempts = 0
         st.failing_since = st.failing_since_wall = None
         st.next_due = 0.0
+        if not st.in_flight:
+            st.attempt_since = st.attempt_batch_id = None
 
     def events_behind(self, name: str) -> int:
         """Events (an LSN distance: an upper bound) from the first event of the
@@ -372,6 +448,44 @@ class StageTracker:
         """Failing for longer than ``stall_after_s`` (health.stall_after_s)."""
         return self.failing_for_s(name) > self.stall_after_s
 
+    def attempt_for_s(self, name: str) -> float:
+        """How long ``name`` has been trying the batch it is on: one attempt
+        running, or failed ones and their backoff (0: it has none to do)."""
+        st = self._states.get(name)
+        if st is None or st.attempt_since is None or self.is_paused(name) or st.stopped:
+            return 0.0
+        return max(self._clock() - st.attempt_since, 0.0)
+
+    def slow(self, name: str) -> bool:
+        """It has not committed the batch it is on within ``attempt_slow_s``
+        (health.attempt_slow_s): an attempt hangs, or attempts keep failing."""
+        return self.attempt_for_s(name) > self.attempt_slow_s
+
+    def waiting_for(self, name: str) -> str | None:
+        """What a slow stage waits for: its running attempt (the executor's
+        words), or its next retry after the last error."""
+        st = self._states.get(name)
+        if st is None or st.attempt_since is None:
+            return None
+        running = self._waiting_for(name)
+        if running is not None:
+            return running
+        if st.error is not None and not st.in_flight:
+            wait = max(st.next_due - self._clock(), 0.0)
+            return f"its attempt {st.attempts + 1} in {wait:.1f} s, after {st.error}"
+        return None
+
+    def any_in_flight(self) -> bool:
+        return any(self._states[n].in_flight for n in self._names if n in self._states)
+
+    def failing(self, name: str) -> bool:
+        st = self._states.get(name)
+        return st is not None and st.attempts > 0
+
+    def stopped(self, name: str) -> bool:
+        st = self._states.get(name)
+        return st is not None and st.stopped is not None
+
     def report(self, live_id: int) -> list[dict[str, Any]]:
         """Per stage, for ``/v1/status``."""
         now = self._clock()
@@ -391,12 +505,21 @@ class StageTracker:
             "behind_events": self.events_behind(name),
             "failing": failing,
             "stalled": self.stalled(name),
+            "slow": self.slow(name),
+            "attempt_batch_id": st.attempt_batch_id,
+            "attempt_for_s": round(self.attempt_for_s(name), 3),
+            "in_flight": st.in_flight,
+            "waiting_for": self.waiting_for(name),
+            "stopped": st.stopped is not None,
+            "stopped_by": st.stopped,
             "failing_since": st.failing_since_wall if failing else None,
             "failing_for_s": round(self.failing_for_s(name), 3),
             "attempts": st.attempts,
             "last_error": st.error,
             "last_error_batch_id": st.error_batch_id,
-            "next_retry_in_s": round(max(st.next_due - now, 0.0), 3) if failing else None,
+            "next_retry_in_s": round(max(st.next_due - now, 0.0), 3)
+            if failing and st.stopped is None
+            else None,
             "last_commit_at": st.last_commit_wall,
             "paused": pause is not None,
             "paused_since": pause.since if pause else None,
@@ -426,6 +549,9 @@ class StageTracker:
         m.stage_failures.labels(stage=name)
         m.stage_failing_seconds.labels(stage=name).set_function(lambda: self.failing_for_s(name))
         m.stage_stalled.labels(stage=name).set_function(lambda: float(self.stalled(name)))
+        m.stage_slow.labels(stage=name).set_function(lambda: float(self.slow(name)))
+        m.stage_attempt_seconds.labels(stage=name).set_function(lambda: self.attempt_for_s(name))
+        m.stage_stopped.labels(stage=name).set_function(lambda: float(self.stopped(name)))
         m.stage_paused.labels(stage=name).set_function(lambda: float(self.is_paused(name)))
         m.stage_lag_events.labels(stage=name).set_function(lambda: self.events_behind(name))
         m.stage_paused_backlog_ratio.labels(stage=name).set_function(
@@ -434,6 +560,33 @@ class StageTracker:
         m.stage_backfill_remaining.labels(stage=name).set_function(
             lambda: (self._backfill_report(name) or {}).get("events_remaining", 0)
         )
+
+
+def stopped_message(name: str, error_class: str, error: str | None) -> str:
+    """What an operator reads for a stage stopped by an error retrying cannot cure."""
+    return (
+        f"stage {name} stopped on {error_class}, which retrying cannot cure: {error}. "
+        "The WAL keeps its batches. Fix what the error names (docs/operating.md, "
+        f'"A stopped stage"), then `eventplane resume {name}`'
+    )
+
+
+def slow_problem(stage: dict[str, Any], limit: float) -> dict[str, Any]:
+    """The problem of a stage whose attempt runs longer than ``health.attempt_slow_s``."""
+    name = stage["name"]
+    waits = stage.get("waiting_for") or "its attempt"
+    return {
+        "part": f"stage {name}",
+        "stage": name,
+        "slow": True,
+        "attempt_batch_id": stage["attempt_batch_id"],
+        "attempt_for_s": stage["attempt_for_s"],
+        "waiting_for": stage.get("waiting_for"),
+        "behind_batches": stage["behind_batches"],
+        "message": f"stage {name} is slow: batch {stage['attempt_batch_id']} has run "
+        f"{stage['attempt_for_s']:.0f} s (limit {limit:g} s), waiting for {waits}; "
+        "the other stages go on without it",
+    }
 
 
 def paused_problem(stage: dict[str, Any], limit: int) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from daemon.errors import ArchiveRefusedError, ConfigError, DaemonError
 from daemon.ingest.server import IngestServer
 from daemon.plane.batch import BatchStage, Executor, NullExecutor
 from daemon.plane.eventplane import EventPlane
-from daemon.plane.stages import paused_problem
+from daemon.plane.stages import paused_problem, slow_problem, stopped_message
 from daemon.service import logs
 from daemon.service.admin import AdminServer
 from daemon.service.deadline import Deadline
@@ -608,7 +608,10 @@ class Daemon:
         stream, the triggers, a handler) failing on its own, or the
         micro-batch path as a whole (Spark down, every stage failing). A
         paused stage is not a problem until its backlog passes
-        ``health.paused_max_lag_events``.
+        ``health.paused_max_lag_events``. Two are problems at once: a stage
+        whose attempt has run longer than ``health.attempt_slow_s`` (slow:
+        the problem says what it waits for), and a stage stopped by an error
+        that retrying cannot cure.
         """
         out: list[dict[str, Any]] = []
         plane = self.plane
@@ -663,7 +666,24 @@ class Daemon:
                 }
             )
         for stage in planner.stages.report(planner.live_id):
-            if stage["stalled"]:
+            if stage["stopped"]:
+                out.append(
+                    {
+                        "part": f"stage {stage['name']}",
+                        "stage": stage["name"],
+                        "stopped": True,
+                        "error_class": stage["stopped_by"],
+                        "since": stage["failing_since"],
+                        "behind_batches": stage["behind_batches"],
+                        "error": stage["last_error"],
+                        "message": stopped_message(
+                            stage["name"], stage["stopped_by"], stage["last_error"]
+                        ),
+                    }
+                )
+            elif stage["slow"]:
+                out.append(slow_problem(stage, self.cfg.health.attempt_slow_s))
+            elif stage["stalled"]:
                 out.append(
                     {
                         "part": f"stage {stage['name']}",

@@ -15,7 +15,11 @@ builds the SparkSession in the background (:mod:`daemon.spark.lifecycle`).
 5. each ``[[cdc.handlers]]`` function gets ``(df, batch_id)``.
 
 Steps 3-5 are stages (``stage_names()``); a failed stage does not stop the
-others (invariant 6), a failure of steps 1-2 fails the batch. A lost session
+others (invariant 6), a failure of steps 1-2 fails the batch. Each stream's
+commit runs in the stream's own thread (``_Lane``), and the batch waits for
+it at most half of ``health.attempt_slow_s`` (a failing stage: not at all); a commit
+still running then is handed back as ``InFlight`` and lands later, so a
+stream hung on its store holds back only itself. A lost session
 is rebuilt (:mod:`daemon.spark.lifecycle`); retention and quarantine actions
 run beside the batches (:mod:`daemon.spark.maintenance`), compaction in its
 own thread (``daemon.table.compact``). The why: docs/cdc.md, "The executor".
@@ -28,7 +32,9 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import queue
 import shutil
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,7 +52,7 @@ from daemon.errors import (
     error_text,
 )
 from daemon.metrics import Metrics
-from daemon.plane.batch import BatchStage, MicroBatch
+from daemon.plane.batch import BatchStage, InFlight, MicroBatch
 from daemon.spark import deltajars, frame, rawinbox
 from daemon.spark import session as sparkmod
 from daemon.spark.lifecycle import SessionLife, State, _Status
@@ -151,6 +157,59 @@ class _Outcome:
     spark_seconds: float
     failures: dict[str, BaseException] = field(default_factory=dict)
     ran: int = 0  # stages asked for that exist
+    # Streams whose commit was still running when the batch stopped waiting.
+    in_flight: dict[str, InFlight] = field(default_factory=dict)
+
+
+class _Lane:
+    """One CDC stream's own thread: its commits run here one at a time.
+
+    A commit that hangs on its store (a stopped or partitioned S3) then holds
+    back only its stream: the batch stops waiting for it (``InFlight``) and
+    the other streams take the next batches (invariant 6). A daemon thread,
+    not a ``ThreadPoolExecutor``: the process must be able to exit while a
+    request still hangs (each is bounded by the ``[s3]`` timeouts, and the
+    lease fences a commit that lands late, invariant 18).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[tuple[Future[Any], str, Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        # What the running call does and since when (monotonic); None when idle.
+        self.running: tuple[str, float] | None = None
+
+    def submit(self, what: str, call: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"eventplane-lane-{self.name}", daemon=True
+            )
+            self._thread.start()
+        self._queue.put((future, what, call))
+        return future
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, what, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            self.running = (what, time.monotonic())
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # handed to the waiter, never lost
+                future.set_exception(exc)
+            finally:
+                self.running = None
+
+    def busy(self) -> bool:
+        return self.running is not None or not self._queue.empty()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
 
 
 def sink_stage(sink: CdcSink) -> str:
@@ -193,6 +252,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         self._sleep = sleep
         self._sinks: list[CdcSink] = []
         self._mirrors: list[MirrorTable] = []
+        self._lanes: dict[str, _Lane] = {}  # stream name -> its commit thread
         self.compaction: CompactionService | None = None
         self._inbox: Path | None = cfg.data_dir / "spark-inbox" if uses_inbox(cfg) else None
         self._cores: int | None = None  # Spark's default parallelism, asked once
@@ -351,9 +411,15 @@ class SparkExecutor(SessionLife, StreamMaintenance):
             raise ExecutorError("the Spark executor stopped before it became ready")
 
     async def execute(
-        self, batch: MicroBatch, stages: Collection[str] | None = None
+        self,
+        batch: MicroBatch,
+        stages: Collection[str] | None = None,
+        *,
+        wait_s: float | None = None,
     ) -> dict[str, BaseException]:
-        """Run ``batch`` for ``stages`` (all when None); the stages that failed."""
+        """Run ``batch`` for ``stages`` (all when None); the stages that failed,
+        and as ``InFlight`` the streams whose commit outlived ``wait_s``
+        (default half of ``health.attempt_slow_s``) and goes on in its own thread."""
         if self._status.state in (State.STOPPING, State.STOPPED):
             raise ExecutorError(f"batch {batch.batch_id}: the Spark executor is stopped")
         # Free check first: a JVM that died while no batch ran fails this one at
@@ -368,8 +434,11 @@ class SparkExecutor(SessionLife, StreamMaintenance):
             raise exc
         await self.wait_ready()  # consumers hold their batches until Spark is up
         wanted = set(self.stage_names() if stages is None else stages)
+        # Half of attempt_slow_s: the stages done meanwhile hear of it (the
+        # planner records them when this returns) before they could look slow.
+        wait = self.cfg.health.attempt_slow_s / 2 if wait_s is None else max(wait_s, 0.0)
         async with self._lock:
-            return await self._execute_locked(batch, wanted)
+            return await self._execute_locked(batch, wanted, wait)
 
     def prepare(self, batch: MicroBatch) -> None:
         """Start writing ``batch``'s inbox file while the batch before it runs in Spark.
@@ -576,7 +645,19 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         for mirror in self._mirrors:
             mirror.close()
         for sink in self._sinks:
+            lane = self._lanes.get(sink.name)
+            if lane is not None and lane.busy():
+                # Closing would pull the table's state from under the commit;
+                # its lease expires by itself, and a restart recovers the table.
+                log.warning(
+                    "cdc_commit_in_flight_at_stop",
+                    stream=sink.name,
+                    waiting_for=self.waiting_for(sink_stage(sink)),
+                )
+                continue
             sink.close()
+        for lane in self._lanes.values():
+            lane.close()
         # _built covers a session whose build finished after stop() cancelled the boot.
         session = self._session or self._built
         if self._owns_session and session is not None:
@@ -589,7 +670,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
     # -- one batch -----------------------------------------------------------
 
     async def _execute_locked(
-        self, batch: MicroBatch, wanted: set[str]
+        self, batch: MicroBatch, wanted: set[str], wait_s: float
     ) -> dict[str, BaseException]:
         """Run ``batch`` (module docstring, steps 1-5) and every stage's ``finish``.
 
@@ -629,7 +710,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                 try:
                     # Step 1. Spark work in the worker thread; finishes start as results come.
                     outcome = await loop.run_in_executor(
-                        self._pool, ctx.run, self._run_in_spark, batch, wanted, hand_over
+                        self._pool, ctx.run, self._run_in_spark, batch, wanted, hand_over, wait_s
                     )
                 except Exception:
                     # Step 3. Calls already under way complete (at least once:
@@ -677,14 +758,16 @@ class SparkExecutor(SessionLife, StreamMaintenance):
             stage_ready_seconds={k: round(v, 4) for k, v in ready_at.items()},
             streams={c.stream: ("noop" if c.noop else c.rows) for c in outcome.commits},
             failed_stages=sorted(outcome.failures),
+            in_flight=sorted(outcome.in_flight),
         )
-        return outcome.failures
+        return {**outcome.failures, **outcome.in_flight}
 
     def _run_in_spark(
         self,
         batch: MicroBatch,
         wanted: set[str],
         hand_over: Callable[[BatchStage, Any], None] = lambda stage, result: None,
+        wait_s: float = float("inf"),
     ) -> _Outcome:
         """Steps 1-5 of the module docstring for the ``wanted`` stages. Runs in the
         worker thread. Steps 1-2 raise; a stage's failure is its own.
@@ -701,6 +784,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         mirrors = 0  # mirror stages that ran (step 4b)
         commits: list[CommitResult] = []
         results: list[tuple[BatchStage, Any]] = []
+        in_flight: dict[str, InFlight] = {}
         cached = False
         made: list[Any] = []  # the batch DataFrame, once something needs it
         try:
@@ -775,14 +859,25 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                 # would have had their job build the cache.
                 made[:] = [batch_df().persist()]
                 cached = True
-            # Step 4. Each CDC stream commits its rows exactly once.
+            # Step 4. Each CDC stream commits its rows exactly once, in its
+            # own thread; one that outlives ``wait_s`` goes on there (InFlight).
             for sink, rows in todo:
                 if sink.name in self._no_delta:
                     failures[sink_stage(sink)] = DeltaJarsMissingError(self._no_delta[sink.name])
                     continue
                 try:
                     df = batch_df() if sink.name in readers else None
-                    commits.append(sink.commit(df, batch, rows, source))
+                    call = functools.partial(
+                        contextvars.copy_context().run, sink.commit, df, batch, rows, source
+                    )
+                    lane = self._lanes.setdefault(sink.name, _Lane(sink.name))
+                    what = f"its commit of batch {batch.batch_id} to {sink.stream.location}"
+                    future = lane.submit(what, call)
+                    commits.append(
+                        future.result(timeout=None if wait_s == float("inf") else wait_s)
+                    )
+                except TimeoutError:
+                    in_flight[sink_stage(sink)] = self._in_flight(sink, batch, future)
                 except Exception as exc:
                     failures[sink_stage(sink)] = exc
             # Step 4b. Each mirror merges its collection's rows exactly once.
@@ -796,14 +891,76 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                     except Exception as exc:
                         failures[handler_stage(ref)] = exc
         finally:
-            if cached:
-                try:
-                    made[0].unpersist(blocking=False)
-                except Exception as exc:  # a dead JVM took the cache with it
-                    log.warning("batch_unpersist_failed", error=f"{type(exc).__name__}: {exc}")
-            self._remove_inbox_files(batch.batch_id)  # even when the JVM died mid-batch
+
+            def clean_up() -> None:
+                if cached:
+                    try:
+                        made[0].unpersist(blocking=False)
+                    except Exception as exc:  # a dead JVM took the cache with it
+                        log.warning("batch_unpersist_failed", error=f"{type(exc).__name__}: {exc}")
+                self._remove_inbox_files(batch.batch_id)  # even when the JVM died mid-batch
+
+            if in_flight:
+                # A commit still running reads the inbox file and the cache:
+                # they go once the last one is over.
+                left = [len(in_flight)]
+                lock = threading.Lock()
+
+                def one_done(_: Future[None]) -> None:
+                    with lock:
+                        left[0] -= 1
+                        last = left[0] == 0
+                    if last:
+                        clean_up()
+
+                for marker in in_flight.values():
+                    marker.done.add_done_callback(one_done)
+            else:
+                clean_up()
         ran = len(sinks) + len(stages) + len(handlers) + mirrors
-        return _Outcome(nrows, commits, results, time.monotonic() - started, failures, ran)
+        spark_s = time.monotonic() - started
+        return _Outcome(nrows, commits, results, spark_s, failures, ran, in_flight)
+
+    def _in_flight(self, sink: CdcSink, batch: MicroBatch, running: Future[Any]) -> InFlight:
+        """The marker of ``sink``'s commit that goes on in its lane; its ``done``
+        resolves once the commit is over, after the executor's own bookkeeping."""
+        done: Future[None] = Future()
+        done.set_running_or_notify_cancel()
+
+        def landed(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is None:
+                result: CommitResult = f.result()
+                st = self._status
+                st.streams[result.stream] = max(st.streams.get(result.stream) or 0, result.batch_id)
+                if result.quarantined:  # as _record_success counts a waited-for commit's
+                    self.metrics.cdc_quarantined.labels(result.stream).inc(result.quarantined)
+                self.metrics.cdc_quarantined_rows.labels(sink.name).set(sink.quarantined)
+                done.set_result(None)
+            else:
+                self._record_failure(batch, exc, sink_stage(sink))
+                done.set_exception(exc)
+
+        running.add_done_callback(landed)
+        return InFlight(sink_stage(sink), batch.batch_id, done)
+
+    async def _in_stream_thread(self, sink: CdcSink, what: str, call: Callable[[], Any]) -> Any:
+        """Run ``call`` in ``sink``'s own thread (``_Lane``), after the commits
+        queued there: work on a stream's table never runs beside its commit."""
+        lane = self._lanes.setdefault(sink.name, _Lane(sink.name))
+        run = functools.partial(contextvars.copy_context().run, call)
+        return await asyncio.wrap_future(lane.submit(what, run))
+
+    def waiting_for(self, stage: str) -> str | None:
+        """What the running attempt of ``stage`` waits for (a stream's commit to
+        its table), or None when none of its commits runs."""
+        sink = self._sink_of(stage)
+        lane = self._lanes.get(sink.name) if sink is not None else None
+        running = lane.running if lane is not None else None
+        if running is None:
+            return None
+        what, since = running
+        return f"{what}, running for {time.monotonic() - since:.1f} s"
 
     def _parallelism(self, spark: Any) -> int:
         if self._cores is None:

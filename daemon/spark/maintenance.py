@@ -16,7 +16,9 @@ The why: docs/cdc.md, "Time partitioning and retention" and "Quarantine".
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +48,10 @@ class StreamMaintenance:
     if TYPE_CHECKING:
 
         def ready(self) -> bool: ...
+
+        async def _in_stream_thread(
+            self, sink: CdcSink, what: str, call: Callable[[], Any]
+        ) -> Any: ...
 
     # -- retention -----------------------------------------------------------
 
@@ -101,13 +107,18 @@ class StreamMaintenance:
         self, stream: str, action: str, lsns: set[int] | None, by: str | None = None
     ) -> dict[str, Any]:
         """``replay`` or ``purge`` the quarantined rows of ``stream`` (all, or
-        ``lsns``) in the batch thread, so never beside one of its commits."""
+        ``lsns``) in the stream's own thread, where its commits run (the
+        executor's ``_Lane``), so never beside one of them: a commit still in
+        flight after its batch stopped waiting (issue 47) finishes first."""
         sink = next((s for s in self._sinks if s.name == stream), None)
         if sink is None:
             raise UnknownStreamError(f"no CDC stream {stream!r}")
-        loop = asyncio.get_running_loop()
         if action == "purge":
-            n = await loop.run_in_executor(self._pool, sink.purge_quarantine, lsns, by)
+            n = await self._in_stream_thread(
+                sink,
+                f"a quarantine purge of {sink.stream.location}",
+                functools.partial(sink.purge_quarantine, lsns, by),
+            )
             result: dict[str, Any] = {"stream": stream, "purged": n}
         elif action == "replay":
             spark = self._session
@@ -117,8 +128,10 @@ class StreamMaintenance:
             def frame_of(batch: MicroBatch) -> Any:
                 return frame.batch_frame(spark, batch, None, 1)[0]
 
-            result = await loop.run_in_executor(
-                self._pool, sink.replay_quarantine, spark, frame_of, lsns
+            result = await self._in_stream_thread(
+                sink,
+                f"a quarantine replay into {sink.stream.location}",
+                functools.partial(sink.replay_quarantine, spark, frame_of, lsns),
             )
         else:
             raise ExecutorError(f"unknown quarantine action {action!r}")

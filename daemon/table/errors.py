@@ -12,6 +12,8 @@ class CdcError(DaemonError):
 class CdcLedgerMismatchError(CdcError):
     """A committed batch id came back with different LSN ranges."""
 
+    retriable = False  # the table and the WAL disagree: a person must decide
+
 
 class CdcRecoveryError(CdcError):
     """An interrupted commit cannot be completed from what is on disk."""
@@ -27,6 +29,8 @@ class CdcQuarantineLimitError(CdcError):
 
 class CdcLayoutError(CdcError):
     """The stream's partition_by differs from the layout its table was written with."""
+
+    retriable = False  # the config or the table must change first
 
 
 class CompactionError(CdcError):

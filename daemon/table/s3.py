@@ -108,7 +108,15 @@ def _from_file(cfg: S3Config) -> Credentials:
 
 
 def client(cfg: S3Config) -> Any:
-    """A boto3 S3 client for the store (timeouts and retries from ``[s3]``)."""
+    """A boto3 S3 client for the store (timeouts and retries from ``[s3]``).
+
+    These bound every request of a commit, here and in ``storage_options``:
+    at most (max_retries + 1) x (connect_timeout_s + request_timeout_s)
+    plus backoff. The cross-check of daemon/config.py (issue 40) requires
+    that to fit the lease window (lease_ttl_s - lease_skew_s), so no request
+    outlives the lease it was made under; the stream's commit thread (daemon/spark/executor.py,
+    ``_Lane``) then ends with an error and the stage retries.
+    """
     import boto3
     from botocore.config import Config
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ from structlog.testing import capture_logs
 
 from daemon.config import MicrobatchConfig
 from daemon.errors import ExecutorError, LsnRegressionError
-from daemon.plane.batch import MicroBatch
+from daemon.plane.batch import InFlight, MicroBatch
 from daemon.plane.planlog import PlanLog
 from daemon.plane.planner import BackfillError, Planner
 from daemon.plane.watermarks import Watermarks, WatermarkSnapshot
@@ -232,6 +234,75 @@ async def test_a_failing_chunk_backs_off_and_is_retried_with_the_same_rows(
     planner.stages._states["cdc:b"].next_due = 0.0
     await planner._run_behind()
     assert sorted(executor.rows["cdc:b"]) == list(range(1, 9))
+
+
+class HangingLedgerExecutor(LedgerExecutor):
+    """Stage ``cdc:b``'s commits while ``hang`` is set come back ``InFlight``
+    (the stream's thread still runs them, as on a hung store); ``land`` commits
+    the oldest one, as the thread would."""
+
+    def __init__(self, starts: dict[str, str | int]) -> None:
+        super().__init__(starts)
+        self.hang = False
+        self.pending: list[tuple[MicroBatch, Future[None]]] = []
+
+    async def execute(  # type: ignore[override]
+        self, batch: MicroBatch, stages: Any = None
+    ) -> dict[str, BaseException]:
+        wanted = tuple(self.names if stages is None else stages)
+        if not self.hang or "cdc:b" not in wanted:
+            return await super().execute(batch, wanted)
+        failures = await super().execute(batch, tuple(n for n in wanted if n != "cdc:b"))
+        done: Future[None] = Future()
+        self.pending.append((batch, done))
+        failures["cdc:b"] = InFlight("cdc:b", batch.batch_id, done)
+        return failures
+
+    async def land(self) -> None:
+        batch, done = self.pending.pop(0)
+        failures = await LedgerExecutor.execute(self, batch, ("cdc:b",))
+        if failures:
+            done.set_exception(failures["cdc:b"])
+        else:
+            done.set_result(None)
+        await asyncio.sleep(0)  # the planner hears of it on the loop
+
+
+async def test_a_chunk_whose_commit_outlives_the_wait_lands_once_and_the_backfill_goes_on_after_it(
+    tmp_path: Path,
+) -> None:
+    """1. b's first chunk is handed back in flight (its commit still runs):
+    b is not failing and takes no other chunk, while a commits live batches;
+    2. the commit lands: b's backfill moves past that chunk's rows; 3. b
+    finishes from there and holds every LSN once, with no failed attempt
+    (before the fix the chunk counted as failed, and its retry under the next
+    id started below what it had committed: LsnRegressionError forever)."""
+    executor, wal, planner = await history(tmp_path, 8)
+    hanging = HangingLedgerExecutor({"cdc:b": "earliest"})
+    hanging.ledgers, hanging.rows = executor.ledgers, executor.rows
+    planner.executor = hanging
+    assert planner.prepare_backfills() == ["cdc:b"]
+    hanging.hang = True
+    with capture_logs() as logs:
+        await planner._backfill("cdc:b")  # Step 1.
+        entry = planner.stages.entry("cdc:b", planner.live_id)
+        assert entry["in_flight"] and not entry["failing"] and entry["backfilling"]
+        await live(planner, wal, range(9, 13))
+        await planner._run_behind()
+        assert len(hanging.pending) == 1 and hanging.ledgers["cdc:b"] == []
+        hanging.hang = False
+
+        await hanging.land()  # Step 2.
+        assert [bid for bid, _ in hanging.ledgers["cdc:b"]] == [1]
+        entry = planner.stages.entry("cdc:b", planner.live_id)
+        assert not entry["in_flight"] and not entry["failing"] and entry["backfilling"]
+
+        await planner._run_behind()  # Step 3.
+    assert not [e for e in logs if e["event"] == "stage_failed"], logs
+    assert planner.watermarks.backfill == {}
+    assert sorted(hanging.rows["cdc:b"]) == list(range(1, 13))
+    assert Counter(hanging.rows["cdc:b"]).most_common(1)[0][1] == 1
+    assert sorted(hanging.rows["cdc:a"]) == list(range(1, 13))
 
 
 async def test_start_below_the_retained_floor_is_refused(tmp_path: Path) -> None:

@@ -11,8 +11,12 @@ networks and restarts do to a producer:
 - ``delay``: a chunk waits before it is forwarded (slow networks, timeouts).
 
 While the daemon is down, a new connection is accepted and then closed at
-once, like a load balancer with no backend. It runs its own event loop in a
-thread, so blocking tests and producer threads can use it alike.
+once, like a load balancer with no backend. ``stall(True)`` is a network
+partition: connections are accepted and nothing is forwarded either way
+until ``stall(False)`` (what was held is then delivered). ``refuse(True)`` is
+a stopped server: open connections are reset and nothing listens on the port
+until ``refuse(False)``. It runs its own event loop in a thread, so blocking
+tests and producer threads can use it alike.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ class FaultyProxy:
         self.delay = delay
         self.max_delay_s = max_delay_s
         self.faults: Counter[str] = Counter()  # what was injected, for the test's asserts
+        self.stalling = False
+        self._flowing = asyncio.Event()  # cleared while stalling (its loop only)
+        self._flowing.set()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -70,6 +77,28 @@ class FaultyProxy:
                 if name not in ("drop_response", "reset_mid_body", "delay"):
                     raise ValueError(f"no fault {name!r}")
                 setattr(self, name, rate)
+
+    def stall(self, on: bool) -> None:
+        """Hold every byte both ways (a partition) from now on, or let them go."""
+        self.stalling = on
+        self._loop.call_soon_threadsafe(self._flowing.clear if on else self._flowing.set)
+
+    def refuse(self, on: bool) -> None:
+        """From now on be what a stopped server is to its clients (open
+        connections reset, new ones refused: nothing listens on the port), or
+        listen on the same port again."""
+
+        async def switch() -> None:
+            if on:
+                if self._server is not None:
+                    self._server.close()
+                    self._server = None
+                for w in list(self._writers):
+                    _abort(w)
+            elif self._server is None:
+                self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+        asyncio.run_coroutine_threadsafe(switch(), self._loop).result(10)
 
     def close(self) -> None:
         async def shut() -> None:
@@ -105,6 +134,7 @@ class FaultyProxy:
     async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         self._writers.add(c_writer)
         try:
+            await self._flowing.wait()  # while stalling: accepted, never answered
             try:
                 u_reader, u_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
             except OSError:
@@ -138,6 +168,7 @@ class FaultyProxy:
                 with suppress(OSError):
                     writer.write_eof()
                 return
+            await self._flowing.wait()
             if self.delay and self._roll("delay"):
                 await asyncio.sleep(self._rng.uniform(0, self.max_delay_s))
             if upstream and self.reset_mid_body and self._roll("reset_mid_body"):

@@ -36,6 +36,9 @@ def exposed_series() -> dict[str, set[str]]:
     m.trigger_action_latency.labels(trigger="t")
     for family in (
         m.stage_stalled,
+        m.stage_slow,
+        m.stage_attempt_seconds,
+        m.stage_stopped,
         m.stage_failing_seconds,
         m.stage_lag_batches,
         m.stage_lag_events,

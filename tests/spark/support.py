@@ -14,7 +14,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from daemon.config import CdcConfig, CdcHandler, CdcStream, Config, DaemonConfig, SparkConfig
+from daemon.config import (
+    CdcConfig,
+    CdcHandler,
+    CdcStream,
+    Config,
+    DaemonConfig,
+    HealthConfig,
+    SparkConfig,
+)
 from daemon.events import StoredEvent, encode
 from daemon.plane.batch import MicroBatch, Slice
 from wal.record import Record
@@ -110,10 +118,18 @@ def make_config(
     partition_by: Sequence[str] = ("collection",),
     retention_s: int | None = None,
     stream_options: Mapping[str, Any] | None = None,
+    attempt_slow_s: float = 600.0,
 ) -> Config:
-    """``stream_options``: more keys of every ``[[cdc.streams]]`` (compaction)."""
+    """``stream_options``: more keys of every ``[[cdc.streams]]`` (compaction).
+
+    ``attempt_slow_s``: these tests call the executor directly and check each
+    commit's outcome, so by default ``execute`` waits for every commit (it
+    stops waiting after half of it, issue 47); a test of a commit handed back
+    in flight sets it low. The planner's side of that is tests/core/test_slow_stages.py.
+    """
     return Config(
         daemon=DaemonConfig(data_dir=root / "var", cores=cores),
+        health=HealthConfig(attempt_slow_s=attempt_slow_s),
         spark=SparkConfig(
             master=master,
             remote=remote,

@@ -309,18 +309,24 @@ async def test_a_slow_store_makes_batches_slower_never_wrong(
 ) -> None:
     """Every request to and answer from the store waits up to 150 ms per
     64 KiB (a delaying proxy in front of the server): the batches take
-    longer, each still commits once with every row."""
+    longer, each still commits once with every row; a commit that outlives
+    health.attempt_slow_s comes back in flight and lands the same."""
     from dataclasses import replace as with_
 
+    from daemon.plane.batch import InFlight
     from tests.faults.proxy import FaultyProxy
 
     port = int(s3_server.endpoint.rsplit(":", 1)[1])
     with FaultyProxy(port, seed=28, delay=1.0, max_delay_s=0.15) as proxy:
         slow = with_(s3_server.config(), endpoint=proxy.url)
-        ex = await executor_factory(stream_options={**on_s3(s3_server, table_uri), "s3": slow})
+        ex = await executor_factory(
+            stream_options={**on_s3(s3_server, table_uri), "s3": slow}, attempt_slow_s=1.0
+        )
         batches = make_batches(4, 200)
         for b in batches:
-            assert not await ex.execute(b)
+            for marker in (await ex.execute(b)).values():
+                assert isinstance(marker, InFlight), marker
+                await asyncio.wrap_future(marker.done)
         assert proxy.faults["delay"] > 20, proxy.faults
         seconds = ex.status()["last_batch_duration_s"]
         await ex.stop()  # releases the lease through the proxy
