@@ -22,6 +22,26 @@ ROOT = Path(__file__).resolve().parents[2]
 TEST_SPARK_LINES = "warmup_rows = 0\nclass_sharing = false\n"
 
 
+# A test daemon calls an attempt slow after 30 s, not the shipped 5 s: beside the
+# suite's other workers a first batch can take 15 s on 2 cores, and only the tests
+# of slow stages (tests/faults/test_s3_hang.py, ...) are about that; they set
+# their own `attempt_slow_s`, which this leaves alone.
+TEST_ATTEMPT_SLOW_S = 30
+
+
+def _test_health(config: Path) -> None:
+    """Give ``config`` the test daemons' ``[health] attempt_slow_s`` unless it sets one."""
+    text = config.read_text()
+    if "attempt_slow_s" in text:
+        return
+    line = f"attempt_slow_s = {TEST_ATTEMPT_SLOW_S}\n"
+    if "\n[health]\n" in text:
+        text = text.replace("\n[health]\n", "\n[health]\n" + line, 1)
+    else:
+        text += "\n[health]\n" + line
+    config.write_text(text)
+
+
 def write_config(directory: Path, extra: str = "", **daemon: Any) -> Path:
     """A config on free ports with data under ``directory/data``.
 
@@ -110,6 +130,7 @@ class DaemonProcess:
     def start(self, timeout_s: float = 60.0) -> DaemonProcess:
         import tomllib
 
+        _test_health(self.config)
         cfg = tomllib.loads(self.config.read_text())
         self.ingest_url = f"http://{cfg['ingest']['listen']}"
         self.admin_url = f"http://{cfg['admin']['listen']}"
