@@ -75,7 +75,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) java jar delta-jars lint typecheck
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(STAMP) java jar delta-jars
 	$(BIN)/python -m bench

@@ -34,10 +34,12 @@ def _start_rank(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if getattr(config.option, "numprocesses", None):
-        # pytest-xdist (`make test` runs `-n 3 --dist loadfile`) hands out whole
-        # files in collection order: the files that run long go first. A stable
-        # sort, so each file keeps its own order; every worker sorts alike.
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its order is the schedule
+        # pytest-xdist (`make test`: `-n 3 --dist loadfile --no-loadscope-reorder`)
+        # hands out whole files in the workers' collection order (without
+        # reordering them by their number of tests): the files that run long go
+        # first. A stable sort, so each file keeps its own order; every worker
+        # sorts alike.
         rank: dict[Path, int] = {}
         for item in items:
             rank[item.path] = min(rank.get(item.path, 3), _start_rank(item))

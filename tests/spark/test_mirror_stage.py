@@ -1,7 +1,8 @@
 """A mirror beside a CDC stream in the Spark executor: its own stage
 (``mirror:<name>``), run with the batch after the streams, without a Spark
 job; each stage runs alone when it is the only one level with a batch (a
-paused or failing mirror holds back only itself), and status shows it."""
+paused or failing mirror holds back only itself), status shows it, and
+Spark's Delta reader reads what delta-rs wrote."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from daemon.config import CdcConfig, CdcMirror
 from daemon.errors import ExecutorError
 from daemon.metrics import Metrics
 from daemon.spark.executor import SparkExecutor
+from tests import requires
 from tests.spark.support import make_config
 from tests.table.test_mirror import COLUMNS, make_batch, read_rows
 
@@ -66,6 +68,10 @@ async def test_the_mirror_stage_commits_beside_a_stream_and_alone(
         assert await ex.execute(b3, {"mirror:orders"}) == {}
         rows = read_rows(tmp_path / "mirror")
         assert {k: (r["lsn"], r["amount"]) for k, r in rows.items()} == {"b": (4, 4.0)}
+        # Spark with the Delta package reads the rows delta-rs reads.
+        requires.delta_jars()
+        seen = spark.read.format("delta").load(str(tmp_path / "mirror")).collect()
+        assert {r.key: (r.lsn, r.op, r.amount) for r in seen} == {"b": (4, "insert", 4.0)}
         status = ex.status()["mirrors"]["orders"]
         assert status["last_batch_id"] == 3 and status["cast_failures"] == {"amount": 1}
         lsns = {
