@@ -167,7 +167,9 @@ class DaemonProcess:
             return "(no log)"
 
     def status(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.admin_url + "/v1/status", timeout=5) as r:
+        # 15 s: a status answer waits for the loop, which a loaded machine can hold
+        # for seconds (seen once in tests/faults/test_restore.py at 5 s).
+        with urllib.request.urlopen(self.admin_url + "/v1/status", timeout=15) as r:
             return json.loads(r.read())  # type: ignore[no-any-return]
 
     def kill(self) -> None:
