@@ -593,27 +593,25 @@ class SparkExecutor(SessionLife, StreamMaintenance):
     def _check_stream_paths(self) -> None:
         errors: list[str] = []
         seen: list[tuple[int, Path]] = []
-        for i, s in enumerate(self.cfg.cdc.streams):
-            p = Path(s.path).resolve()
+
+        def overlaps(key: str, p: Path, who: str) -> None:
             for j, q in seen:
                 if p == q or p.is_relative_to(q) or q.is_relative_to(p):
                     errors.append(
-                        f"cdc.streams[{i}].path: {p} overlaps cdc.streams[{j}].path ({q}); "
-                        f"each stream needs its own folder (a reader of one would see both)"
+                        f"{key}: {p} overlaps cdc.streams[{j}].path ({q}); "
+                        f"{who} needs its own folder (a reader of one would see both)"
                     )
+
+        for i, s in enumerate(self.cfg.cdc.streams):
+            p = Path(s.path).resolve()
+            overlaps(f"cdc.streams[{i}].path", p, "each stream")
             seen.append((i, p))
             try:
                 (p / "_eventplane").mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 errors.append(f"cdc.streams[{i}].path: cannot create {p} ({exc.strerror})")
         for i, m in enumerate(self.cfg.cdc.mirrors):
-            p = Path(m.path).resolve()
-            for j, q in seen:
-                if p == q or p.is_relative_to(q) or q.is_relative_to(p):
-                    errors.append(
-                        f"cdc.mirrors[{i}].path: {p} overlaps cdc.streams[{j}].path ({q}); "
-                        f"a mirror needs its own folder (a reader of one would see both)"
-                    )
+            overlaps(f"cdc.mirrors[{i}].path", Path(m.path).resolve(), "a mirror")
         if errors:
             raise ConfigError(errors, str(self.cfg.source or "config"))
 
