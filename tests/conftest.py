@@ -74,20 +74,13 @@ def spark() -> Iterator[Any]:
     os.environ.setdefault("PYSPARK_PYTHON", os.sys.executable)  # type: ignore[attr-defined]
     from daemon.spark import deltajars
     from daemon.spark.session import build_session  # only Spark tests pay for it
-    from tests.integration.harness import TEST_CDS_DIR, TEST_JVM_OPTIONS
 
-    TEST_CDS_DIR.mkdir(exist_ok=True)
     session = build_session(
         master="local[2]",
         app_name="eventplane-tests",
         ui=False,
         log_level="ERROR",
-        conf={
-            "spark.sql.shuffle.partitions": "2",
-            "spark.driver.extraJavaOptions": TEST_JVM_OPTIONS,
-        },
-        # The test daemons' JVM options and class data sharing (tests/integration/harness.py).
-        cds_dir=TEST_CDS_DIR,
+        conf={"spark.sql.shuffle.partitions": "2"},
         # Delta Lake when its jars were fetched (tests/spark/test_delta.py skips otherwise).
         delta=not deltajars.missing(),
     )

@@ -60,14 +60,12 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -475,10 +473,6 @@ def prime_pyspark_imports() -> None:
 # not (measured: about half of a new driver's CPU up to its first write;
 # docs/performance.md, "The daemon's JVM").
 CDS_CHECK_TIMEOUT_S = 60.0
-# Another key's files (an older PySpark or java, other JVM options) are removed
-# once unused this long: several daemons may share one folder (a symlink), each
-# with its own key, and each start of one touches its archive.
-CDS_UNUSED_S = 7 * 86400.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,20 +481,17 @@ class ClassSharing:
 
     options: tuple[str, ...]
     archive: Path
-    pending: Path  # this start's own pending archive (written only if recording)
-    jvm_file: Path  # and the record of the JVM that writes it
+    pending: Path
+    jvm_file: Path
     recording: bool  # this JVM writes the archive when it exits
 
     def remember_jvm(self, session: Any) -> None:
-        """Record the java binary, class path and pid of the JVM that will write
-        the pending archive: the next start checks the archive with them, and
-        leaves it alone while that JVM lives (it writes the file as it exits)."""
-        jvm = session.sparkContext._jvm
-        system = jvm.java.lang.System
+        """Record the java binary and class path of the JVM that will write the
+        pending archive: the next start checks the archive with them."""
+        system = session.sparkContext._jvm.java.lang.System
         doc = {
             "java": str(Path(system.getProperty("java.home")) / "bin" / "java"),
             "classpath": system.getProperty("java.class.path"),
-            "pid": int(jvm.java.lang.ProcessHandle.current().pid()),
         }
         tmp = self.jvm_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc), encoding="utf-8")
@@ -554,87 +545,47 @@ def _archive_maps(archive: Path, jvm_file: Path) -> bool:
     return done.returncode == 0
 
 
-def _jvm_writing(pending: Path, jvm_file: Path) -> bool:
-    """Whether the JVM recorded in ``jvm_file`` still runs (and so may still be
-    writing ``pending`` as it exits): its pid's command line names the file."""
-    try:
-        pid = int(json.loads(jvm_file.read_text(encoding="utf-8"))["pid"])
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return str(pending).encode() in cmdline
-
-
 def class_sharing(folder: Path, salt: str = "") -> ClassSharing:
     """The driver JVM's class data sharing archive under ``folder``.
 
     1. An archive for this PySpark and java (``_cds_key``) exists: the JVM
-       maps it (``-XX:SharedArchiveFile``), and its time of use is touched.
-    2. Else, each pending archive a JVM wrote when it exited is checked
-       (``_archive_maps``, with that JVM's java and class path): the first
-       that maps becomes the archive (a rename) and is used; one that does not
-       is removed; one whose JVM still runs is left alone.
-    3. Else, unless such a JVM is still recording one, this JVM records a
-       pending archive of its own (a name per start, so that daemons sharing
-       the folder never write one file) when it exits
-       (``-XX:ArchiveClassesAtExit``; a normal exit, SIGTERM or the end of
-       the daemon's process writes it, a SIGKILL of the JVM does not). JDK 13
-       or later. A JVM that neither maps nor records starts as without one.
+       maps it (``-XX:SharedArchiveFile``).
+    2. Else, a pending archive that the last JVM wrote when it exited is
+       checked (``_archive_maps``, with that JVM's java and class path) and,
+       if it maps, becomes the archive (a rename) and is used.
+    3. Else (none, or one that does not map, which is removed) this JVM
+       records one when it exits (``-XX:ArchiveClassesAtExit``; a normal exit
+       or SIGTERM writes it, a SIGKILL does not). JDK 13 or later.
 
     The JVM's own ``cds`` log lines (one per class it cannot archive, such as
     a signed jar's) are off. A problem with the folder gives no options.
-    Files of other keys unused for ``CDS_UNUSED_S`` are removed: one archive
-    is 170 MB.
+    Files of other keys (an upgraded PySpark or java, other JVM options) are
+    removed: one archive is 170 MB.
     """
     key = _cds_key(salt)
-    now = time.time()
     with contextlib.suppress(OSError):
         for old in folder.glob("spark-*"):
-            if (
-                not old.name.startswith(f"spark-{key}.")
-                and now - old.stat().st_mtime > CDS_UNUSED_S
-            ):
+            if not old.name.startswith(f"spark-{key}."):
                 old.unlink(missing_ok=True)
     archive = folder / f"spark-{key}.jsa"
+    pending = folder / f"spark-{key}.pending.jsa"
+    jvm_file = folder / f"spark-{key}.jvm.json"
     quiet = "-Xlog:cds*=off"
-    token = secrets.token_hex(4)
-    pending = folder / f"spark-{key}.pending.{token}.jsa"
-    jvm_file = folder / f"spark-{key}.jvm.{token}.json"
-
-    def mapped() -> ClassSharing:
-        with contextlib.suppress(OSError):
-            os.utime(archive)
-        return ClassSharing((f"-XX:SharedArchiveFile={archive}", quiet), archive, pending,
-                            jvm_file, False)  # fmt: skip
-
     # Step 1. An archive made before.
     if archive.is_file():
-        return mapped()
-    # Step 2. Those the last JVMs wrote at their exit, once one is known to map.
-    recorder_alive = False
-    for record in sorted(folder.glob(f"spark-{key}.jvm.*.json")):
-        other = folder / record.name.replace(".jvm.", ".pending.").replace(".json", ".jsa")
-        if _jvm_writing(other, record):
-            recorder_alive = True
-        elif other.is_file() and _archive_maps(other, record):
-            other.replace(archive)
-            record.unlink(missing_ok=True)
-            return mapped()
-        else:
-            other.unlink(missing_ok=True)
-            record.unlink(missing_ok=True)
-    for orphan in folder.glob(f"spark-{key}.pending.*.jsa"):
-        # A pending archive whose JVM left no record cannot be checked.
-        if not (
-            folder / orphan.name.replace(".pending.", ".jvm.").replace(".jsa", ".json")
-        ).exists():
-            orphan.unlink(missing_ok=True)
-    # Step 3. This JVM writes one when it exits, unless another one is at it.
+        return ClassSharing((f"-XX:SharedArchiveFile={archive}", quiet), archive, pending,
+                            jvm_file, False)  # fmt: skip
+    # Step 2. The one the last JVM wrote at its exit, once it is known to map.
+    if pending.is_file():
+        if _archive_maps(pending, jvm_file):
+            pending.replace(archive)
+            return ClassSharing((f"-XX:SharedArchiveFile={archive}", quiet), archive, pending,
+                                jvm_file, False)  # fmt: skip
+        pending.unlink(missing_ok=True)
+    # Step 3. This JVM writes one when it exits.
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
-        return ClassSharing((), archive, pending, jvm_file, False)
-    if recorder_alive:
         return ClassSharing((), archive, pending, jvm_file, False)
     return ClassSharing((f"-XX:ArchiveClassesAtExit={pending}", quiet), archive, pending,
                         jvm_file, True)  # fmt: skip

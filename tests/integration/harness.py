@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -21,19 +19,7 @@ from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # [spark] keys of every test daemon (write_config).
-TEST_SPARK_LINES = "warmup_rows = 0\nclass_sharing = true\n"
-# The driver JVM's options of every test daemon and of the suite's own session
-# (tests/conftest.py): the JIT's first tier only. A test JVM lives for seconds
-# on small batches, where the optimising compiler costs CPU it never pays back
-# (measured on 2 cores: a start and a first query took 21 CPU-seconds of JVM
-# with both tiers and no archive, 5-6 with this and the shared archive).
-TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
-# One class data sharing folder for every test JVM of this checkout (the
-# daemons' data_dir/spark-cds is a symlink to it): a JVM maps Spark's classes
-# instead of loading them; the first one records the archive as it exits.
-TEST_CDS_DIR = Path(tempfile.gettempdir()) / (
-    "eventplane-tests-spark-cds-" + hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]
-)
+TEST_SPARK_LINES = "warmup_rows = 0\nclass_sharing = false\n"
 
 
 # A test daemon calls an attempt slow after 30 s, not the shipped 5 s: beside the
@@ -54,15 +40,6 @@ def _test_health(config: Path) -> None:
     else:
         text += "\n[health]\n" + line
     config.write_text(text)
-
-
-def share_class_archive(data_dir: Path) -> None:
-    """Make ``data_dir/spark-cds`` the suite's shared class data sharing folder."""
-    TEST_CDS_DIR.mkdir(exist_ok=True)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    link = data_dir / "spark-cds"
-    if not link.is_symlink():
-        link.symlink_to(TEST_CDS_DIR, target_is_directory=True)
 
 
 def write_config(directory: Path, extra: str = "", **daemon: Any) -> Path:
@@ -97,19 +74,14 @@ format = "json"
 level = "{daemon.get("log_level", "info")}"
 {extra}
 """
-    # The test daemons start without the warm-up write (tests/spark/test_warmup.py
-    # covers it), with the JVM options above and the shared archive.
+    # The test daemons start as they did before the warm-up write and class data
+    # sharing existed: each has a data_dir of its own, where every JVM would
+    # record a 170 MB archive at its exit (tests/spark/test_warmup.py and
+    # tests/spark/test_session_conf.py cover both).
     if "\n[spark]\n" in text:
         text = text.replace("\n[spark]\n", "\n[spark]\n" + TEST_SPARK_LINES, 1)
     else:
         text += "\n[spark]\n" + TEST_SPARK_LINES
-    if "extraJavaOptions" not in text:
-        line = f'"spark.driver.extraJavaOptions" = "{TEST_JVM_OPTIONS}"\n'
-        if "\n[spark.conf]\n" in text:
-            text = text.replace("\n[spark.conf]\n", "\n[spark.conf]\n" + line, 1)
-        else:
-            text += "\n[spark.conf]\n" + line
-    share_class_archive(directory / "data")
     path = directory / "config.toml"
     path.write_text(text)
     return path

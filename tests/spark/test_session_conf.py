@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -172,46 +169,13 @@ def test_the_driver_jvm_records_its_class_path_for_the_archive_check(
     assert "spark-core" in doc["classpath"]
 
 
-def test_an_archive_is_kept_per_jvm_options_and_other_keys_go_once_unused_for_a_week(
-    tmp_path: Path,
-) -> None:
+def test_an_archive_is_kept_per_jvm_options_and_other_ones_are_removed(tmp_path: Path) -> None:
     folder = tmp_path / "spark-cds"
     small = session.class_sharing(folder, "1g")
     big = session.class_sharing(folder, "8g")
     assert small.archive != big.archive
     big.archive.write_bytes(b"an archive")
-    used = folder / "spark-0123456789abcdef.jsa"
-    used.write_bytes(b"of another daemon sharing the folder")
-    stale = folder / "spark-fedcba9876543210.jsa"
-    stale.write_bytes(b"of an older PySpark")
-    week_ago = time.time() - session.CDS_UNUSED_S - 60
-    os.utime(stale, (week_ago, week_ago))
-    os.utime(big.archive, (week_ago, week_ago))
+    (folder / "spark-0123456789abcdef.jsa").write_bytes(b"of an older PySpark")
     again = session.class_sharing(folder, "8g")
     assert again.options[0] == f"-XX:SharedArchiveFile={big.archive}"
-    assert sorted(p.name for p in folder.iterdir()) == sorted([big.archive.name, used.name])
-    assert big.archive.stat().st_mtime > week_ago + 60, "a start touches the archive it maps"
-
-
-def test_a_second_start_records_nothing_while_another_jvm_records_and_names_never_clash(
-    tmp_path: Path,
-) -> None:
-    """Daemons sharing one folder: each recording JVM writes a pending archive
-    of its own name, and while one records, another start neither records
-    (a second slow exit) nor maps anything; once it is gone, a start records."""
-    folder = tmp_path / "spark-cds"
-    first = session.class_sharing(folder)
-    assert first.recording
-    # A live process whose command line names the pending archive, as the JVM's does.
-    jvm = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", first.options[0]])
-    try:
-        first.jvm_file.write_text(json.dumps({"java": "java", "classpath": "", "pid": jvm.pid}))
-        second = session.class_sharing(folder)
-        assert second.options == () and not second.recording
-        assert first.jvm_file.exists(), "a live recorder's record is left alone"
-    finally:
-        jvm.kill()
-        jvm.wait()
-    third = session.class_sharing(folder)
-    assert third.recording and third.pending != first.pending
-    assert not first.jvm_file.exists(), "a dead recorder that wrote nothing is forgotten"
+    assert sorted(p.name for p in folder.iterdir()) == [big.archive.name]
