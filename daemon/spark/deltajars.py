@@ -41,6 +41,8 @@ SHA256 = {
     PACKAGE: "27d4fd8b1f879535c573ed1c718177d6a27f24d3e626ba02e216369725721ead",
     ARTIFACTS[1]: "c46735481fa8e326b0957be02b4420cbcab4b325bb08009b7f2045a95133f1cc",
 }
+# The Maven plugin that fetches them (`mvn <plugin>:copy`).
+DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:2.8"
 # EVENTPLANE_DELTA_JARS: another folder (one shared by several checkouts; the
 # tests point it at an empty one to run as a fresh clone does).
 JARS_DIR = Path(
@@ -135,7 +137,9 @@ def fetch(folder: Path = JARS_DIR) -> str | None:
             mvn,
             "--batch-mode",
             "--quiet",
-            "dependency:copy",
+            # The plugin by version too: a bare `dependency:copy` takes whichever
+            # version the installed Maven defaults to (2.8 in Debian's 3.8.7).
+            f"{DEPENDENCY_PLUGIN}:copy",
             f"-Dartifact={coordinate}",
             f"-DoutputDirectory={folder}",
         ]
