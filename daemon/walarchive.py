@@ -25,12 +25,13 @@ Start (:meth:`WalArchive.open`):
 5. The archived LSN is the end of the last object below ``F``; this WAL must
    hold everything after it.
 
-Upload (:meth:`WalArchive._run`): a group waits at most ``flush_ms`` (with
-``ack = "archived"`` the first one goes at once when nothing is in flight);
-then everything durable and unarchived (up to :data:`MAX_OBJECT_BYTES`) becomes
-the next object. At most :data:`MAX_IN_FLIGHT` are open at once (numbers
-``done .. done + MAX_IN_FLIGHT``); the archived LSN moves over the contiguous
-prefix that is stored. A failed PUT is retried (backoff up to 5 s) until it
+Upload (:meth:`WalArchive._run`): with ``ack = "local"`` a group waits at most
+``flush_ms``; with ``"archived"`` it goes as soon as one of the
+:data:`MAX_IN_FLIGHT` upload slots is free. Then everything durable and
+unarchived (up to :data:`MAX_OBJECT_BYTES`) becomes the next object. At most
+:data:`MAX_IN_FLIGHT` are open at once (numbers ``done .. done +
+MAX_IN_FLIGHT``); the archived LSN moves over the contiguous prefix that is
+stored. A failed PUT is retried (backoff up to 5 s) until it
 lands; a 412 whose object is not ours means a newer holder fenced us: the
 archive stops for good, ingest answers 503 and health says why.
 """
@@ -179,7 +180,8 @@ class WalArchive:
         self.fences_written = 0
         self._held: deque[tuple[int, Sequence[RecordBatch]]] = deque()
         self.forward: Callable[[Sequence[RecordBatch]], None] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []  # the upload loop and the renewal
+        self._uploads: set[asyncio.Task[None]] = set()  # open uploads, each removed when done
         self._key = self.where.key
         # Uploads, the renewal and the WAL reads of uploads: their own threads.
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -413,9 +415,10 @@ class WalArchive:
                 if self.wal.head_lsn() <= self._cut_lsn:
                     await self._wake.wait()
                 continue
-            # The oldest group not yet in an object waits at most flush_ms.
-            at_once = self.acks_archived and not self._open
-            if not at_once:
+            # ack = "archived": the requests wait for the upload, so a group goes as
+            # soon as an upload slot is free. "local": the oldest group not yet in an
+            # object waits at most flush_ms, so objects are fewer and larger.
+            if not self.acks_archived:
                 oldest = next((t for last, t, _ in self._groups if last > self._cut_lsn), None)
                 if oldest is not None:
                     wait = oldest + flush_s - time.monotonic()
@@ -450,7 +453,9 @@ class WalArchive:
             )
             del parts
             del frames
-            self._tasks.append(asyncio.create_task(self._upload(obj, body)))
+            upload = asyncio.create_task(self._upload(obj, body))
+            self._uploads.add(upload)
+            upload.add_done_callback(self._uploads.discard)
 
     async def _upload(self, obj: _Object, body: bytes) -> None:
         """Create the object; retry until it lands, stop at a fence."""
@@ -707,16 +712,18 @@ class WalArchive:
         if self._open and self.fenced is None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), timeout_s)
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._uploads]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._fail_waiters(ArchiveUnavailable("the daemon is stopping"))
         if self.lease is not None and self.fenced is None:
             try:
                 await self._io(self.lease.release)
             except Exception as exc:
                 log.warning("archive.lease_not_released", error=str(exc))
-        self._pool.shutdown(wait=False)
+        # Queued calls go; one already in a thread ends with its client's timeout.
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class ArchivedWal:

@@ -1,5 +1,6 @@
 """The WAL archive (daemon/walarchive.py) against a real S3 server, in process:
-its objects hold exactly the WAL's frames (every checksum verified), local
+its objects hold exactly the WAL's frames (every checksum verified), the
+stages get each group in LSN order and only once it is archived, local
 segments go only once archived, a data_dir of another WAL is refused naming
 both, and a new holder's fence stops the old one at its next upload."""
 
@@ -66,8 +67,14 @@ def test_the_archive_holds_exactly_the_wals_frames_and_gates_retention(
         wal = Wal.open(tmp_path / "wal", segment_bytes=8192)
         archive = _archive(s3_server, wal, uri, tmp_path, ack="archived", flush_ms=20)
         await archive.open()
-        got: list[Any] = []
-        archive.forward = got.append
+        got: list[list[int]] = []  # the LSNs of each group the stages were handed
+
+        def forward(batches: Any) -> None:
+            lsns = sorted(lsn for b in batches for lsn in b.lsns)
+            assert lsns[-1] <= archive.archived_lsn, "a stage got an unarchived event"
+            got.append(lsns)
+
+        archive.forward = forward
         archive.start()
         wal.set_batch_listener(archive.on_durable_batches)
         view = ArchivedWal(wal, archive)
@@ -79,7 +86,8 @@ def test_the_archive_holds_exactly_the_wals_frames_and_gates_retention(
         assert archive.archived_lsn == head and archive.refusal() is None
         # The stages' view: every event, and only once archived.
         assert view.head_lsn() == head
-        assert sum(len(b.lsns) for batches in got for b in batches) == head
+        # In LSN order, each once, as the groups were made.
+        assert [lsn for lsns in got for lsn in lsns] == list(range(1, head + 1))
         # Content: the objects' frames, fences aside, are the WAL's frames from LSN 1.
         objects = _objects(s3_server, prefix)
         data = [f for head_, frames in objects if not head_.fence for f in frames]

@@ -1,0 +1,56 @@
+"""bench_archive's arithmetic: the PUT quantiles it reads from the daemon's
+histogram, and the aims it checks (the benchmark itself: `make bench`)."""
+
+from __future__ import annotations
+
+import math
+
+from bench.bench_archive import quantile, verdicts
+
+
+def _buckets(**counts: float) -> dict[str, float]:
+    """Cumulative buckets as the daemon exposes them, ``le`` in seconds."""
+    out = {le.replace("_", "."): n for le, n in counts.items()}
+    out["+Inf"] = max(counts.values())
+    return out
+
+
+def test_the_put_quantile_interpolates_within_the_bucket_that_holds_it() -> None:
+    before = _buckets(**{"0_01": 0, "0_025": 0, "0_05": 0})
+    after = _buckets(**{"0_01": 0, "0_025": 50, "0_05": 100})
+
+    # Half of the PUTs took 10-25 ms, the rest 25-50 ms.
+    assert quantile(0.5, before, after) == 25.0
+    assert math.isclose(quantile(0.99, before, after), 25 + 25 * 0.98)
+    assert math.isclose(quantile(0.25, before, after), 17.5)
+
+
+def test_only_the_puts_between_the_two_readings_count() -> None:
+    before = _buckets(**{"0_01": 100, "0_025": 100, "0_05": 100})
+    after = _buckets(**{"0_01": 100, "0_025": 100, "0_05": 200})
+
+    assert math.isclose(quantile(0.5, before, after), 37.5)
+
+
+def test_no_put_between_the_readings_has_no_quantile() -> None:
+    same = _buckets(**{"0_01": 3, "0_025": 3})
+
+    assert math.isnan(quantile(0.99, same, same))
+
+
+def test_the_aims_say_missed_for_a_slow_archived_mode_and_met_otherwise() -> None:
+    row = {"events_per_s": 100_000.0, "p99_ms": 50.0, "put_p99_ms": 20.0}
+    rows = {
+        ("loopback", "none", 32): row,
+        ("loopback", "local", 32): {**row, "events_per_s": 96_000.0},
+        ("loopback", "archived", 32): {**row, "events_per_s": 70_000.0, "p99_ms": 150.0},
+    }
+
+    lines = verdicts(rows, flush_ms=100)
+
+    assert lines == [
+        "loopback, 32 clients: local with an archive 0.96x of no archive (aim >= 0.95x): met",
+        "loopback, 32 clients: archived 0.73x of local (aim >= 0.8x): MISSED",
+        "loopback, 32 clients: archived ack p99 150.0 ms"
+        " (aim <= flush_ms + 2 x PUT p99 = 140.0 ms): MISSED",
+    ]
