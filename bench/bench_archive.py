@@ -81,7 +81,9 @@ class DelayProxy:
 
 
 class Daemon:
-    def __init__(self, root: Path, mode: str, endpoint: str, server: Any, flush_ms: int) -> None:
+    def __init__(
+        self, root: Path, mode: str, endpoint: str, server: Any, flush_ms: int, extra: str = ""
+    ) -> None:
         self.dir = root / f"{mode}-{time.monotonic_ns()}"
         self.dir.mkdir()
         ingest, self.admin = _free_port(), _free_port()
@@ -99,7 +101,7 @@ class Daemon:
                 f'[wal.archive]\nuri = "s3://{server.bucket}/{self.dir.name}"\n'
                 f'ack = "{mode}"\nflush_ms = {flush_ms}\n'
             )
-        (self.dir / "config.toml").write_text(text)
+        (self.dir / "config.toml").write_text(text + extra)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon.cli.main", "run", "--config", "config.toml"],
             cwd=self.dir,
