@@ -27,6 +27,7 @@ FORBIDDEN = [
         (
             "daemon.spark.executor",
             "daemon.spark.frame",
+            "daemon.spark.lanes",
             "daemon.spark.lifecycle",
             "daemon.spark.maintenance",
             "daemon.spark.rawinbox",

@@ -13,10 +13,10 @@ on. This mixin of :class:`~daemon.plane.planner.Planner` brings it back:
 
 Up to ``CATCHUP_PER_LIVE`` behind batches run per stage and call when due,
 so a recovered stage catches up under steady load, and a stage further
-behind does not keep another one behind from trying. The executor does not wait for a behind
-stage's stream commit (``wait_s = 0``): it goes on in the stream's own
-thread (``InFlight``) and lands later (``_landed``), so a stage behind whose
-store hangs never holds back the live batches.
+behind does not keep another one behind from trying. The executor does not wait for a
+failing stage's commit behind (a stream's commit, a mirror's merge; ``wait_s = 0``): it
+goes on in the stage's own thread (``InFlight``) and lands later (``_landed``), so a
+stage behind whose store hangs never holds back the live batches.
 
 How far a healthy stage may run ahead of a stuck one: as far as the WAL
 keeps, never by memory. A stuck stage holds one batch in memory at most (its

@@ -28,9 +28,9 @@ watermarks file, so they survive restarts.
 
 A stage whose **attempt is slow** (still running after
 ``health.attempt_slow_s``) is reported at once, and when the executor hands
-it back unfinished (``InFlight``: a stream's commit hung on its store) it is
-*in flight*: it takes no other batch until that attempt lands, the others
-run ahead of it as ahead of a failing stage. An error that retrying cannot
+it back unfinished (``InFlight``: a stream's commit or a mirror's merge hung
+on its store) it is *in flight*: it takes no other batch until that attempt
+lands, the others run ahead of it as ahead of a failing stage. An error that retrying cannot
 cure (its class says ``retriable = False``, ``daemon.errors.retry_cannot_cure``)
 **stops** the stage: it is not retried, health names the error, and
 ``eventplane resume`` retries it after the fix.

@@ -16,10 +16,11 @@ builds the SparkSession in the background (:mod:`daemon.spark.lifecycle`).
 
 Steps 3-5 are stages (``stage_names()``); a failed stage does not stop the
 others (invariant 6), a failure of steps 1-2 fails the batch. Each stream's
-commit runs in the stream's own thread (``_Lane``), and the batch waits for
-it at most half of ``health.attempt_slow_s`` (a failing stage: not at all); a commit
-still running then is handed back as ``InFlight`` and lands later, so a
-stream hung on its store holds back only itself. A lost session
+commit and each mirror's merge runs in the stage's own thread (its lane,
+:mod:`daemon.spark.lanes`), and the batch waits for it at most half of
+``health.attempt_slow_s`` (a failing stage: not at all); one still running
+then is handed back as ``InFlight`` and lands later, so a stream or a mirror
+hung on its store holds back only itself. A lost session
 is rebuilt (:mod:`daemon.spark.lifecycle`); retention and quarantine actions
 run beside the batches (:mod:`daemon.spark.maintenance`), compaction in its
 own thread (``daemon.table.compact``). The why: docs/cdc.md, "The executor".
@@ -32,7 +33,6 @@ import contextlib
 import contextvars
 import functools
 import importlib
-import queue
 import shutil
 import threading
 import time
@@ -55,9 +55,10 @@ from daemon.metrics import Metrics
 from daemon.plane.batch import BatchStage, InFlight, MicroBatch
 from daemon.spark import deltajars, frame, rawinbox
 from daemon.spark import session as sparkmod
+from daemon.spark.lanes import Lanes, hand_back, outlives
 from daemon.spark.lifecycle import SessionLife, State, _Status
 from daemon.spark.maintenance import StreamMaintenance
-from daemon.spark.mirrors import commit_mirrors, mirror_stage, open_mirrors
+from daemon.spark.mirrors import close_mirrors, commit_mirrors, mirror_stage, open_mirrors
 from daemon.table import sparkio
 from daemon.table.compact import CompactionService
 from daemon.table.crash import crash_point
@@ -157,59 +158,9 @@ class _Outcome:
     spark_seconds: float
     failures: dict[str, BaseException] = field(default_factory=dict)
     ran: int = 0  # stages asked for that exist
-    # Streams whose commit was still running when the batch stopped waiting.
+    # Streams and mirrors whose commit or merge was still running when the
+    # batch stopped waiting.
     in_flight: dict[str, InFlight] = field(default_factory=dict)
-
-
-class _Lane:
-    """One CDC stream's own thread: its commits run here one at a time.
-
-    A commit that hangs on its store (a stopped or partitioned S3) then holds
-    back only its stream: the batch stops waiting for it (``InFlight``) and
-    the other streams take the next batches (invariant 6). A daemon thread,
-    not a ``ThreadPoolExecutor``: the process must be able to exit while a
-    request still hangs (each is bounded by the ``[s3]`` timeouts, and the
-    lease fences a commit that lands late, invariant 18).
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._queue: queue.SimpleQueue[tuple[Future[Any], str, Callable[[], Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._thread: threading.Thread | None = None
-        # What the running call does and since when (monotonic); None when idle.
-        self.running: tuple[str, float] | None = None
-
-    def submit(self, what: str, call: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"eventplane-lane-{self.name}", daemon=True
-            )
-            self._thread.start()
-        self._queue.put((future, what, call))
-        return future
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, what, call = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            self.running = (what, time.monotonic())
-            try:
-                future.set_result(call())
-            except BaseException as exc:  # handed to the waiter, never lost
-                future.set_exception(exc)
-            finally:
-                self.running = None
-
-    def busy(self) -> bool:
-        return self.running is not None or not self._queue.empty()
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
 
 
 def sink_stage(sink: CdcSink) -> str:
@@ -252,7 +203,8 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         self._sleep = sleep
         self._sinks: list[CdcSink] = []
         self._mirrors: list[MirrorTable] = []
-        self._lanes: dict[str, _Lane] = {}  # stream name -> its commit thread
+        # Each stream's and mirror's own thread, by stage name (daemon.spark.lanes).
+        self._lanes = Lanes()
         self.compaction: CompactionService | None = None
         self._inbox: Path | None = cfg.data_dir / "spark-inbox" if uses_inbox(cfg) else None
         self._cores: int | None = None  # Spark's default parallelism, asked once
@@ -418,8 +370,9 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         wait_s: float | None = None,
     ) -> dict[str, BaseException]:
         """Run ``batch`` for ``stages`` (all when None); the stages that failed,
-        and as ``InFlight`` the streams whose commit outlived ``wait_s``
-        (default half of ``health.attempt_slow_s``) and goes on in its own thread."""
+        and as ``InFlight`` the streams and mirrors whose commit or merge outlived
+        ``wait_s`` (default half of ``health.attempt_slow_s``) and goes on in its
+        own thread."""
         if self._status.state in (State.STOPPING, State.STOPPED):
             raise ExecutorError(f"batch {batch.batch_id}: the Spark executor is stopped")
         # Free check first: a JVM that died while no batch ran fails this one at
@@ -640,11 +593,9 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         return sinks
 
     def _close_in_thread(self) -> None:
-        for mirror in self._mirrors:
-            mirror.close()
+        close_mirrors(self._mirrors, self._lanes)
         for sink in self._sinks:
-            lane = self._lanes.get(sink.name)
-            if lane is not None and lane.busy():
+            if self._lanes.busy(sink_stage(sink)):
                 # Closing would pull the table's state from under the commit;
                 # its lease expires by itself, and a restart recovers the table.
                 log.warning(
@@ -654,8 +605,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                 )
                 continue
             sink.close()
-        for lane in self._lanes.values():
-            lane.close()
+        self._lanes.close()
         # _built covers a session whose build finished after stop() cancelled the boot.
         session = self._session or self._built
         if self._owns_session and session is not None:
@@ -783,6 +733,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         commits: list[CommitResult] = []
         results: list[tuple[BatchStage, Any]] = []
         in_flight: dict[str, InFlight] = {}
+        reading: list[InFlight] = []  # streams' commits in flight: they read the inbox
         cached = False
         made: list[Any] = []  # the batch DataFrame, once something needs it
         try:
@@ -865,21 +816,31 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                     continue
                 try:
                     df = batch_df() if sink.name in readers else None
-                    call = functools.partial(
-                        contextvars.copy_context().run, sink.commit, df, batch, rows, source
-                    )
-                    lane = self._lanes.setdefault(sink.name, _Lane(sink.name))
                     what = f"its commit of batch {batch.batch_id} to {sink.stream.location}"
-                    future = lane.submit(what, call)
-                    commits.append(
-                        future.result(timeout=None if wait_s == float("inf") else wait_s)
-                    )
-                except TimeoutError:
-                    in_flight[sink_stage(sink)] = self._in_flight(sink, batch, future)
+                    call = functools.partial(sink.commit, df, batch, rows, source)
+                    running = self._lanes.submit(sink_stage(sink), what, call)
+                    if outlives(running, wait_s):
+                        marker = self._in_flight(sink, batch, running)
+                        in_flight[marker.stage] = marker
+                        reading.append(marker)
+                    else:
+                        commits.append(running.result())
                 except Exception as exc:
                     failures[sink_stage(sink)] = exc
-            # Step 4b. Each mirror merges its collection's rows exactly once.
-            mirrors = commit_mirrors(self._mirrors, batch, wanted, counts, failures, self.metrics)
+            # Step 4b. Each mirror merges its collection's rows exactly once, in
+            # its own thread, waited for as a stream's commit is.
+            mirrors = commit_mirrors(
+                self._mirrors,
+                batch,
+                wanted,
+                counts,
+                lanes=self._lanes,
+                wait_s=wait_s,
+                failures=failures,
+                in_flight=in_flight,
+                metrics=self.metrics,
+                landed_failure=functools.partial(self._record_failure, batch),
+            )
             # Step 5. Handlers.
             if handlers:
                 contract = batch_df().select(*CDC_COLUMNS)
@@ -898,10 +859,11 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                         log.warning("batch_unpersist_failed", error=f"{type(exc).__name__}: {exc}")
                 self._remove_inbox_files(batch.batch_id)  # even when the JVM died mid-batch
 
-            if in_flight:
+            if reading:
                 # A commit still running reads the inbox file and the cache:
-                # they go once the last one is over.
-                left = [len(in_flight)]
+                # they go once the last one is over. A mirror's merge reads
+                # neither (it has its decoded rows).
+                left = [len(reading)]
                 lock = threading.Lock()
 
                 def one_done(_: Future[None]) -> None:
@@ -911,7 +873,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                     if last:
                         clean_up()
 
-                for marker in in_flight.values():
+                for marker in reading:
                     marker.done.add_done_callback(one_done)
             else:
                 clean_up()
@@ -922,8 +884,6 @@ class SparkExecutor(SessionLife, StreamMaintenance):
     def _in_flight(self, sink: CdcSink, batch: MicroBatch, running: Future[Any]) -> InFlight:
         """The marker of ``sink``'s commit that goes on in its lane; its ``done``
         resolves once the commit is over, after the executor's own bookkeeping."""
-        done: Future[None] = Future()
-        done.set_running_or_notify_cancel()
 
         def landed(f: Future[Any]) -> None:
             exc = f.exception()
@@ -934,31 +894,20 @@ class SparkExecutor(SessionLife, StreamMaintenance):
                 if result.quarantined:  # as _record_success counts a waited-for commit's
                     self.metrics.cdc_quarantined.labels(result.stream).inc(result.quarantined)
                 self.metrics.cdc_quarantined_rows.labels(sink.name).set(sink.quarantined)
-                done.set_result(None)
             else:
                 self._record_failure(batch, exc, sink_stage(sink))
-                done.set_exception(exc)
 
-        running.add_done_callback(landed)
-        return InFlight(sink_stage(sink), batch.batch_id, done)
+        return hand_back(sink_stage(sink), batch.batch_id, running, landed)
 
     async def _in_stream_thread(self, sink: CdcSink, what: str, call: Callable[[], Any]) -> Any:
-        """Run ``call`` in ``sink``'s own thread (``_Lane``), after the commits
+        """Run ``call`` in ``sink``'s own thread (its lane), after the commits
         queued there: work on a stream's table never runs beside its commit."""
-        lane = self._lanes.setdefault(sink.name, _Lane(sink.name))
-        run = functools.partial(contextvars.copy_context().run, call)
-        return await asyncio.wrap_future(lane.submit(what, run))
+        return await asyncio.wrap_future(self._lanes.submit(sink_stage(sink), what, call))
 
     def waiting_for(self, stage: str) -> str | None:
         """What the running attempt of ``stage`` waits for (a stream's commit to
-        its table), or None when none of its commits runs."""
-        sink = self._sink_of(stage)
-        lane = self._lanes.get(sink.name) if sink is not None else None
-        running = lane.running if lane is not None else None
-        if running is None:
-            return None
-        what, since = running
-        return f"{what}, running for {time.monotonic() - since:.1f} s"
+        its table, a mirror's merge), or None when none of its calls runs."""
+        return self._lanes.waiting_for(stage)
 
     def _parallelism(self, spark: Any) -> int:
         if self._cores is None:

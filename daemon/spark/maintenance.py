@@ -107,9 +107,9 @@ class StreamMaintenance:
         self, stream: str, action: str, lsns: set[int] | None, by: str | None = None
     ) -> dict[str, Any]:
         """``replay`` or ``purge`` the quarantined rows of ``stream`` (all, or
-        ``lsns``) in the stream's own thread, where its commits run (the
-        executor's ``_Lane``), so never beside one of them: a commit still in
-        flight after its batch stopped waiting (issue 47) finishes first."""
+        ``lsns``) in the stream's own thread, where its commits run (its
+        lane, :mod:`daemon.spark.lanes`), so never beside one of them: a
+        commit still in flight after its batch stopped waiting finishes first."""
         sink = next((s for s in self._sinks if s.name == stream), None)
         if sink is None:
             raise UnknownStreamError(f"no CDC stream {stream!r}")

@@ -5,15 +5,18 @@ A mirror needs no Spark job: its stage decodes the batch's rows once
 (:class:`daemon.table.mirror.MirrorTable`). The Spark executor runs the
 mirror stages after the CDC streams (step 4b of :mod:`daemon.spark.executor`);
 a daemon whose only work is mirrors runs them in :class:`MirrorExecutor`,
-which starts no JVM.
+which starts no JVM. Either way each mirror merges (and compacts) in its own
+lane (:mod:`daemon.spark.lanes`), waited for as a CDC stream's commit is: a
+mirror whose store hangs holds back only itself (invariant 6).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Collection, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -21,8 +24,9 @@ import structlog
 from daemon.config import Config
 from daemon.errors import ExecutorError, error_text
 from daemon.metrics import Metrics
-from daemon.plane.batch import MicroBatch
+from daemon.plane.batch import InFlight, MicroBatch
 from daemon.spark import frame
+from daemon.spark.lanes import Lanes, hand_back, outlives
 from daemon.table.crash import crash_point
 from daemon.table.mirror import MirrorTable
 
@@ -50,16 +54,24 @@ def open_mirrors(cfg: Config, wal_id: str) -> list[MirrorTable]:
 
 
 def commit_mirrors(
-    mirrors: list[MirrorTable],
+    mirrors: Sequence[MirrorTable],
     batch: MicroBatch,
     wanted: Collection[str],
     counts: Mapping[str, int] | None,
+    *,
+    lanes: Lanes,
+    wait_s: float,
     failures: dict[str, BaseException],
+    in_flight: dict[str, InFlight],
     metrics: Metrics,
+    landed_failure: Callable[[BaseException, str], None],
 ) -> int:
     """The batch, decoded once, merged by each wanted mirror that has rows in
-    it (``counts``: the batch's rows per collection, when known); a failure
-    is its mirror's alone. Returns how many mirror stages ran. Blocking."""
+    it (``counts``: the batch's rows per collection, when known), each in its
+    own lane. A failure is its mirror's alone (``failures``); a merge that
+    outlives ``wait_s`` goes on in its lane (``in_flight``), and
+    ``landed_failure(error, stage)`` hears of it if it fails there. Returns
+    how many mirror stages ran. Blocking."""
     rows: list[Any] = []
     ran = 0
     for mirror in mirrors:
@@ -72,26 +84,63 @@ def commit_mirrors(
         try:
             if not rows:
                 rows.append(frame.batch_table(batch))
-            result = mirror.commit(rows[0], batch)
+            what = f"its merge of batch {batch.batch_id} into {mirror.mirror.location}"
+            call = functools.partial(_merge, mirror, rows[0], batch, metrics)
+            running = lanes.submit(stage, what, call)
+            if outlives(running, wait_s):
+                landed = functools.partial(_landed, stage, landed_failure)
+                in_flight[stage] = hand_back(stage, batch.batch_id, running, landed)
+            else:
+                running.result()
         except Exception as exc:
             failures[stage] = exc
-            continue
-        for column, n in result.cast_failures.items():
-            metrics.mirror_cast_failures.labels(mirror.name, column).inc(n)
     return ran
+
+
+def _merge(mirror: MirrorTable, rows: Any, batch: MicroBatch, metrics: Metrics) -> None:
+    """One mirror's commit of ``batch`` (its compaction included, when due), in its lane."""
+    result = mirror.commit(rows, batch)
+    for column, n in result.cast_failures.items():
+        metrics.mirror_cast_failures.labels(mirror.name, column).inc(n)
+
+
+def _landed(
+    stage: str, landed_failure: Callable[[BaseException, str], None], running: Future[Any]
+) -> None:
+    exc = running.exception()
+    if exc is not None:
+        landed_failure(exc, stage)
+
+
+def close_mirrors(mirrors: Sequence[MirrorTable], lanes: Lanes) -> None:
+    """Close each mirror, but one whose merge still runs in its lane: closing
+    would pull its lease and lock from under the merge; the lease expires by
+    itself, and the next start re-runs the batch (its txn decides)."""
+    for mirror in mirrors:
+        stage = mirror_stage(mirror)
+        if lanes.busy(stage):
+            log.warning(
+                "mirror_merge_in_flight_at_stop",
+                mirror=mirror.name,
+                waiting_for=lanes.waiting_for(stage),
+            )
+            continue
+        mirror.close()
 
 
 class MirrorExecutor:
     """The executor of a daemon whose only stages are mirrors: no Spark.
 
     Implements ``daemon.plane.batch.Executor``; batches run one at a time in
-    one worker thread, like the Spark executor's."""
+    one worker thread, like the Spark executor's, and each mirror's merge in
+    its own lane, waited for at most half of ``health.attempt_slow_s``."""
 
     def __init__(self, cfg: Config, metrics: Metrics, *, wal_id: str = "") -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.wal_id = wal_id
         self._mirrors: list[MirrorTable] = []
+        self._lanes = Lanes()  # each mirror's own thread, by stage name
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eventplane-mirror")
         self._lock = asyncio.Lock()
         self._ready = False
@@ -116,28 +165,61 @@ class MirrorExecutor:
         return False
 
     async def execute(
-        self, batch: MicroBatch, stages: Collection[str] | None = None
+        self,
+        batch: MicroBatch,
+        stages: Collection[str] | None = None,
+        *,
+        wait_s: float | None = None,
     ) -> dict[str, BaseException]:
+        """Run ``batch`` for ``stages`` (all when None); the mirrors that failed,
+        and as ``InFlight`` those whose merge outlived ``wait_s`` (default half
+        of ``health.attempt_slow_s``) and goes on in its own lane."""
         if self._stopped:
             raise ExecutorError(f"batch {batch.batch_id}: the mirror executor is stopped")
         wanted = set(self.stage_names() if stages is None else stages)
+        wait = self.cfg.health.attempt_slow_s / 2 if wait_s is None else max(wait_s, 0.0)
         loop = asyncio.get_running_loop()
         async with self._lock:
-            failures, ran = await loop.run_in_executor(self._pool, self._run, batch, wanted)
+            failures, in_flight, ran = await loop.run_in_executor(
+                self._pool, self._run, batch, wanted, wait
+            )
         crash_point("executor.after_commit")
         now = time.time()
         if failures:
             name, exc = next(iter(failures.items()))
-            self._last.update(last_error=f"stage {name}: {error_text(exc)}", last_error_at=now)
+            self._failed(exc, name, now)
             if len(failures) == ran:
                 raise exc
         self._last.update(last_batch_id=batch.batch_id, last_committed_at=now)
-        return failures
+        return {**failures, **in_flight}
 
-    def _run(self, batch: MicroBatch, wanted: set[str]) -> tuple[dict[str, BaseException], int]:
+    def _run(
+        self, batch: MicroBatch, wanted: set[str], wait_s: float
+    ) -> tuple[dict[str, BaseException], dict[str, InFlight], int]:
         failures: dict[str, BaseException] = {}
-        ran = commit_mirrors(self._mirrors, batch, wanted, None, failures, self.metrics)
-        return failures, ran
+        in_flight: dict[str, InFlight] = {}
+        ran = commit_mirrors(
+            self._mirrors,
+            batch,
+            wanted,
+            None,
+            lanes=self._lanes,
+            wait_s=wait_s,
+            failures=failures,
+            in_flight=in_flight,
+            metrics=self.metrics,
+            landed_failure=self._failed,
+        )
+        return failures, in_flight, ran
+
+    def _failed(self, exc: BaseException, stage: str, at: float | None = None) -> None:
+        """Status's last error (a merge that failed in the batch or landed failed)."""
+        when = time.time() if at is None else at
+        self._last.update(last_error=f"stage {stage}: {error_text(exc)}", last_error_at=when)
+
+    def waiting_for(self, stage: str) -> str | None:
+        """What the running attempt of ``stage`` waits for (its merge), or None."""
+        return self._lanes.waiting_for(stage)
 
     async def stop(self) -> None:
         if self._stopped:
@@ -149,8 +231,8 @@ class MirrorExecutor:
         self._pool.shutdown(wait=False)
 
     def _close(self) -> None:
-        for mirror in self._mirrors:
-            mirror.close()
+        close_mirrors(self._mirrors, self._lanes)
+        self._lanes.close()
 
     def status(self) -> dict[str, Any]:
         return {

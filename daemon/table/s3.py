@@ -114,8 +114,9 @@ def client(cfg: S3Config) -> Any:
     at most (max_retries + 1) x (connect_timeout_s + request_timeout_s)
     plus backoff. The cross-check of daemon/config.py (issue 40) requires
     that to fit the lease window (lease_ttl_s - lease_skew_s), so no request
-    outlives the lease it was made under; the stream's commit thread (daemon/spark/executor.py,
-    ``_Lane``) then ends with an error and the stage retries.
+    outlives the lease it was made under; the stage's own thread (a stream's
+    commit, a mirror's merge: its lane, daemon/spark/lanes.py) then ends with
+    an error and the stage retries.
     """
     import boto3
     from botocore.config import Config
