@@ -77,7 +77,7 @@ RETRY_FOR_S = 120.0
 TIMEOUT_S = 30.0
 IDEMPOTENCY_KEY = "Idempotency-Key"
 REPLAYED = "Idempotent-Replayed"
-# The error word of a standby daemon's 503 (docs/ingest.md, "Failover").
+# The error word of a standby daemon's 503 (docs/ingest.md, "Clients and retries").
 STANDBY = "standby"
 # Keys are 1..255 visible ASCII characters (ingest.max_idempotency_key_bytes); a
 # prefix leaves room for the request number.
@@ -720,7 +720,7 @@ class SyncIngestClient:
         raise error_from_response(resp.status, payload, resp.getheader("Retry-After"))
 
 
-# The producer client by the name the failover docs use (docs/ingest.md, "Failover"):
+# The producer client by the name the failover docs use (docs/ingest.md, "Clients and retries"):
 # ``Client(endpoints=[primary, standby])``.
 Client = IngestClient
 

@@ -14,7 +14,7 @@ daemon's de-duplication window (a replay) instead of being stored twice.
 
 With ``--url`` given more than once (a primary and its standby), a request that
 cannot connect or gets a ``standby`` answer goes to the next URL at once, with
-the same key (docs/ingest.md, "Failover").
+the same key (docs/ingest.md, "Clients and retries").
 
 On a refusal it stops at once and exits 1 with the server's message, the
 stdin line numbers it refers to, and what was acknowledged before it, so the

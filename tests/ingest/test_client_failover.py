@@ -1,4 +1,4 @@
-"""Producer failover over real HTTP on loopback (docs/ingest.md, "Failover").
+"""Producer failover over real HTTP on loopback (docs/ingest.md, "Clients and retries").
 
 Real ingest servers, each on its own WAL: a primary, a standby (its
 ``standby`` gate set, as the daemon does with ``[wal.archive] role =
