@@ -78,7 +78,8 @@ def test_a_standby_acknowledges_nothing_names_the_primary_and_send_lands_on_the_
        it, the standby's answers name the primary's host.
     3. /v1/status and `eventplane status` show each one's role.
     4. `eventplane send --url STANDBY --url PRIMARY`: every event lands on the
-       primary once, each request under its one key; the standby has no WAL."""
+       primary once, each request under its one key; the standby has no WAL.
+    5. The primary stops cleanly (its manifest released): the standby names none."""
     host = socket.gethostname()
     standby = DaemonProcess.production(
         _config(tmp_path / "b", s3_server, "standby", "standby"), ready_path="/healthz"
@@ -148,8 +149,16 @@ def test_a_standby_acknowledges_nothing_names_the_primary_and_send_lands_on_the_
         wal = primary.status()["wal"]
         assert wal["head_lsn"] == 20 and wal["idempotency_keys"] == 4, wal
         assert not (tmp_path / "b" / "data" / "wal").exists()
-        assert standby.stop() == 0
+        # Step 5. A clean stop releases the manifest: the standby names no primary
         assert primary.stop() == 0
+        wait_for(
+            "the standby names no primary",
+            lambda: (lambda r: r[0] == 503 and r[1]["primary"] is None)(_post(standby.ingest_url)),
+            15,
+            standby,
+        )
+        assert standby.status()["standby"]["held"] is False
+        assert standby.stop() == 0
     finally:
         standby.stop()
         primary.stop()
