@@ -128,6 +128,20 @@ class ArchiveLease(Lease):
             self.forget()
 
 
+def live_holder(manifest: dict[str, Any] | None, skew_s: float) -> str:
+    """What a refused start adds when a primary holds the manifest now ("" if none)."""
+    m = manifest or {}
+    if m.get("released") or not m.get("holder"):
+        return ""
+    if time.time() > float(m.get("expires_at", 0)) + skew_s:
+        return ""
+    return (
+        f"; its manifest is held now by {holder_text(m)}, the archive's primary: a second "
+        "primary is refused while it lives (this machine as its standby: [wal.archive] role = "
+        '"standby")'
+    )
+
+
 def holder_text(manifest: dict[str, Any]) -> str:
     """The manifest's holder as messages name it: host, pid, data_dir and epoch."""
     h = manifest.get("holder") or {}
@@ -380,7 +394,7 @@ class WalArchive:
                     f"wal.archive: {self.cfg.uri} is the archive of WAL {theirs}, but the "
                     f"data_dir {self.data_dir} holds WAL {wal_id}: one archive per WAL. Point "
                     "[wal.archive] uri at a prefix of its own, or start from the data_dir of "
-                    f"WAL {theirs}"
+                    f"WAL {theirs}" + live_holder(raw, self.s3cfg.lease_skew_s)
                 )
             epoch = int(raw.get("epoch", 0)) + 1
         self.epoch = epoch

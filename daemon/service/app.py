@@ -165,15 +165,18 @@ class Daemon:
         if cfg.wal.archive is not None:
             # A wiped disk never silently becomes a new WAL (docs/operating.md,
             # "Losing the machine").
-            from daemon.restore import archive_holds_wal
+            from daemon.restore import archive_manifest
+            from daemon.walarchive import live_holder
 
             self.startup_step = f"the WAL archive ([wal.archive] uri = {cfg.wal.archive.uri})"
-            held = await asyncio.to_thread(archive_holds_wal, cfg)
-            if held is not None:
+            manifest = await asyncio.to_thread(archive_manifest, cfg)
+            held = None if manifest is None else manifest.get("wal_id")
+            if held:
                 raise ArchiveRefusedError(
                     f"{cfg.wal_dir} holds no WAL, but the archive {cfg.wal.archive.uri} holds "
                     f"WAL {held}: run `eventplane restore --config <this config>` to rebuild "
                     "this data_dir from it (or point [wal.archive] uri at a new prefix)"
+                    + live_holder(manifest, cfg.s3.lease_skew_s)
                 )
         # Step 1. The WAL: recovery of a torn tail happens here. Its lock file
         # names us, so a second daemon on this data_dir is told who holds it.

@@ -171,7 +171,9 @@ def test_a_second_primary_is_refused_at_start_naming_the_holder(
     2. A's WAL is copied to another data_dir (the same WAL id, as a copy or a
        restore would have), and a daemon started there as primary too.
     3. It exits 1 at start: the manifest is held by A (host, pid, data_dir), with
-       the way out; A goes on taking events, unfenced."""
+       the way out.
+    4. A primary on an empty data_dir is refused too, naming A; A goes on taking
+       events, unfenced."""
     first = DaemonProcess.production(_config(tmp_path / "a", s3_server, "twice", "primary"))
     second = DaemonProcess.production(_config(tmp_path / "b", s3_server, "twice", "primary"))
     try:
@@ -191,6 +193,14 @@ def test_a_second_primary_is_refused_at_start_naming_the_holder(
         assert holder in log
         assert "One primary per archive: stop that daemon first" in log
         assert "start this one as its standby ([wal.archive] role = " in log
+        # Step 4. On an empty data_dir too, the refusal names the live holder.
+        empty = DaemonProcess.production(_config(tmp_path / "c", s3_server, "twice", "primary"))
+        with pytest.raises(RuntimeError, match="daemon exited with 1"):
+            empty.start(timeout_s=60)
+        log = (tmp_path / "c" / "daemon.log").read_text()
+        assert "holds no WAL, but the archive " in log, empty.tail()
+        assert f"its manifest is held now by {holder}, the archive's primary" in log
+        assert not (tmp_path / "c" / "data" / "wal").exists()
         code, body, _ = _post(first.ingest_url)
         assert code == 200 and body["replayed"] is True, body  # the same key, still served
         assert first.status()["wal"]["archive"]["fenced"] is None
