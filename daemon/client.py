@@ -373,10 +373,10 @@ class _Attempts:
         "endpoints",
         "in_round",
         "key",
-        "maybe_stored",
         "policy",
         "retries",
         "spent",
+        "unanswered_at",
     )
 
     def __init__(self, policy: _RetryPolicy, key: str, endpoints: _Endpoints) -> None:
@@ -391,7 +391,7 @@ class _Attempts:
         self.in_round = 0  # endpoints that failed over in a row
         self.backoffs = 0
         self.spent = 0.0
-        self.maybe_stored = False
+        self.unanswered_at: set[int] = set()  # endpoints where an attempt got no answer
 
     def failed(self, exc: IngestError, took_s: float) -> float | None:
         """Seconds to wait before the next attempt (at ``endpoints.url``), or None:
@@ -399,7 +399,7 @@ class _Attempts:
         p = self.policy
         self.spent += took_s
         if isinstance(exc, IngestConnectionError) and exc.maybe_sent:
-            self.maybe_stored = True
+            self.unanswered_at.add(self.at)
         endpoints = self.endpoints
         if exc.fails_over and len(endpoints) > 1:
             failed, self.at = self.at, (self.at + 1) % len(endpoints)
@@ -449,10 +449,13 @@ class _Attempts:
         exc.key = self.key
         exc.attempts = self.count
         exc.elapsed_s = self.spent
-        # A definite refusal settles an earlier attempt that got no answer: its
-        # checks give the same answer for the same body, and a stored request
-        # would have been answered from the window (a 200 replay) instead.
-        exc.maybe_stored = self.maybe_stored and bool(exc.retriable)
+        # A definite refusal settles an earlier attempt at the same endpoint that
+        # got no answer: its checks give the same answer for the same body, and
+        # a stored request would have been answered from the window (a 200
+        # replay) instead. Another endpoint's refusal settles nothing there.
+        exc.maybe_stored = bool(self.unanswered_at) and (
+            bool(exc.retriable) or bool(self.unanswered_at - {self.at})
+        )
         exc.gave_up = bool(exc.retriable)
         if not exc.gave_up:
             return

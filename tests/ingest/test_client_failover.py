@@ -22,6 +22,7 @@ from daemon.client import (
     Client,
     IngestClient,
     IngestConnectionError,
+    PayloadTooLargeError,
     Retry,
     StandbyError,
     SyncIngestClient,
@@ -209,6 +210,31 @@ async def test_an_unanswered_attempt_retried_after_a_failover_is_a_replay_not_a_
     assert isinstance(retries[0].error, IngestConnectionError) and retries[0].error.maybe_sent
     assert len({r.key for r in retries}) == 1
     assert wal.head_lsn() == 5 and wal.request_keys() == 1
+
+
+async def test_a_refusal_at_another_endpoint_leaves_an_unanswered_attempt_maybe_stored(
+    start_ingest: StartIngest, wal: Wal, standby_wal: Wal, send_to: Send
+) -> None:
+    """1. The first daemon's WAL append is slow: the attempt times out unanswered,
+       and that daemon does store the request.
+    2. The failover goes to a daemon with a lower event limit: 413, not retried.
+    3. The error says the request may be stored: that refusal settles nothing at
+       the first daemon."""
+    first = await start_ingest()
+    strict = await start_ingest(wal_=standby_wal, max_events_per_request=2)
+    real_append = wal.append
+
+    async def slow_append(*args: Any) -> tuple[int, int]:
+        await asyncio.sleep(0.6)
+        result: tuple[int, int] = await real_append(*args)
+        return result
+
+    with mock.patch.object(wal, "append", side_effect=slow_append):
+        with pytest.raises(PayloadTooLargeError) as err:
+            await send_to([first.url, strict.url], BODY, timeout_s=0.3)
+        await asyncio.sleep(0.6)
+    assert err.value.maybe_stored and not err.value.gave_up
+    assert wal.head_lsn() == 5 and standby_wal.head_lsn() == 0
 
 
 async def test_out_of_retries_at_every_endpoint_names_them_and_the_key(
