@@ -18,6 +18,11 @@ per request).
   and 507 (nothing stored). The wait is the server's ``Retry-After``, else an
   exponential backoff with jitter, each capped by ``max_wait_s``; no retry
   starts once ``retry_for_s`` (attempts and waits) would be exceeded.
+- ``endpoints``: the daemons to try, in order (a primary and its standby,
+  docs/operating.md, "A standby"). A connection error or a ``standby`` answer
+  (503, :class:`StandbyError`) moves the request to the next endpoint at once,
+  with the same key; once every endpoint failed in a row the ordinary wait
+  comes first. Requests go to the endpoint that last answered.
 - ``token``: sent as ``Authorization: Bearer`` (docs/security.md);
   ``ssl_context``: for an ``https://`` URL, e.g.
   ``daemon.security.client_context(ca_file, cert, key)`` for a private CA and
@@ -45,7 +50,7 @@ import secrets
 import select
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
@@ -72,6 +77,8 @@ RETRY_FOR_S = 120.0
 TIMEOUT_S = 30.0
 IDEMPOTENCY_KEY = "Idempotency-Key"
 REPLAYED = "Idempotent-Replayed"
+# The error word of a standby daemon's 503 (docs/ingest.md, "Clients and retries").
+STANDBY = "standby"
 # Keys are 1..255 visible ASCII characters (ingest.max_idempotency_key_bytes); a
 # prefix leaves room for the request number.
 MAX_KEY_PREFIX = 200
@@ -97,12 +104,16 @@ class Retry(NamedTuple):
     error: IngestError
     wait_s: float
     elapsed_s: float  # since the first attempt began
+    endpoint: str = ""  # where the next attempt goes (another one after a failover)
 
 
 class IngestError(DaemonError):
     """The ingest API refused a request (``status`` set) or could not be reached."""
 
     retriable: bool | None = False  # subclasses that a retry may cure say True
+    # Subclasses that another endpoint may cure at once say True: the request
+    # moves to the client's next endpoint without a wait.
+    fails_over = False
 
     def __init__(
         self,
@@ -176,6 +187,19 @@ class UnavailableError(IngestError):
     retriable = True
 
 
+class StandbyError(UnavailableError):
+    """503 ``standby``: this daemon is a standby and acknowledges nothing; nothing
+    was stored. ``primary`` is the host of the archive's current holder (None:
+    none holds it). A client with other endpoints tries the next one at once."""
+
+    fails_over = True
+
+    @property
+    def primary(self) -> str | None:
+        got = self.body.get("primary")
+        return got if isinstance(got, str) else None
+
+
 class InsufficientStorageError(IngestError):
     """507: the WAL's volume is full; nothing was stored; retry after ``retry_after``."""
 
@@ -190,6 +214,7 @@ class IngestConnectionError(IngestError):
     """
 
     retriable = True
+    fails_over = True
 
     def __init__(self, message: str, *, maybe_sent: bool) -> None:
         super().__init__(message)
@@ -246,6 +271,8 @@ def error_from_response(status: int, body: bytes, retry_after: str | None) -> In
         message = f"HTTP {status}" + (f": {text[:500]}" if text else "")
         error = ""
     cls = _BY_STATUS.get(status, IngestError)
+    if status == 503 and error == STANDBY:
+        cls = StandbyError
     return cls(
         message, status=status, error=error, body=doc, retry_after=parse_retry_after(retry_after)
     )
@@ -278,6 +305,37 @@ def _events_url(url: str) -> str:
     return base if base.endswith(EVENTS_PATH) else base + EVENTS_PATH
 
 
+def _endpoint_urls(url: str | None, endpoints: Sequence[str] | None) -> tuple[str, ...]:
+    """The events URL of each endpoint, in order: ``endpoints``, else ``url``."""
+    if endpoints is None:
+        return (_events_url(DEFAULT_URL if url is None else url),)
+    if isinstance(endpoints, str):
+        raise TypeError("endpoints is a list of URLs, not one URL (use url= for one)")
+    if url is not None:
+        raise ValueError("give url or endpoints, not both")
+    if not endpoints:
+        raise ValueError("endpoints needs at least one URL")
+    return tuple(_events_url(u) for u in endpoints)
+
+
+class _Endpoints:
+    """A client's endpoints in order, and the one its requests go to now: the
+    last that answered, so after a failover requests stay on the new one."""
+
+    __slots__ = ("current", "urls")
+
+    def __init__(self, urls: tuple[str, ...]) -> None:
+        self.urls = urls
+        self.current = 0
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    @property
+    def url(self) -> str:
+        return self.urls[self.current]
+
+
 class _RetryPolicy:
     __slots__ = ("max_retries", "max_wait_s", "on_retry", "retry_for_s")
 
@@ -297,31 +355,66 @@ class _RetryPolicy:
 
 
 class _Attempts:
-    """The attempts of one request: whether and when to retry, what to tell at the end.
+    """The attempts of one request: whether and when to retry, where, what to tell at the end.
 
-    Time is counted as the attempts took plus the waits asked for, so an
-    injected ``sleep`` that does not sleep still spends the budget.
+    An error that another endpoint may cure (``fails_over``) moves the request to
+    the next endpoint at once, until each endpoint has failed once in a row (a
+    *round*); then, and after any other retriable error, the policy's wait
+    comes first. ``max_retries`` and ``retry_for_s`` bound the waits, so each
+    round tries every endpoint. Time is counted as the attempts took plus the
+    waits asked for, so an injected ``sleep`` that does not sleep still spends
+    the budget.
     """
 
-    __slots__ = ("backoffs", "count", "key", "maybe_stored", "policy", "spent")
+    __slots__ = (
+        "at",
+        "backoffs",
+        "count",
+        "endpoints",
+        "in_round",
+        "key",
+        "policy",
+        "retries",
+        "spent",
+        "unanswered_at",
+    )
 
-    def __init__(self, policy: _RetryPolicy, key: str) -> None:
+    def __init__(self, policy: _RetryPolicy, key: str, endpoints: _Endpoints) -> None:
         self.policy = policy
         self.key = key
+        self.endpoints = endpoints
+        # The endpoint of this request's next attempt; the client's current one
+        # moves with it (the request fails over) unless another request moved it.
+        self.at = endpoints.current
         self.count = 0
+        self.retries = 0  # retries after a wait
+        self.in_round = 0  # endpoints that failed over in a row
         self.backoffs = 0
         self.spent = 0.0
-        self.maybe_stored = False
+        self.unanswered_at: set[int] = set()  # endpoints where an attempt got no answer
 
     def failed(self, exc: IngestError, took_s: float) -> float | None:
-        """Seconds to wait before the next attempt, or None: then ``exc`` is annotated
-        and the caller raises it."""
+        """Seconds to wait before the next attempt (at ``endpoints.url``), or None:
+        then ``exc`` is annotated and the caller raises it."""
         p = self.policy
         self.spent += took_s
         if isinstance(exc, IngestConnectionError) and exc.maybe_sent:
-            self.maybe_stored = True
+            self.unanswered_at.add(self.at)
+        endpoints = self.endpoints
+        if exc.fails_over and len(endpoints) > 1:
+            failed, self.at = self.at, (self.at + 1) % len(endpoints)
+            if endpoints.current == failed:
+                endpoints.current = self.at
+            self.in_round += 1
+            if self.in_round < len(endpoints):
+                if p.on_retry is not None:
+                    p.on_retry(Retry(self.key, self.count, exc, 0.0, self.spent, self.url))
+                return 0.0
+        else:
+            endpoints.current = self.at  # it answered: the next requests start there
+        self.in_round = 0
         wait = None
-        if exc.retriable and (p.max_retries is None or self.count <= p.max_retries):
+        if exc.retriable and (p.max_retries is None or self.retries < p.max_retries):
             if exc.retry_after is not None:
                 wait = min(exc.retry_after, p.max_wait_s)
             else:
@@ -333,23 +426,42 @@ class _Attempts:
         if wait is None:
             self._annotate(exc)
             return None
+        self.retries += 1
         if p.on_retry is not None:
-            p.on_retry(Retry(self.key, self.count, exc, wait, self.spent))
+            p.on_retry(Retry(self.key, self.count, exc, wait, self.spent, self.url))
         self.spent += wait
         return wait
+
+    @property
+    def url(self) -> str:
+        """The events URL of the next attempt."""
+        return self.endpoints.urls[self.at]
+
+    def succeeded(self) -> None:
+        self.endpoints.current = self.at
+
+    @property
+    def failing_over(self) -> bool:
+        """The next attempt goes to the next endpoint at once, without a wait."""
+        return self.in_round > 0
 
     def _annotate(self, exc: IngestError) -> None:
         exc.key = self.key
         exc.attempts = self.count
         exc.elapsed_s = self.spent
-        # A definite refusal settles an earlier attempt that got no answer: its
-        # checks give the same answer for the same body, and a stored request
-        # would have been answered from the window (a 200 replay) instead.
-        exc.maybe_stored = self.maybe_stored and bool(exc.retriable)
+        # A definite refusal settles an earlier attempt at the same endpoint that
+        # got no answer: its checks give the same answer for the same body, and
+        # a stored request would have been answered from the window (a 200
+        # replay) instead. Another endpoint's refusal settles nothing there.
+        exc.maybe_stored = bool(self.unanswered_at) and (
+            bool(exc.retriable) or bool(self.unanswered_at - {self.at})
+        )
         exc.gave_up = bool(exc.retriable)
         if not exc.gave_up:
             return
         note = f"gave up after {self.count} attempts in {self.spent:.1f} s"
+        if len(self.endpoints) > 1:
+            note += f" at {len(self.endpoints)} endpoints"
         if exc.maybe_stored:
             note += (
                 f"; an attempt got no answer, so the request may have been stored: "
@@ -364,16 +476,20 @@ class _Attempts:
 class IngestClient:
     """Asyncio producer client. Use ``async with IngestClient(url) as c: await c.send(...)``.
 
-    ``timeout_s`` bounds one attempt; ``retry_for_s`` the attempts and waits of one
-    request (0: no retry); ``max_retries``, when set, the number of retries too;
-    ``max_wait_s`` each wait. ``key_prefix`` names this client's requests
-    (default random); ``on_retry`` is called before each wait.
+    ``endpoints`` (instead of ``url``): the daemons to try in order, failing over
+    on connection errors and standby answers (module doc). ``timeout_s`` bounds
+    one attempt; ``retry_for_s`` the attempts and waits of one request (0: no
+    retry, but each endpoint is tried once); ``max_retries``, when set, the
+    number of retries after a wait too; ``max_wait_s`` each wait. ``key_prefix``
+    names this client's requests (default random); ``on_retry`` is called
+    before each wait and each failover (``wait_s`` 0, ``endpoint`` the next).
     """
 
     def __init__(
         self,
-        url: str = DEFAULT_URL,
+        url: str | None = None,
         *,
+        endpoints: Sequence[str] | None = None,
         timeout_s: float = TIMEOUT_S,
         retry_for_s: float = RETRY_FOR_S,
         max_retries: int | None = None,
@@ -386,7 +502,7 @@ class IngestClient:
     ) -> None:
         import aiohttp  # only the async client needs it
 
-        self.url = _events_url(url)
+        self._endpoints = _Endpoints(_endpoint_urls(url, endpoints))
         self._headers = _auth_headers(token)
         self._ssl: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
         self.key_prefix = check_key_prefix(key_prefix or new_key_prefix())
@@ -396,6 +512,15 @@ class IngestClient:
         self._retry = _RetryPolicy(retry_for_s, max_retries, max_wait_s, on_retry)
         self._sleep = sleep
         self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def url(self) -> str:
+        """The events URL requests go to now (after a failover, the new endpoint's)."""
+        return self._endpoints.url
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return self._endpoints.urls
 
     async def __aenter__(self) -> IngestClient:
         return self
@@ -419,40 +544,42 @@ class IngestClient:
     async def send_ndjson(self, body: bytes, *, key: str | None = None) -> Ack:
         """Post an NDJSON body as one atomic request; every attempt carries ``key``
         (default :meth:`next_key`)."""
-        attempts = _Attempts(self._retry, key or self.next_key())
+        attempts = _Attempts(self._retry, key or self.next_key(), self._endpoints)
         loop = asyncio.get_running_loop()
         while True:
             attempts.count += 1
             began = loop.time()
             try:
-                return await self._post(body, attempts.key)
+                ack = await self._post(body, attempts.key, attempts.url)
             except IngestError as exc:
                 wait = attempts.failed(exc, loop.time() - began)
                 if wait is None:
                     raise
-            await self._sleep(wait)
+            else:
+                attempts.succeeded()
+                return ack
+            if not attempts.failing_over:
+                await self._sleep(wait)
 
-    async def _post(self, body: bytes, key: str) -> Ack:
+    async def _post(self, body: bytes, key: str, url: str) -> Ack:
         aiohttp = self._aiohttp
         if self._session is None:
             connector = aiohttp.TCPConnector(keepalive_timeout=IDLE_REUSE_S)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
         headers = {"Content-Type": NDJSON, IDEMPOTENCY_KEY: key, **self._headers}
         try:
-            async with self._session.post(
-                self.url, data=body, headers=headers, ssl=self._ssl
-            ) as resp:
+            async with self._session.post(url, data=body, headers=headers, ssl=self._ssl) as resp:
                 payload = await resp.read()
                 if resp.status == 200:
                     return _ack(payload, resp.headers.get(REPLAYED))
                 raise error_from_response(resp.status, payload, resp.headers.get("Retry-After"))
         except aiohttp.ClientConnectorError as exc:
             raise IngestConnectionError(
-                f"cannot connect to {self.url}: {exc}", maybe_sent=False
+                f"cannot connect to {url}: {exc}", maybe_sent=False
             ) from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise IngestConnectionError(
-                f"no answer from {self.url} ({type(exc).__name__}: {exc}); the request may "
+                f"no answer from {url} ({type(exc).__name__}: {exc}); the request may "
                 "or may not have been stored",
                 maybe_sent=True,
             ) from exc
@@ -467,8 +594,9 @@ class SyncIngestClient:
 
     def __init__(
         self,
-        url: str = DEFAULT_URL,
+        url: str | None = None,
         *,
+        endpoints: Sequence[str] | None = None,
         timeout_s: float = TIMEOUT_S,
         retry_for_s: float = RETRY_FOR_S,
         max_retries: int | None = None,
@@ -479,16 +607,19 @@ class SyncIngestClient:
         token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self.url = _events_url(url)
+        self._endpoints = _Endpoints(_endpoint_urls(url, endpoints))
         self._headers = _auth_headers(token)
         self._ssl = ssl_context
-        parts = urllib.parse.urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname
-        self._port = parts.port or (443 if self._https else 80)
-        self._path = parts.path or EVENTS_PATH
+        # Per endpoint: (https, host, port, path).
+        self._targets: list[tuple[bool, str, int, str]] = []
+        for events_url in self._endpoints.urls:
+            parts = urllib.parse.urlsplit(events_url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"not an http(s) URL: {events_url!r}")
+            https = parts.scheme == "https"
+            port = parts.port or (443 if https else 80)
+            self._targets.append((https, parts.hostname, port, parts.path or EVENTS_PATH))
+        self._conn_to = 0  # the endpoint self._conn is connected to
         self._timeout_s = timeout_s
         self.key_prefix = check_key_prefix(key_prefix or new_key_prefix())
         self._numbers = itertools.count(1)
@@ -496,6 +627,15 @@ class SyncIngestClient:
         self._sleep = sleep
         self._conn: http.client.HTTPConnection | None = None
         self._last_used = 0.0
+
+    @property
+    def url(self) -> str:
+        """The events URL requests go to now (after a failover, the new endpoint's)."""
+        return self._endpoints.url
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return self._endpoints.urls
 
     def __enter__(self) -> SyncIngestClient:
         return self
@@ -516,53 +656,62 @@ class SyncIngestClient:
         return self.send_ndjson(encode_events(events), key=key)
 
     def send_ndjson(self, body: bytes, *, key: str | None = None) -> Ack:
-        attempts = _Attempts(self._retry, key or self.next_key())
+        attempts = _Attempts(self._retry, key or self.next_key(), self._endpoints)
         while True:
             attempts.count += 1
             began = time.monotonic()
             try:
-                return self._post(body, attempts.key)
+                ack = self._post(body, attempts.key, attempts.at)
             except IngestError as exc:
                 wait = attempts.failed(exc, time.monotonic() - began)
                 if wait is None:
                     raise
-            self._sleep(wait)
+            else:
+                attempts.succeeded()
+                return ack
+            if not attempts.failing_over:
+                self._sleep(wait)
 
-    def _connect(self) -> http.client.HTTPConnection:
+    def _connect(self, current: int) -> http.client.HTTPConnection:
         now = time.monotonic()
         if self._conn is not None and (
-            now - self._last_used > IDLE_REUSE_S or _closed_by_peer(self._conn)
+            self._conn_to != current
+            or now - self._last_used > IDLE_REUSE_S
+            or _closed_by_peer(self._conn)
         ):
             self.close()  # the daemon may have closed it: do not bet a request on it
         if self._conn is None:
+            https, host, port, _ = self._targets[current]
             conn: http.client.HTTPConnection
-            if self._https:
+            if https:
                 conn = http.client.HTTPSConnection(
-                    self._host, self._port, timeout=self._timeout_s, context=self._ssl
+                    host, port, timeout=self._timeout_s, context=self._ssl
                 )
             else:
-                conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
+                conn = http.client.HTTPConnection(host, port, timeout=self._timeout_s)
             try:
                 conn.connect()
             except OSError as exc:
                 conn.close()
                 raise IngestConnectionError(
-                    f"cannot connect to {self.url}: {exc}", maybe_sent=False
+                    f"cannot connect to {self._endpoints.urls[current]}: {exc}", maybe_sent=False
                 ) from exc
             self._conn = conn
+            self._conn_to = current
         return self._conn
 
-    def _post(self, body: bytes, key: str) -> Ack:
-        conn = self._connect()
+    def _post(self, body: bytes, key: str, at: int) -> Ack:
+        url = self._endpoints.urls[at]
+        conn = self._connect(at)
         headers = {"Content-Type": NDJSON, IDEMPOTENCY_KEY: key, **self._headers}
         try:
-            conn.request("POST", self._path, body=body, headers=headers)
+            conn.request("POST", self._targets[at][3], body=body, headers=headers)
             resp = conn.getresponse()
             payload = resp.read()
         except (OSError, http.client.HTTPException) as exc:
             self.close()
             raise IngestConnectionError(
-                f"no answer from {self.url} ({type(exc).__name__}: {exc}); the request may "
+                f"no answer from {url} ({type(exc).__name__}: {exc}); the request may "
                 "or may not have been stored",
                 maybe_sent=True,
             ) from exc
@@ -572,6 +721,11 @@ class SyncIngestClient:
         if resp.status == 200:
             return _ack(payload, resp.getheader(REPLAYED))
         raise error_from_response(resp.status, payload, resp.getheader("Retry-After"))
+
+
+# The producer client by the name the failover docs use (docs/ingest.md, "Clients and retries"):
+# ``Client(endpoints=[primary, standby])``.
+Client = IngestClient
 
 
 def _auth_headers(token: str | None) -> dict[str, str]:

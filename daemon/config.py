@@ -448,6 +448,7 @@ _WAL_ARCHIVE: dict[str, Checker] = {
     "ack": _choice("local", "archived"),
     "flush_ms": _int(1, 60_000),
     "max_unarchived_bytes": _int(1 * MiB, unit="bytes"),
+    "role": _choice("primary", "standby"),
 }
 
 
@@ -939,10 +940,34 @@ def _cross_checks(cfg: Config, errors: list[str]) -> None:
             f"of a commit can outlive the lease window. Lower request_timeout_s, "
             f"connect_timeout_s or max_retries, or raise lease_ttl_s"
         )
+    archive = cfg.wal.archive
+    if archive is not None and archive.role == "standby":
+        _standby_checks(cfg, errors)
     if bool(s3.access_key_id) != bool(s3.secret_access_key):
         errors.append("s3.access_key_id: set both access_key_id and secret_access_key, or neither")
     if s3.access_key_id and s3.credentials_file is not None:
         errors.append("s3.credentials_file: set credentials_file or access_key_id, not both")
+
+
+def _standby_checks(cfg: Config, errors: list[str]) -> None:
+    """A standby's tables are on S3: at a takeover it goes on writing the
+    primary's tables, and a folder on its own disk holds none of them."""
+    why = (
+        'a standby ([wal.archive] role = "standby") may name only tables on S3 '
+        '(path = "s3://bucket/prefix"): the primary writes a local folder on its own '
+        "disk, so the same folder on this machine holds no table the primary wrote, "
+        "and a takeover would continue a table that is not there"
+    )
+    for i, s in enumerate(cfg.cdc.streams):
+        if not s.uri:
+            errors.append(
+                f'cdc.streams[{i}].path: stream "{s.name}" is the local folder {s.path}; {why}'
+            )
+    for i, m in enumerate(cfg.cdc.mirrors):
+        if not m.uri:
+            errors.append(
+                f'cdc.mirrors[{i}].path: mirror "{m.name}" is the local folder {m.path}; {why}'
+            )
 
 
 def _resolve_paths(cfg: Config) -> Config:

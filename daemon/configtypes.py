@@ -157,6 +157,9 @@ class WalArchiveConfig:
     ack: Literal["local", "archived"] = "local"
     flush_ms: int = 100  # the longest a group waits before its upload
     max_unarchived_bytes: int = 1 * GiB  # past this, ingest answers 503 + Retry-After
+    # "primary": holds the archive's manifest and takes events; "standby": holds
+    # nothing, answers ingest 503 "standby" (docs/operating.md, "A standby").
+    role: Literal["primary", "standby"] = "primary"
 
 
 @dataclass(frozen=True, slots=True)

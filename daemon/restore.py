@@ -441,6 +441,12 @@ def main(cfg: Config, accept_loss_from: int | None, out: IO[str] = sys.stdout) -
 
 def archive_holds_wal(cfg: Config) -> str | None:
     """``run`` on a data_dir without a WAL: the WAL id the archive already holds, if any."""
+    manifest = archive_manifest(cfg)
+    return None if manifest is None else str(manifest.get("wal_id") or "") or None
+
+
+def archive_manifest(cfg: Config) -> dict[str, Any] | None:
+    """``run`` on a data_dir without a WAL: the archive's manifest, if it has one."""
     arc = cfg.wal.archive
     if arc is None or _has_wal(cfg.wal_dir):
         return None
@@ -452,4 +458,5 @@ def archive_holds_wal(cfg: Config) -> str | None:
         got = s3.get_object(Bucket=where.bucket, Key=where.key(MANIFEST))["Body"].read()
     except s3.exceptions.NoSuchKey:
         return None
-    return str(json.loads(got).get("wal_id") or "") or None
+    manifest: dict[str, Any] = json.loads(got)
+    return manifest

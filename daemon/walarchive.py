@@ -129,6 +129,165 @@ class ArchiveLease(Lease):
             self.forget()
 
 
+def live_holder(manifest: dict[str, Any] | None, skew_s: float) -> str:
+    """What a refused start adds when a primary holds the manifest now ("" if none)."""
+    m = manifest or {}
+    if m.get("released") or not m.get("holder"):
+        return ""
+    if time.time() > float(m.get("expires_at", 0)) + skew_s:
+        return ""
+    return (
+        f"; its manifest is held now by {holder_text(m)}, the archive's primary: a second "
+        "primary is refused while it lives (this machine as its standby: [wal.archive] role = "
+        '"standby")'
+    )
+
+
+def holder_text(manifest: dict[str, Any]) -> str:
+    """The manifest's holder as messages name it: host, pid, data_dir and epoch."""
+    h = manifest.get("holder") or {}
+    return (
+        f"{h.get('host')} pid {h.get('pid')} (data_dir {h.get('data_dir')}), "
+        f"epoch {manifest.get('epoch')}"
+    )
+
+
+class ManifestWatch:
+    """A standby's view of the archive's manifest: who holds it, read at start
+    and at the holder's renewal period after; it writes nothing
+    (docs/operating.md, "A standby").
+
+    The holder is the primary while its lease is live: not released by a clean
+    stop, and not past ``expires_at + lease_skew_s`` by this host's clock (the
+    rule a taker applies, daemon/table/lease.py).
+    """
+
+    def __init__(
+        self,
+        cfg: WalArchiveConfig,
+        s3cfg: S3Config,
+        *,
+        s3: Any = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg, self.s3cfg = cfg, s3cfg
+        self.where = Location.parse(cfg.uri)
+        self._s3 = s3
+        self._clock = clock
+        # The holder renews every (ttl - skew) / 3 (Lease.renew_s): read as often.
+        self.interval_s = (s3cfg.lease_ttl_s - s3cfg.lease_skew_s) / 3
+        self.manifest: dict[str, Any] | None = None
+        self.read_at: float | None = None  # the last read that worked (Unix time)
+        self.error: str | None = None  # the last read's error, until one works
+        self.error_since: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def read(self) -> None:
+        """One read of the manifest (any thread); an error is kept, not raised."""
+        try:
+            s3 = self._s3 = self._s3 if self._s3 is not None else client(self.s3cfg)
+            try:
+                got = s3.get_object(Bucket=self.where.bucket, Key=self.where.key(MANIFEST))
+                manifest: dict[str, Any] | None = json.loads(got["Body"].read())
+            except s3.exceptions.NoSuchKey:
+                manifest = None
+        except Exception as exc:
+            why = f"cannot read {self.cfg.uri}/{MANIFEST}: {explain(exc, self.s3cfg, self.where)}"
+            if self.error is None:
+                log.warning("standby.manifest_unreadable", error=why)
+                self.error_since = self._clock()
+            self.error = why
+            return
+        if self.error is not None:
+            log.info("standby.manifest_readable_again")
+        self.error = self.error_since = None
+        before = self.primary()
+        self.manifest, self.read_at = manifest, self._clock()
+        if self.primary() != before:
+            log.info("standby.primary", primary=self.primary(), epoch=self.epoch())
+
+    def live(self) -> bool:
+        m = self.manifest
+        if m is None or m.get("released") or not m.get("holder"):
+            return False
+        return self._clock() <= float(m.get("expires_at", 0)) + self.s3cfg.lease_skew_s
+
+    def primary(self) -> str | None:
+        """The host of the manifest's live holder; None when no daemon holds it."""
+        if not self.live():
+            return None
+        assert self.manifest is not None
+        host = (self.manifest.get("holder") or {}).get("host")
+        return str(host) if host else None
+
+    def epoch(self) -> int | None:
+        return None if self.manifest is None else int(self.manifest.get("epoch", 0))
+
+    def status(self) -> dict[str, Any]:
+        m = self.manifest
+        return {
+            "uri": self.cfg.uri,
+            "primary": self.primary(),
+            "holder": None if m is None else m.get("holder"),
+            "held": self.live(),
+            "epoch": self.epoch(),
+            "wal_id": None if m is None else m.get("wal_id"),
+            "manifest_read_s_ago": None
+            if self.read_at is None
+            else round(self._clock() - self.read_at, 1),
+            "error": self.error,
+        }
+
+    def problem(self, stall_after_s: float) -> str | None:
+        """What health reports (None: the manifest reads): the archive out of reach."""
+        if self.error is None or self.error_since is None:
+            return None
+        failing = self._clock() - self.error_since
+        if failing <= stall_after_s:
+            return None
+        return f"the standby has not read the archive's manifest for {failing:.0f} s: {self.error}"
+
+    async def open(self) -> None:
+        await asyncio.to_thread(self.read)
+        log.info(
+            "standby.opened",
+            uri=self.cfg.uri,
+            primary=self.primary(),
+            epoch=self.epoch(),
+            error=self.error,
+        )
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="standby-manifest")
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.interval_s)
+                await asyncio.to_thread(self.read)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("standby.watch_failed")
+            raise ArchiveUnavailable(f"the standby's manifest watch failed: {exc}") from exc
+
+    async def wait_failed(self) -> BaseException:
+        """Return the watch's error once it fails (it does not end otherwise)."""
+        assert self._task is not None
+        try:
+            await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            return exc
+        return ArchiveUnavailable("the standby's manifest watch stopped")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
 class _Object:
     __slots__ = ("done", "first", "last", "number")
 
@@ -237,7 +396,7 @@ class WalArchive:
                     f"wal.archive: {self.cfg.uri} is the archive of WAL {theirs}, but the "
                     f"data_dir {self.data_dir} holds WAL {wal_id}: one archive per WAL. Point "
                     "[wal.archive] uri at a prefix of its own, or start from the data_dir of "
-                    f"WAL {theirs}"
+                    f"WAL {theirs}" + live_holder(raw, self.s3cfg.lease_skew_s)
                 )
             epoch = int(raw.get("epoch", 0)) + 1
         self.epoch = epoch
@@ -254,8 +413,25 @@ class WalArchive:
         try:
             lease.take()
         except LeaseHeldError as exc:
-            raise ArchiveRefusedError(f"wal.archive: the archive's manifest {exc}") from exc
+            raise ArchiveRefusedError(self._held_elsewhere(store, key, exc)) from exc
         self._fence(store, wal_id)
+
+    def _held_elsewhere(self, store: S3Store, key: str, exc: LeaseHeldError) -> str:
+        """Why a second primary may not start: the live holder, named."""
+        try:
+            got = store.get(key)
+            raw = json.loads(got[0]) if got is not None else {}
+        except Exception:
+            raw = {}
+        if not raw.get("holder"):
+            return f"wal.archive: the archive's manifest {exc}"
+        left = float(raw.get("expires_at", 0)) + self.s3cfg.lease_skew_s - time.time()
+        return (
+            f"wal.archive: {self.cfg.uri} has a primary already: its manifest is held by "
+            f"{holder_text(raw)}, for {max(left, 0):.0f} s more unless it renews. One primary "
+            "per archive: stop that daemon first (a clean stop hands the manifest over at "
+            'once), or start this one as its standby ([wal.archive] role = "standby")'
+        )
 
     def _list(self) -> list[int]:
         prefix = self._key("wal/")
@@ -506,12 +682,7 @@ class WalArchive:
             assert self.store is not None
             got = await self._io(self.store.get, self._key(MANIFEST))
             if got is not None:
-                raw = json.loads(got[0])
-                h = raw.get("holder", {})
-                holder = (
-                    f"{h.get('host')} pid {h.get('pid')} (data_dir {h.get('data_dir')}), "
-                    f"epoch {raw.get('epoch')}"
-                )
+                holder = holder_text(json.loads(got[0]))
         except Exception:
             pass
         self._fence_off(

@@ -283,3 +283,54 @@ def test_cdc_stream_compaction_keys_have_defaults_and_are_checked(tmp_path: Path
     assert "cdc.streams[0].target_file_bytes" in text
     shipped = config.load(ROOT / "config.toml").cdc.streams[0]
     assert (shipped.compaction, shipped.target_file_bytes) == (True, 128 * 1024 * 1024)
+
+
+# -- [wal.archive] role --------------------------------------------------------------
+
+
+def _standby(**cdc: object) -> dict[str, object]:
+    return {"wal": {"archive": {"uri": "s3://lake/wal", "role": "standby"}}, "cdc": cdc}
+
+
+def test_archive_role_defaults_to_primary_and_other_values_are_refused_naming_the_key() -> None:
+    parsed = config.parse({"wal": {"archive": {"uri": "s3://lake/wal"}}})
+    assert parsed.wal.archive is not None and parsed.wal.archive.role == "primary"
+    assert config.parse(_standby()).wal.archive.role == "standby"  # type: ignore[union-attr]
+    with pytest.raises(ConfigError) as info:
+        config.parse({"wal": {"archive": {"uri": "s3://lake/wal", "role": "replica"}}})
+    assert info.value.errors == [
+        'wal.archive.role: expected one of "primary" | "standby", got "replica"'
+    ]
+
+
+def test_a_standby_refuses_local_streams_and_mirrors_naming_each_key_and_why() -> None:
+    with pytest.raises(ConfigError) as info:
+        config.parse(
+            _standby(
+                streams=[
+                    {"name": "lake", "collections": ["*"], "path": "s3://lake/orders"},
+                    {"name": "local", "collections": ["*"], "path": "tables/local"},
+                ],
+                mirrors=[{"name": "m", "collection": "orders", "path": "mirrors/m"}],
+            )
+        )
+    stream, mirror = info.value.errors
+    assert stream.startswith(
+        'cdc.streams[1].path: stream "local" is the local folder tables/local; a standby '
+        '([wal.archive] role = "standby") may name only tables on S3'
+    )
+    assert "this machine holds no table the primary wrote" in stream
+    assert mirror.startswith('cdc.mirrors[0].path: mirror "m" is the local folder mirrors/m;')
+
+
+def test_a_standby_with_tables_on_s3_only_is_accepted_and_a_primary_may_have_local_ones() -> None:
+    on_s3 = _standby(
+        streams=[{"name": "lake", "collections": ["*"], "path": "s3://lake/orders"}],
+        mirrors=[{"name": "m", "collection": "orders", "path": "s3://lake/m"}],
+    )
+    assert config.parse(on_s3).cdc.streams[0].uri == "s3://lake/orders"
+    primary = {
+        "wal": {"archive": {"uri": "s3://lake/wal"}},
+        "cdc": {"streams": [{"name": "local", "collections": ["*"], "path": "tables/local"}]},
+    }
+    assert config.parse(primary).cdc.streams[0].uri == ""

@@ -87,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("send", help="post NDJSON events from stdin to the ingest API")
     _add_config(p)
-    p.add_argument("--url", help="ingest base URL (default: from config ingest.listen)")
+    p.add_argument(
+        "--url",
+        action="append",
+        help="ingest base URL (default: from config ingest.listen); repeat it for a primary "
+        "and its standby: each request fails over in order, with the same Idempotency-Key",
+    )
     p.add_argument("--batch", type=int, default=1000, help="events per request (default 1000)")
     p.add_argument(
         "--retry-for",

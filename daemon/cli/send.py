@@ -12,6 +12,10 @@ attempt. Connection errors, timeouts (``--timeout`` per attempt), 408, 429,
 a request that was stored but whose answer was lost is answered from the
 daemon's de-duplication window (a replay) instead of being stored twice.
 
+With ``--url`` given more than once (a primary and its standby), a request that
+cannot connect or gets a ``standby`` answer goes to the next URL at once, with
+the same key (docs/ingest.md, "Clients and retries").
+
 On a refusal it stops at once and exits 1 with the server's message, the
 stdin line numbers it refers to, and what was acknowledged before it, so the
 rest can be sent again with ``tail -n +LINE``. When the retries run out it
@@ -26,7 +30,7 @@ import argparse
 import shlex
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO, TextIO
 
 from daemon.client import (
@@ -53,6 +57,13 @@ PROGRESS_WIDTH = 160
 # Off a terminal, a request being retried is reported at most this often.
 RETRY_NOTE_EVERY_S = 10.0
 DEFAULT_BATCH = 1000
+
+
+def ingest_urls(cfg: Config, urls: str | Sequence[str] | None = None) -> list[str]:
+    """The ingest base URLs in failover order: every ``--url``, else ``ingest.listen``."""
+    if isinstance(urls, str):
+        urls = [urls]
+    return list(urls) if urls else [ingest_url(cfg)]
 
 
 def ingest_url(cfg: Config, url: str | None = None) -> str:
@@ -112,10 +123,13 @@ def batches(stream: BinaryIO, size: int, max_bytes: int, from_line: int = 1) -> 
 
 
 class Progress:
-    def __init__(self, out: TextIO, enabled: bool, retry_for: float = RETRY_FOR_S) -> None:
+    def __init__(
+        self, out: TextIO, enabled: bool, retry_for: float = RETRY_FOR_S, failover: bool = False
+    ) -> None:
         self.out = out
         self.enabled = enabled
         self.retry_for = retry_for
+        self.failover = failover  # more than one URL: say where each attempt goes
         self.started = time.monotonic()
         self._drawn = 0.0
         self._noted = 0.0
@@ -145,8 +159,9 @@ class Progress:
     def retrying(self, batch: Batch, number: int, retry: Retry, first: bool) -> None:
         """A request failed and waits for its next attempt: on a terminal the progress
         line says so; otherwise a line on its first retry and every RETRY_NOTE_EVERY_S."""
+        at = f" at {retry.endpoint}" if self.failover else ""
         note = (
-            f"request {number} ({batch.span()}): attempt {retry.attempt + 1} in "
+            f"request {number} ({batch.span()}): attempt {retry.attempt + 1}{at} in "
             f"{retry.wait_s:.1f} s ({retry.elapsed_s:.0f} s of --retry-for {self.retry_for:g}) "
             f"after {what_failed(retry.error)}"
         )
@@ -231,8 +246,9 @@ def resend_command(args: argparse.Namespace, prefix: str, size: int, line: int) 
     argv = ["eventplane", "send"]
     if getattr(args, "config", None):
         argv += ["--config", str(args.config)]
-    if getattr(args, "url", None):
-        argv += ["--url", str(args.url)]
+    urls = getattr(args, "url", None)
+    for url in [urls] if isinstance(urls, str) else urls or []:
+        argv += ["--url", str(url)]
     for flag in ("token_file", "ca_file", "cert", "key"):
         if getattr(args, flag, None):
             argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -279,8 +295,10 @@ def main(
     from daemon.cli import access
 
     producer = access.from_args(args, access.ENV_TOKEN_FILE)
-    url = ingest_url(cfg, getattr(args, "url", None))
-    progress = Progress(stderr, enabled=stderr.isatty(), retry_for=retry_for)
+    urls = ingest_urls(cfg, getattr(args, "url", None))
+    progress = Progress(
+        stderr, enabled=stderr.isatty(), retry_for=retry_for, failover=len(urls) > 1
+    )
     number = 0
     batch = Batch()
     retries = 0
@@ -291,7 +309,7 @@ def main(
         progress.retrying(batch, number, retry, first=retry.attempt == 1)
 
     with SyncIngestClient(
-        url,
+        endpoints=urls,
         timeout_s=timeout,
         retry_for_s=retry_for,
         key_prefix=prefix,

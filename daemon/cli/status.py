@@ -131,11 +131,25 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
     flags = [state, "ready" if doc.get("ready") else "not ready"]
     if doc.get("draining"):
         flags.append("draining")
+    if isinstance(doc.get("role"), str):
+        flags.append(doc["role"])
     lines.append(f"eventplane  {', '.join(flags)}" + (f"  ({url})" if url else ""))
     problems = doc.get("problems")
     for problem in problems if isinstance(problems, list) else []:
         lines.append(f"problem     {_obj(problem).get('message', problem)}")
 
+    standby = _obj(doc.get("standby"))
+    if standby:
+        holder = _obj(standby.get("holder"))
+        primary = (
+            f"primary {standby.get('primary')} pid {holder.get('pid')}, epoch "
+            f"{standby.get('epoch')}"
+            if standby.get("primary")
+            else "no primary holds the archive"
+        )
+        lines.append(f"standby     {primary}  archive {standby.get('uri')}")
+        if standby.get("error"):
+            lines.append(f"            {standby['error']}")
     wal = _obj(doc.get("wal"))
     lines.append(
         f"WAL         head {_int(wal.get('head_lsn'))}  floor {_int(wal.get('retained_floor'))}"

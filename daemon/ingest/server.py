@@ -5,7 +5,8 @@ consecutive LSNs in request order) and the 200 is sent only after the group
 commit's fdatasync covered them (invariant 1); a rejected request leaves the
 WAL untouched. The steps, marked in :meth:`IngestServer._post_events`:
 
-1. Admission before a byte of body (``_admit``): draining (503), producer and
+1. Admission before a byte of body (``_admit``): a standby (503 ``standby``),
+   draining (503), producer and
    quota (401, 429; :mod:`daemon.ingest.producers`), lag (429), content type
    and coding (415), ``Content-Length`` (413).
 2. Read the body under its deadline and the memory budget (408, 413;
@@ -163,6 +164,10 @@ class IngestServer(Producers, Idempotency):
         # [wal.archive] (set by the daemon): 503 while it refuses; with ack =
         # "archived" the 2xx waits until the request's events are archived.
         self.archive: ArchiveGate | None = None
+        # [wal.archive] role = "standby" (set by the daemon): every request is
+        # answered 503 "standby" naming the primary's host (the call's answer,
+        # None when no daemon holds the archive); nothing is stored.
+        self.standby: Callable[[], str | None] | None = None
         self._runner: web.AppRunner | None = None
         self._site: _CappedSite | None = None
         self._seeds: dict[str, int] = {}
@@ -273,6 +278,17 @@ class IngestServer(Producers, Idempotency):
         """A forced stop (a second SIGTERM): :meth:`stop` skips the grace and the wait for
         requests in progress; aiohttp's own wait for them (step 3) remains."""
         self._hurry = True
+
+    def _standby_rejection(self, primary: str | None) -> Rejection:
+        where = f"the primary is on {primary}" if primary else "no daemon holds the archive now"
+        return Rejection(
+            503,
+            "standby",
+            f'this daemon is a standby ([wal.archive] role = "standby") and acknowledges '
+            f"nothing; nothing was stored: send to the primary ({where})",
+            retry_after=self._cfg.retry_after_s,
+            primary=primary,
+        )
 
     def _draining_rejection(self) -> Rejection:
         return Rejection(
@@ -394,6 +410,8 @@ class IngestServer(Producers, Idempotency):
         """Step 1. Cheap checks before reading a byte of body; returns whether the body
         is NDJSON, the content coding to undo (None for none) and the producer."""
         c = self._cfg
+        if self.standby is not None:
+            raise self._standby_rejection(self.standby())
         if self._draining:
             raise self._draining_rejection()
         if self.archive is not None and (why := self.archive.refusal()) is not None:

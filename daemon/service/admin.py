@@ -9,8 +9,10 @@ never delays a health check, and so the two can bind different interfaces.
   late its wake-ups are; if the last tick is older than :data:`STALL_S` the
   loop was stuck (a blocking call) and the answer is 503 with the measured
   stall. A stalled stage or micro-batch path (the injected ``problems()``,
-  see ``Daemon.problems``) is a 503 too, with one entry per problem.
-- ``GET /readyz``: 200 once the daemon is ready and not draining, else 503.
+  see ``Daemon.problems``) is a 503 too, with one entry per problem. Each
+  answer names the daemon's ``role`` (``[wal.archive] role``).
+- ``GET /readyz``: 200 once the daemon is ready and not draining, else 503;
+  a standby is never ready (it takes no events).
 - ``GET /v1/status``: the injected ``status()`` document as JSON (the schema
   is the daemon's; ``eventplane status`` renders it).
 - ``GET /v1/stages``: every stage's status entry.
@@ -113,8 +115,10 @@ class AdminServer:
         retention: Callable[[str], Awaitable[dict[str, Any]]] | None = None,
         quarantine: Callable[..., Awaitable[dict[str, Any]]] | None = None,
         tls: ServerTls | None = None,
+        role: str = "primary",
     ) -> None:
         self._listen = cfg.admin.listen
+        self._role = role  # [wal.archive] role: health says it, a standby is never ready
         if tls is None and cfg.admin.tls.enabled:
             tls = ServerTls(cfg.admin.tls, "admin")
         self.tls = tls
@@ -268,6 +272,7 @@ class AdminServer:
                     if ticker_alive
                     else "the loop-responsiveness ticker is not running",
                     "loop_stall_s": round(stall, 3),
+                    "role": self._role,
                 },
             )
         try:
@@ -283,9 +288,14 @@ class AdminServer:
                     "message": "; ".join(str(p.get("message")) for p in problems),
                     "problems": problems,
                     "loop_stall_s": round(stall, 3),
+                    "role": self._role,
                 },
             )
-        body: dict[str, Any] = {"status": "ok", "loop_stall_s": round(stall, 3)}
+        body: dict[str, Any] = {
+            "status": "ok",
+            "loop_stall_s": round(stall, 3),
+            "role": self._role,
+        }
         try:
             notices = self._notices() if self._notices is not None else []
         except Exception:
@@ -303,6 +313,15 @@ class AdminServer:
             return _json(503, {"ready": False, "message": f"readiness check failed: {exc}"})
         if ready:
             return _json(200, {"ready": True})
+        if self._role == "standby":
+            return _json(
+                503,
+                {
+                    "ready": False,
+                    "role": "standby",
+                    "message": "a standby takes no events: send them to the primary",
+                },
+            )
         return _json(503, {"ready": False, "message": "starting up or draining"})
 
     async def _get_status(self, request: web.Request) -> web.StreamResponse:

@@ -21,6 +21,11 @@ acknowledged is in the WAL already). SIGHUP asks for a reload of triggers, the
 log level, the producer tokens (inline and ``ingest.tokens_file``), the admin
 token and both listeners' TLS files, applied by the main loop between batches.
 
+With ``[wal.archive] role = "standby"`` startup is short (``_startup_standby``):
+the archive's manifest is read, never taken; no WAL, event plane or Spark;
+the admin listener, and an ingest listener that answers every request 503
+``standby`` naming the primary's host (docs/operating.md, "A standby").
+
 A start-up failure is one ``startup.failed`` event (the step, the error, what
 to do, the exit code), then the same drain; the process exits with the code
 that event and ``shutdown.done`` name (2 for a configuration error, else 1).
@@ -58,6 +63,7 @@ from daemon.service.deadline import Deadline
 from daemon.service.metrics import Metrics
 from daemon.service.sdnotify import Notifier, Watchdog
 from wal import Wal
+from wal.errors import WalClosedError
 
 log = structlog.get_logger("eventplane")
 
@@ -90,6 +96,10 @@ class Daemon:
         self.admin: AdminServer | None = None
         self.triggers: Any = None
         self.archive: Any = None  # daemon.walarchive.WalArchive under [wal.archive]
+        # daemon.walarchive.ManifestWatch with [wal.archive] role = "standby".
+        self.standby: Any = None
+        archive = cfg.wal.archive
+        self.role = archive.role if archive is not None else "primary"
         # What startup() is doing, for the one line a start-up failure prints.
         self.startup_step = "configuration"
         self._watchdog: Watchdog | None = None
@@ -148,19 +158,25 @@ class Daemon:
         self.metrics.up_seconds.set(time.time())
         self.startup_step = f"the data dir {cfg.data_dir}"
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.role == "standby":
+            await self._startup_standby(t0)
+            return
 
         if cfg.wal.archive is not None:
             # A wiped disk never silently becomes a new WAL (docs/operating.md,
             # "Losing the machine").
-            from daemon.restore import archive_holds_wal
+            from daemon.restore import archive_manifest
+            from daemon.walarchive import live_holder
 
             self.startup_step = f"the WAL archive ([wal.archive] uri = {cfg.wal.archive.uri})"
-            held = await asyncio.to_thread(archive_holds_wal, cfg)
-            if held is not None:
+            manifest = await asyncio.to_thread(archive_manifest, cfg)
+            held = None if manifest is None else manifest.get("wal_id")
+            if held:
                 raise ArchiveRefusedError(
                     f"{cfg.wal_dir} holds no WAL, but the archive {cfg.wal.archive.uri} holds "
                     f"WAL {held}: run `eventplane restore --config <this config>` to rebuild "
                     "this data_dir from it (or point [wal.archive] uri at a new prefix)"
+                    + live_holder(manifest, cfg.s3.lease_skew_s)
                 )
         # Step 1. The WAL: recovery of a torn tail happens here. Its lock file
         # names us, so a second daemon on this data_dir is told who holds it.
@@ -258,6 +274,7 @@ class Daemon:
             retention=getattr(self.executor, "run_retention", None),
             quarantine=getattr(self.executor, "quarantine_action", None),
             tls=admin_tls,
+            role=self.role,
         )
         await self.admin.start()
         self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"
@@ -284,9 +301,67 @@ class Daemon:
             startup_s=round(time.monotonic() - t0, 3),
         )
 
+    async def _startup_standby(self, t0: float) -> None:
+        """A standby (invariant 21: it acknowledges nothing): the manifest read, the
+        listeners bound; ingest answers 503 ``standby`` naming the primary's host.
+
+        1. The archive's manifest: who holds it (an unreadable store is reported
+           in status and logged, and read again; it does not stop the start).
+        2. The admin listener, then the ingest listener with its standby gate.
+        """
+        from daemon.walarchive import ManifestWatch
+
+        cfg = self.cfg
+        assert cfg.wal.archive is not None
+        # Step 1. The manifest, read only
+        self.startup_step = f"the WAL archive ([wal.archive] uri = {cfg.wal.archive.uri})"
+        self.standby = ManifestWatch(cfg.wal.archive, cfg.s3)
+        await self.standby.open()
+        self.standby.start()
+        # Step 2. Listeners, admin first
+        self.startup_step = "the listeners' TLS files and the producer tokens"
+        tokens = await asyncio.to_thread(security.load_tokens, cfg.ingest)
+        admin_tls = security.ServerTls(cfg.admin.tls, "admin") if cfg.admin.tls.enabled else None
+        ingest_tls = (
+            security.ServerTls(cfg.ingest.tls, "ingest") if cfg.ingest.tls.enabled else None
+        )
+        self.startup_step = f"the admin listener ([admin] listen = {cfg.admin.listen})"
+        self.admin = AdminServer(
+            cfg,
+            self.metrics,
+            status=self.status,
+            ready=self.ready,
+            problems=self.problems,
+            role=self.role,
+            tls=admin_tls,
+        )
+        await self.admin.start()
+        self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"
+        self.ingest = IngestServer(
+            cfg, _NoWal(), self.metrics, lag=lambda: 0, tokens=tokens, tls=ingest_tls
+        )
+        self.ingest.standby = self.standby.primary
+        await self.ingest.start()
+
+        self.started = True
+        self.notifier.ready()
+        self._watchdog = Watchdog(
+            self.notifier, healthy=lambda: not self.needs_restart(), status=self.status_line
+        )
+        self._watchdog.start()
+        log.info(
+            "eventplane.ready",
+            role=self.role,
+            ingest=self.ingest.url,
+            admin=self.admin.url,
+            primary=self.standby.primary(),
+            startup_s=round(time.monotonic() - t0, 3),
+        )
+
     async def main_loop(self) -> None:
-        assert self.plane is not None
-        failed = asyncio.ensure_future(self.plane.wait_failed())
+        failed = asyncio.ensure_future(
+            self.plane.wait_failed() if self.plane is not None else self.standby.wait_failed()
+        )
         try:
             while not self.should_exit:
                 self._wakeup.clear()
@@ -330,6 +405,8 @@ class Daemon:
             await self._stop_step("executor", self.executor.stop(), deadline)
         if self.admin is not None:
             await self._stop_step("admin", self.admin.stop(deadline.remaining()), deadline)
+        if self.standby is not None:
+            await self._stop_step("standby", self.standby.stop(), deadline)
         if self.archive is not None:
             await self._stop_step("archive", self.archive.stop(deadline.remaining(0.1)), deadline)
         # Step 3. Final group commit and close.
@@ -563,7 +640,8 @@ class Daemon:
     # -- health and status --------------------------------------------------
 
     def ready(self) -> bool:
-        return self.started and not self.should_exit
+        """Started, not draining, and a primary: a standby takes no events."""
+        return self.started and not self.should_exit and self.standby is None
 
     def healthy(self) -> bool:
         """True once started, while nothing is stalled or failed (``problems``)."""
@@ -575,6 +653,8 @@ class Daemon:
         withheld then, so systemd restarts the service (invariant 14)."""
         if not self.started:
             return False
+        if self.standby is not None:
+            return self.exit_code != EXIT_OK
         if self.exit_code != EXIT_OK or self.plane is None or self.plane.failure is not None:
             return True
         check = getattr(self.executor, "needs_restart", None)
@@ -631,6 +711,8 @@ class Daemon:
                 }
             )
         archive = self.archive.problem(self.cfg.health.stall_after_s) if self.archive else None
+        if self.standby is not None:
+            archive = self.standby.problem(self.cfg.health.stall_after_s)
         if archive is not None:
             out.append({"part": "wal archive", "message": archive})
         planner = plane.planner if plane is not None else None
@@ -744,6 +826,7 @@ class Daemon:
             "needs_restart": self.needs_restart(),
             "ready": self.ready(),
             "draining": self.should_exit,
+            "role": self.role,
             "wal": None
             if wal is None
             else {
@@ -755,6 +838,8 @@ class Daemon:
         }
         if self.archive is not None and out["wal"] is not None:
             out["wal"]["archive"] = self.archive.status()
+        if self.standby is not None:
+            out["standby"] = self.standby.status()
         if self.plane is not None:
             out.update(self.plane.status())
         executor_status = getattr(self.executor, "status", None)
@@ -772,11 +857,23 @@ class Daemon:
         return out
 
     def status_line(self) -> str:
+        if self.standby is not None:
+            return f"standby primary={self.standby.primary() or '-'}"
         if self.plane is None or self.wal is None:
             return "starting"
         st = self.plane.status()
         modes = "".join("N" if c["mode"] == "normal" else "C" for c in st.get("cores", []))
         return f"head={self.wal.head_lsn()} modes={modes} max_lag={self.plane.max_lag()}"
+
+
+class _NoWal:
+    """A standby's ingest has no WAL: its gate answers every request first."""
+
+    async def append(self, items: Any, request: Any = None) -> tuple[int, int]:
+        raise WalClosedError("a standby has no WAL: it acknowledges nothing")
+
+    def find_request(self, key: bytes) -> None:
+        return None
 
 
 # Ingest and the WAL allocate a few short-lived tuples per event. At CPython's

@@ -60,6 +60,19 @@ async def test_readyz_follows_ready_and_draining(start_admin: Callable[..., Any]
     assert (status, doc) == (200, {"ready": True})
 
 
+async def test_health_names_the_role_and_a_standby_is_never_ready(
+    start_admin: Callable[..., Any],
+) -> None:
+    primary = await start_admin()
+    assert (await get(primary.url + "/healthz"))[2]["role"] == "primary"
+    standby = await start_admin(role="standby", ready=lambda: False)
+    status, _, doc = await get(standby.url + "/healthz")
+    assert (status, doc["status"], doc["role"]) == (200, "ok", "standby")
+    status, _, doc = await get(standby.url + "/readyz")
+    assert (status, doc["ready"], doc["role"]) == (503, False, "standby")
+    assert doc["message"] == "a standby takes no events: send them to the primary"
+
+
 async def test_status_serves_the_injected_document(start_admin: Callable[..., Any]) -> None:
     doc = {"healthy": True, "wal": {"head_lsn": 7, "dir": Path("/var/x")}, "cores": [{"core": 0}]}
     admin = await start_admin(status=lambda: doc)

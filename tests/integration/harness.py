@@ -110,6 +110,8 @@ class DaemonProcess:
     ingest_url: str = ""
     admin_url: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    # What start() waits for to answer 200: a standby is never ready, but healthy.
+    ready_path: str = "/readyz"
 
     @classmethod
     def production(cls, config: Path, **kw: Any) -> DaemonProcess:
@@ -152,7 +154,7 @@ class DaemonProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.tail()}")
             try:
-                with urllib.request.urlopen(self.admin_url + "/readyz", timeout=1) as r:
+                with urllib.request.urlopen(self.admin_url + self.ready_path, timeout=1) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):

@@ -396,3 +396,23 @@ def test_a_mirror_has_a_line_with_its_batch_and_cast_failures() -> None:
     }
     text = statuscmd.render(doc, now=NOW)
     assert "mirror orders batch 41  5 values that did not fit their column" in text
+
+
+def test_the_role_is_a_flag_and_a_standby_names_its_primary_or_none() -> None:
+    standby = {
+        "uri": "s3://lake/wal",
+        "primary": "db-a",
+        "holder": {"host": "db-a", "pid": 41},
+        "epoch": 3,
+        "error": None,
+    }
+    doc = sample_status(ready=False, role="standby", wal=None, standby=standby)
+    text = statuscmd.render(doc, now=NOW)
+    assert text.startswith("eventplane  healthy, not ready, standby")
+    assert "standby     primary db-a pid 41, epoch 3  archive s3://lake/wal" in text
+    alone = dict(standby, primary=None, error="cannot read s3://lake/wal/manifest.json: down")
+    text = statuscmd.render(sample_status(role="standby", standby=alone), now=NOW)
+    assert "standby     no primary holds the archive  archive s3://lake/wal" in text
+    assert "            cannot read s3://lake/wal/manifest.json: down" in text
+    primary = statuscmd.render(sample_status(role="primary"), now=NOW)
+    assert primary.startswith("eventplane  healthy, ready, primary") and "standby " not in primary
