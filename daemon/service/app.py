@@ -371,7 +371,8 @@ class Daemon:
                 )
                 waiter.cancel()
                 if failed in done:
-                    exc = failed.exception()
+                    # wait_failed() returns the fatal error (or raises its own).
+                    exc = failed.exception() or failed.result()
                     log.error("component.failed", error=str(exc), kind=type(exc).__name__)
                     self.exit_code = EXIT_FAILED
                     self.should_exit = True
