@@ -301,6 +301,7 @@ def measure(
         "cpu_s": cpu1 - cpu0,
         "wall_s": t1 - t0,
         "poll_ms": poll_ms,
+        "load_1m": os.getloadavg()[0],
         "next_key": next_key + requests * args.per_request,
     }
 
@@ -344,19 +345,19 @@ def main(argv: list[str] | None = None) -> int:
                 d.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\nload average {_load()} at the end; poll period achieved (ms) per row in the table")
+    print(f"\nload average {_load()} at the end (load: the 1-minute one after each row)")
     print(
         "\n| keys | changes to | events/s | ack p99 ms | freshness p50 s | p99 s | max s "
-        "| merges/s | daemon CPU s | over s | poll ms |"
+        "| merges/s | daemon CPU s | over s | poll ms | load |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         where = "80 % to 5 % of keys" if r["hot"] else "uniform keys"
         print(
             f"| {r['keys']:,} | {where} | {r['rate']:,.0f} | {r['ack_p99_ms']:.1f} "
             f"| {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['max_s']:.2f} "
             f"| {r['merges_per_s']:.2f} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} "
-            f"| {r['poll_ms']:.1f} |"
+            f"| {r['poll_ms']:.1f} | {r['load_1m']:.1f} |"
         )
     return 0
 
