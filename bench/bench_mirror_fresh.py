@@ -164,8 +164,9 @@ def preload_bodies(keys: int, per_request: int = 2000) -> list[bytes]:
 
 def change_bodies(
     keys: int, hot: bool, requests: int, per_request: int, seed: int, next_key: int
-) -> list[bytes]:
-    """90 % updates, 5 % inserts of keys never seen, 5 % deletes."""
+) -> tuple[list[bytes], int]:
+    """90 % updates, 5 % inserts of keys from ``next_key`` on, 5 % deletes;
+    the bodies and the next key never used."""
     rng = random.Random(seed)
     hot_keys = max(1, keys // 20)
     bodies = []
@@ -186,7 +187,7 @@ def change_bodies(
             events.append(e)
             n += 1
         bodies.append(_body(events))
-    return bodies
+    return bodies, next_key
 
 
 async def _post(session: Any, url: str, body: bytes) -> tuple[int, int]:
@@ -262,6 +263,19 @@ def wait_covered(w: Watcher, lsn: int, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def freshness(acks: list[tuple[float, int]], commits: list[tuple[float, int]]) -> list[float]:
+    """Sorted seconds from each request's 2xx (time, last LSN) to the first
+    commit seen (time, last LSN covered, increasing) that covers it; a commit
+    seen before the 2xx came back counts 0."""
+    out = []
+    at = 0
+    for acked, lsn in sorted(acks, key=lambda a: a[1]):
+        while commits[at][1] < lsn:
+            at += 1
+        out.append(max(commits[at][0] - acked, 0.0))
+    return sorted(out)
+
+
 def _q(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(len(values) * q))]
 
@@ -270,7 +284,7 @@ def measure(
     d: Daemon, w: Watcher, keys: int, hot: bool, args: argparse.Namespace, next_key: int
 ) -> dict[str, Any]:
     requests = int(args.rate * args.duration / args.per_request) + 1
-    bodies = change_bodies(keys, hot, requests, args.per_request, 44 + hot, next_key)
+    bodies, next_key = change_bodies(keys, hot, requests, args.per_request, 44 + hot, next_key)
     merges0 = len(w.commits)
     w.reset_polls()
     cpu0, t0 = d.cpu_seconds(), time.monotonic()
@@ -281,13 +295,7 @@ def measure(
     cpu1, t1 = d.cpu_seconds(), time.monotonic()
     poll_ms = w.poll_period_ms()
     commits = w.commits[merges0:]
-    fresh = []
-    at = 0
-    for acked, lsn in sorted(acks, key=lambda a: a[1]):
-        while commits[at][1] < lsn:
-            at += 1
-        fresh.append(max(commits[at][0] - acked, 0.0))
-    fresh.sort()
+    fresh = freshness(acks, commits)
     latencies.sort()
     return {
         "keys": keys,
@@ -302,7 +310,7 @@ def measure(
         "wall_s": t1 - t0,
         "poll_ms": poll_ms,
         "load_1m": os.getloadavg()[0],
-        "next_key": next_key + requests * args.per_request,
+        "next_key": next_key,
     }
 
 
