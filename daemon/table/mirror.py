@@ -76,7 +76,8 @@ COMPACT_EVERY = 50
 # VACUUM keeps the files the snapshots of the last this many hours read.
 VACUUM_RETAIN_HOURS = 168
 # Attempts of one merge to a table on S3 whose version a commit of this
-# writer took (one whose answer was lost: the next attempt finds it).
+# writer took (the store client's retry of a PUT whose answer was lost: the
+# next attempt finds the merge in the log).
 COMMIT_ATTEMPTS = 8
 _INT64 = (-(2**63), 2**63 - 1)
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -625,7 +626,7 @@ class MirrorTable:
             }
         }
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
-            # Step a. The lease and the log.
+            # Step a. The log and the lease.
             self._guard(table)
             before = int(table.version())
             if attempt > 1 and int(table.transaction_version(self.app_id) or 0) >= batch.batch_id:
