@@ -60,10 +60,11 @@ DELTA_CRASH_POINTS = (
     "cdc.after_ledger",  # committed and recorded
     "executor.after_commit",  # every sink and stage done, execute() not returned
 )
-# A commit to a table on S3 (daemon/table/delta.py): after the writer's last
-# lease and fence checks, before delta-rs writes the log entry.
+# A commit to a table on S3 (daemon/table/delta.py, mirror.py): after the
+# writer's last lease and fence checks, before delta-rs writes the log entry.
 S3_CRASH_POINTS = (
     "delta.before_log_commit",  # files uploaded, the log read, the entry not written
+    "mirror.before_merge_commit",  # the lease and the log checked, the merge not run
 )
 # A mirror's commit (daemon/table/mirror.py).
 MIRROR_CRASH_POINTS = (

@@ -50,13 +50,12 @@ import structlog
 from daemon.config import CdcStream
 from daemon.errors import IdentityMismatchError
 from daemon.plane.batch import MicroBatch
-from daemon.table import deltacommit, quarantine, s3
+from daemon.table import deltacommit, fence, quarantine, s3
 from daemon.table.crash import crash_point
-from daemon.table.deltacommit import WRITER_KEY
 from daemon.table.durable import atomic_write_json, fsync_file
 from daemon.table.errors import CdcLayoutError
 from daemon.table.layout import META_DIR, TABLE_COLUMNS
-from daemon.table.lease import Holder, Keeper, Lease, LeaseError, S3Store, TableTakenOverError
+from daemon.table.lease import Holder, Keeper, Lease, LeaseError, S3Store
 from daemon.table.ledger import (
     KEEP_BATCHES,
     Ledger,
@@ -91,11 +90,9 @@ DELTA_PROPERTIES = {
 }
 
 
-# A table on S3: the table property a takeover's fencing commit sets (its
-# metaData action is what makes a stale writer's rebased commit conflict), and
-# the txn app ids, under the stream's, of the fences and of quarantine replays.
-FENCE_PROPERTY = "eventplane.writer"
-FENCE_APP, REPLAY_APP = "/fence", "/replay"
+# A table on S3: the txn app id, under the stream's, of quarantine replays
+# (the fences' is fence.FENCE_APP).
+REPLAY_APP = "/replay"
 # Attempts of one commit to a table on S3 that lost its version to this
 # writer's own maintenance (OPTIMIZE, DELETE, VACUUM's two commits).
 COMMIT_ATTEMPTS = 8
@@ -121,21 +118,9 @@ def table_exists(table: Path | TableFiles) -> bool:
 
 def log_commits(table: Path | TableFiles, after: int) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(version, actions)`` of each commit file of the table (a folder or a
-    :class:`~daemon.table.location.TableFiles`) above version ``after``, in
-    order; ``actions`` maps an action's kind (``txn``, ``commitInfo``,
-    ``metaData``) to its first occurrence."""
-    files = _files(table)
-    for version in files.log_versions(after):
-        actions: dict[str, Any] = {}
-        for line in files.read_log(version).decode("utf-8").splitlines():
-            if not line.strip():
-                continue
-            for kind, body in json.loads(line).items():
-                if kind == "txn":
-                    actions.setdefault("txn", []).append(body)
-                else:
-                    actions.setdefault(kind, body)
-        yield version, actions
+    :class:`~daemon.table.location.TableFiles`) above version ``after``
+    (:func:`daemon.table.fence.log_commits`)."""
+    return fence.log_commits(_files(table), after)
 
 
 class DeltaSink(CdcSink):
@@ -167,10 +152,11 @@ class DeltaSink(CdcSink):
         # The table's version after step 1 (read from the log it committed to).
         self._version = -1
         self._dt: Any = None  # the delta-rs table of the direct path (_delta_table)
-        # On S3: this process's identity in each commit's commitInfo, and the
-        # last version whose commits since the fence are known to be its own.
-        self.writer = uuid.uuid4().hex
-        self._seen = -1
+        # On S3: this process's identity in each commit's commitInfo and its
+        # side of the fence in the table's log (daemon/table/fence.py).
+        what = f"stream {self.name!r} ({self.location})"
+        self.fence = fence.Fence(self.files, self.app_id, what, "cdc", stream=self.name)
+        self.writer = self.fence.writer
         # Step 1 writes a raw inbox file's rows without a Spark job and commits
         # them with delta-rs; VARIANT columns (which delta-rs cannot open) take
         # a Spark append.
@@ -229,77 +215,28 @@ class DeltaSink(CdcSink):
         )
         self.keeper = Keeper(lease, f"stream {self.name!r} ({self.location})")
         self.keeper.start()
+        self.fence.keeper = self.keeper
 
     def _fence(self) -> bool:
         """A takeover's first act on a table on S3, before any orphan goes:
-        one commit of its own, whose ``metaData`` sets ``eventplane.writer``
-        to its epoch and this process's writer id, whose ``txn``
-        ``<app id>/fence`` is the epoch (the last one plus 1) and whose
-        commitInfo names the holder. A stale writer's commit (no automatic
-        retry: :meth:`_commit_fenced`) then loses its version to the fence, and
-        a maintenance commit rebased onto it conflicts with its ``metaData``:
-        nothing of the old writer lands after it. False when there is no table."""
+        the fencing commit (:meth:`daemon.table.fence.Fence.commit`). A stale
+        writer's commit (no automatic retry: :meth:`_commit_fenced`) then loses
+        its version to it, and a maintenance commit rebased onto it conflicts
+        with its ``metaData``: nothing of the old writer lands after it. False
+        when there is no table."""
         if not isinstance(self.files, S3Files) or not table_exists(self.files):
             return False
-        from deltalake import CommitProperties, Transaction
-
-        table = self._delta_table()
-        table.update_incremental()
-        epoch = int(table.transaction_version(self.app_id + FENCE_APP) or 0) + 1
-        holder = str(self.keeper.lease.holder) if self.keeper is not None else ""
-        meta = {"eventplane": {"fence": epoch, "holder": holder}}
-        table.alter.set_table_properties(
-            {FENCE_PROPERTY: f"{epoch} {self.writer}"},
-            False,
-            commit_properties=CommitProperties(
-                custom_metadata={
-                    "userMetadata": json.dumps(meta, separators=(",", ":")),
-                    WRITER_KEY: self.writer,
-                },
-                app_transactions=[
-                    Transaction(self.app_id + FENCE_APP, epoch, int(time.time() * 1000))
-                ],
-            ),
-        )
-        self._seen = int(table.version())
-        log.info("cdc_table_fenced", stream=self.name, epoch=epoch, version=self._seen)
+        self.fence.commit(self._delta_table())
         return True
 
     def _commit_properties(self) -> Any:
         """A maintenance commit's properties: this writer's identity in commitInfo."""
-        from deltalake import CommitProperties
-
-        return CommitProperties(custom_metadata={WRITER_KEY: self.writer})
+        return self.fence.properties()
 
     def _check_fence(self, table: Any, *, advance: bool = True) -> None:
-        """On S3: the commits after the last checked version, up to the
-        version ``table`` read, are all this writer's (its ``WRITER_KEY``);
-        else another writer took the table over: :meth:`_taken_over`."""
-        upto = int(table.version())
-        for version, actions in log_commits(self.files, self._seen):
-            if version > upto:
-                break
-            info = actions.get("commitInfo", {})
-            if info.get(WRITER_KEY) != self.writer:
-                self._taken_over(version, info)
-        if advance:
-            self._seen = max(self._seen, upto)
-
-    def _taken_over(self, version: int, info: dict[str, Any]) -> None:
-        """Stop committing for good, say so in status and health (the lease's
-        ``taken_over``, the batch's error), leave the table alone."""
-        meta = json.loads(info.get("userMetadata") or "{}")
-        by = meta.get("eventplane", {}).get("holder") if isinstance(meta, dict) else None
-        by = by or info.get(WRITER_KEY) or "a writer that is not this eventplane"
-        why = (
-            f"another writer took the table over (Delta version {version}, "
-            f"{info.get('operation', 'a commit')}, by {by}): this daemon stops committing to "
-            f"it and leaves it alone; restart it to take the table back once that writer is gone"
-        )
-        if self.keeper is not None:
-            self.keeper.surrender(why)
-        log.error("cdc_table_taken_over", stream=self.name, version=version, by=by)
-        raise TableTakenOverError(f"stream {self.name!r} ({self.location}): {why}")
+        """On S3: the commits since the last checked version are all this
+        writer's, else it stops for good (:meth:`daemon.table.fence.Fence.check`)."""
+        self.fence.check(table, advance=advance)
 
     def close(self) -> None:
         keeper, self.keeper = self.keeper, None

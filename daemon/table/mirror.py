@@ -22,6 +22,13 @@ Commit protocol for batch B of mirror M (:meth:`MirrorTable.commit`):
    removes the key (``t.lsn < s.lsn`` guards both: a row never goes back);
    then the new log entries and their data files are fsynced.
 
+On S3 (invariant 18, :mod:`daemon.table.fence`), opening a table that
+exists first commits the fence; step 2 reads the log and checks the lease:
+every commit since this writer's last is its own (another writer's stops
+the mirror for good, taken over); the merge commits with no automatic
+retry, at the version after the one read, or fails and goes back to that
+check. Compaction's commits are checked and fenced the same way.
+
 A crash anywhere before step 2's commit leaves the table as it was; after
 it, the re-run stops at step 0. A merge that changes nothing (deletes of
 unknown keys only) commits nothing, which is the same table.
@@ -50,6 +57,7 @@ from daemon.plane.batch import MicroBatch
 from daemon.table.crash import crash_point
 from daemon.table.durable import atomic_write_json, fsync_dir, fsync_file
 from daemon.table.errors import CdcLayoutError, CdcStreamLockedError
+from daemon.table.fence import Fence
 from daemon.table.layout import META_DIR
 from daemon.table.location import LOG_DIR
 from wal import lockfile
@@ -67,6 +75,10 @@ MIRROR_PROPERTIES = {
 COMPACT_EVERY = 50
 # VACUUM keeps the files the snapshots of the last this many hours read.
 VACUUM_RETAIN_HOURS = 168
+# Attempts of one merge to a table on S3 whose version a commit of this
+# writer took (the store client's retry of a PUT whose answer was lost: the
+# next attempt finds the merge in the log).
+COMMIT_ATTEMPTS = 8
 _INT64 = (-(2**63), 2**63 - 1)
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 # Wide enough for any decimal(38, s) and for telling a value that does not fit.
@@ -332,11 +344,16 @@ class MirrorTable:
         self.meta = self.path / META_DIR
         self.uri = mirror.uri or str(self.path)
         self.storage_options: dict[str, str] | None = None
+        # On S3: this writer's side of the fence in the table's log.
+        self.fence: Fence | None = None
         if mirror.uri:
-            from daemon.table.s3 import storage_options
+            from daemon.table.location import S3Files
 
             assert mirror.s3 is not None
-            self.storage_options = storage_options(mirror.s3)
+            files = S3Files(mirror.uri, mirror.s3)
+            self.storage_options = files.storage_options
+            what = f"mirror {mirror.name!r} ({mirror.uri})"
+            self.fence = Fence(files, self.app_id, what, "mirror", mirror=mirror.name)
         self._lock_fd: int | None = None
         self.keeper: Any = None  # on S3: the writer's lease (daemon/table/lease.py)
         self._dt: Any = None
@@ -377,10 +394,14 @@ class MirrorTable:
             table = self._table(create=False)
             if table is not None:
                 self._check(table)
+                if self.fence is not None:  # a takeover's first act
+                    self.fence.commit(table)
                 done = table.transaction_version(self.app_id)
                 self.last_batch_id = None if done is None else int(done)
             else:  # made now, empty: a reader finds the table before the first row
-                self._table(create=True)
+                table = self._table(create=True)
+                if self.fence is not None:
+                    self.fence.check(table)  # its first version is this writer's
         except BaseException:
             self.close()
             raise
@@ -410,6 +431,8 @@ class MirrorTable:
         )
         self.keeper = Keeper(lease, f"mirror {self.name!r} ({self.mirror.uri})")
         self.keeper.start()
+        assert self.fence is not None
+        self.fence.keeper = self.keeper
 
     def close(self) -> None:
         keeper, self.keeper = self.keeper, None
@@ -450,9 +473,20 @@ class MirrorTable:
                 configuration={**MIRROR_PROPERTIES, **self._properties()},
                 storage_options=self.storage_options,
                 raise_if_key_not_exists=False,
+                commit_properties=self._properties_of_commit(),
             )
             log.info("mirror_table_created", mirror=self.name, path=self.mirror.location)
         return self._dt
+
+    def _properties_of_commit(self, **options: Any) -> Any:
+        """A commit's ``CommitProperties``; on S3 with this writer in
+        commitInfo and no automatic retry (a commit whose version another
+        took fails instead of being rebased onto it)."""
+        from deltalake import CommitProperties
+
+        if self.fence is None:
+            return CommitProperties(**options)
+        return self.fence.properties(max_commit_retries=0, **options)
 
     def _check(self, table: Any) -> None:
         """Invariant 13 and the fixed layout: another daemon's table refuses, so
@@ -503,6 +537,8 @@ class MirrorTable:
         if table is None:
             return False
         table.update_incremental()
+        if self.fence is not None:
+            self.fence.check(table)  # another writer's txn is not this one's
         version = table.transaction_version(self.app_id)
         return version is not None and int(version) >= batch_id
 
@@ -562,14 +598,19 @@ class MirrorTable:
         log.warning("mirror_events_set_aside", mirror=self.name, batch_id=bid, events=len(rows))
 
     def _merge(self, reduced: Reduced, batch: MicroBatch) -> dict[str, Any]:
-        import pyarrow as pa
-        from deltalake import CommitProperties, PostCommitHookProperties, Transaction
+        """Commit step 2; on S3 fenced (module docstring):
 
-        if self.keeper is not None:
-            self.keeper.check()
+        a. The log, then the lease: every commit since this writer's last is
+           its own (:meth:`_guard`); an earlier attempt's merge: done.
+        b. The merge, committed with no automatic retry on S3
+           (``mirror.before_merge_commit`` before it): at the version after
+           the one read, or it fails and goes back to (a).
+        """
+        import pyarrow as pa
+        from deltalake import PostCommitHookProperties, Transaction
+        from deltalake.exceptions import CommitFailedError
+
         table = self._table(create=True)
-        table.update_incremental()
-        before = int(table.version())
         schema = arrow_schema(self.mirror)
         source = pa.Table.from_pylist(reduced.rows, schema=schema)
         buckets = ", ".join(str(b) for b in sorted({r["bucket"] for r in reduced.rows}))
@@ -584,27 +625,58 @@ class MirrorTable:
                 "keys": len(reduced.rows),
             }
         }
-        properties = CommitProperties(
-            custom_metadata={"userMetadata": json.dumps(meta, separators=(",", ":"))},
-            app_transactions=[Transaction(self.app_id, batch.batch_id, int(time.time() * 1000))],
-        )
-        metrics: dict[str, Any] = (
-            table.merge(
-                source,
-                predicate,
-                source_alias="s",
-                target_alias="t",
-                commit_properties=properties,
-                post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            # Step a. The log and the lease.
+            self._guard(table)
+            before = int(table.version())
+            if attempt > 1 and int(table.transaction_version(self.app_id) or 0) >= batch.batch_id:
+                return {}  # the last attempt's commit landed, its answer did not
+            crash_point("mirror.before_merge_commit")
+            # Step b. The merge and its commit.
+            properties = self._properties_of_commit(
+                custom_metadata={"userMetadata": json.dumps(meta, separators=(",", ":"))},
+                app_transactions=[
+                    Transaction(self.app_id, batch.batch_id, int(time.time() * 1000))
+                ],
             )
-            .when_matched_delete(predicate="s.op = 'delete' AND t.lsn < s.lsn")
-            .when_matched_update(values, predicate="s.op <> 'delete' AND t.lsn < s.lsn")
-            .when_not_matched_insert(values, predicate="s.op <> 'delete'")
-            .execute()
-        )
+            try:
+                metrics: dict[str, Any] = (
+                    table.merge(
+                        source,
+                        predicate,
+                        source_alias="s",
+                        target_alias="t",
+                        commit_properties=properties,
+                        post_commithook_properties=PostCommitHookProperties(
+                            cleanup_expired_logs=False
+                        ),
+                    )
+                    .when_matched_delete(predicate="s.op = 'delete' AND t.lsn < s.lsn")
+                    .when_matched_update(values, predicate="s.op <> 'delete' AND t.lsn < s.lsn")
+                    .when_not_matched_insert(values, predicate="s.op <> 'delete'")
+                    .execute()
+                )
+            except CommitFailedError as exc:
+                if self.fence is None or attempt == COMMIT_ATTEMPTS:
+                    raise
+                # Another commit took the version: (a) says whose.
+                log.info("mirror_commit_conflict", mirror=self.name, error=str(exc))
+                continue
+            table.update_incremental()
+            self._sync(before, int(table.version()))
+            return metrics
+        raise AssertionError("unreachable")
+
+    def _guard(self, table: Any) -> None:
+        """Before a commit: ``table`` updated; on S3 the log checked (every
+        commit since this writer's last is its own, else the mirror stops for
+        good and says who took it: :meth:`daemon.table.fence.Fence.check`),
+        then the lease."""
         table.update_incremental()
-        self._sync(before, int(table.version()))
-        return metrics
+        if self.fence is not None:
+            self.fence.check(table)
+        if self.keeper is not None:
+            self.keeper.check()
 
     def _sync(self, before: int, after: int) -> None:
         """fsync the data files and log entries of versions ``before+1..after``
@@ -634,18 +706,32 @@ class MirrorTable:
     def compact(self) -> dict[str, Any]:
         """OPTIMIZE (bin-packing each bucket's files), then VACUUM of the files
         no snapshot of the last ``VACUUM_RETAIN_HOURS`` reads; in the commit's
-        thread, so never beside a merge."""
+        thread, so never beside a merge. On S3 each is fenced as a merge is
+        (:meth:`_guard`, no automatic retry): one whose version another
+        writer's commit took stops the mirror; its own cannot (one thread)."""
         started = time.monotonic()
         table = self._table(create=False)
         if table is None:
             return {}
-        table.update_incremental()
-        metrics = table.optimize.compact(max_concurrent_tasks=1)
-        table.vacuum(
-            retention_hours=VACUUM_RETAIN_HOURS,
-            dry_run=False,
-            enforce_retention_duration=False,
-        )
+        from deltalake.exceptions import CommitFailedError
+
+        try:
+            self._guard(table)
+            metrics = table.optimize.compact(
+                max_concurrent_tasks=1, commit_properties=self._properties_of_commit()
+            )
+            self._guard(table)
+            table.vacuum(
+                retention_hours=VACUUM_RETAIN_HOURS,
+                dry_run=False,
+                enforce_retention_duration=False,
+                commit_properties=self._properties_of_commit(),
+            )
+        except CommitFailedError:
+            if self.fence is not None:  # another writer's commit stops the mirror here
+                table.update_incremental()
+                self.fence.check(table)
+            raise
         table.cleanup_metadata()
         table.update_incremental()
         self.commits_since_compaction = 0
