@@ -53,6 +53,13 @@ action = {{ type = "webhook", url = "{hang.url}", timeout_s = 1.0 }}
 name = "all"
 collection = "orders"
 action = {{ type = "webhook", url = "{ok.url}" }}
+
+# Every row of "hang" and half of "big"'s are dead-lettered, and the producers
+# run until the waits below are met: on a slow machine that is over 100k rows,
+# past the default cap, whose eviction of the oldest (the first poison rows)
+# this test is not about.
+[dlq]
+max_entries = 10000000
 """
     return spark_config(tmp_path, extra=triggers, stall_after_s=5.0)
 
@@ -144,6 +151,7 @@ def test_poison_rows_and_failing_receivers_hold_back_no_table_and_lose_nothing(
         for r in (down, hang, ok):
             r.close()
     assert code == 0, daemon.tail()
+    assert "dlq_evicted" not in daemon.log_path.read_text(), "the DLQ cap evicted rows"
 
     # Step 4. Exactly once in the table; poison rows and big's rows in its DLQ.
     acked = producers.acked
