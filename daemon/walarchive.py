@@ -465,7 +465,8 @@ class WalArchive:
             k: self._header(k) for k in range(low, top + 1) if k in present
         }
         # What the archive holds as listed: the LSN each new fence records.
-        self.archived_lsn = self._archived_of(heads, wal_id)
+        floor = self.wal.retained_floor()
+        self.archived_lsn = self._archived_of(heads, wal_id, floor)
         # Missing names among the last ones: an old holder's uploads still under way.
         for k in range(low, top + 1):
             if k not in present and not self._put_fence(store, wal_id, k):
@@ -477,7 +478,7 @@ class WalArchive:
             heads[n] = self._header(n)
             n += 1
         fence = n
-        archived = self._archived_of(heads, wal_id)
+        archived = self._archived_of(heads, wal_id, floor)
         self.archived_lsn = archived
         for k in range(fence + 1, fence + MAX_IN_FLIGHT):
             self._put_fence(store, wal_id, k)
@@ -504,11 +505,17 @@ class WalArchive:
             self._groups.append((head_lsn, time.monotonic(), nbytes))
             self._unarchived_bytes = nbytes
 
-    def _archived_of(self, heads: dict[int, ObjectHeader | None], wal_id: str) -> int:
+    def _archived_of(self, heads: dict[int, ObjectHeader | None], wal_id: str, floor: int) -> int:
         """The last LSN of the objects that count: in number order, a fence masks
-        the objects of older epochs after it (a paused writer's, never acknowledged)."""
+        the objects of older epochs after it (a paused writer's, never
+        acknowledged), and the chain ends where LSNs from this WAL's retained
+        ``floor`` on are in no object: an upload that never landed while a later
+        one did (retention removes only LSNs below the floor). The objects
+        after it never count (the fence at the missing name masks them); their
+        LSNs are uploaded again."""
         archived = 0
         masked = 0
+        started = False  # ``archived`` is an object's end, not the start value
         for k in sorted(heads):
             head = heads[k]
             if head is None:
@@ -521,8 +528,12 @@ class WalArchive:
             if head.fence:
                 masked = max(masked, head.epoch)
                 archived = max(archived, head.last_lsn)
+                started = True
             elif head.epoch >= masked:
+                if started and head.first_lsn > archived + 1 and archived + 1 >= floor:
+                    break
                 archived = head.last_lsn
+                started = True
         return archived
 
     def _backlog_bytes(self, from_lsn: int) -> Iterator[int]:

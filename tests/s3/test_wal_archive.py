@@ -20,7 +20,7 @@ from daemon.metrics import Metrics
 from daemon.walarchive import MANIFEST, ArchivedWal, WalArchive
 from tests.s3.server import S3Server
 from wal import Wal
-from wal.archive import parse_object
+from wal.archive import object_name, parse_object
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -208,3 +208,59 @@ def test_check_config_reaches_the_archives_bucket(s3_server: S3Server) -> None:
     assert check(f"s3://{s3_server.bucket}/archive")[0] == 0
     code, err = check("s3://no-such-bucket/archive")
     assert code == 2 and "wal.archive.uri" in err and "does not exist" in err, err
+
+
+def test_an_upload_that_never_landed_before_a_later_one_is_archived_again_by_the_next_holder(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """1. A holder archives its WAL in several objects; then the second-to-last
+    object is taken away: what a SIGKILL leaves when one upload of several in
+    flight never landed and a later one did.
+    2. The next holder of the same data_dir fences the missing name: the later
+    object does not count, the archived LSN is the end of the object before the
+    gap, and the rest is uploaded again.
+    3. The archive's counting objects then hold every LSN from 1, contiguous."""
+    prefix = f"arch-{uuid.uuid4().hex[:8]}"
+    uri = f"s3://{s3_server.bucket}/{prefix}"
+    s3 = s3_server.client()
+
+    async def run() -> None:
+        wal = Wal.open(tmp_path / "wal", segment_bytes=8192)
+        first = _archive(s3_server, wal, uri, tmp_path, ack="archived", flush_ms=10)
+        await first.open()
+        first.forward = lambda batches: None
+        first.start()
+        wal.set_batch_listener(first.on_durable_batches)
+        for k in range(4):  # one object each: every append waits for its upload
+            await first.until_archived(await _append(wal, 100 * k, 5))
+        head = wal.head_lsn()
+        await first.stop(5)
+        data = [(h, frames) for h, frames in _objects(s3_server, prefix) if not h.fence]
+        assert len(data) >= 3
+        (before, _), (lost, _), (later, _) = data[-3:]
+        assert later.last_lsn == head
+        s3.delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/wal/{object_name(lost.number)}")
+
+        nxt = _archive(s3_server, wal, uri, tmp_path, ack="archived", flush_ms=10)
+        await nxt.open()
+        assert nxt.archived_lsn == before.last_lsn, (nxt.archived_lsn, before, later)
+        nxt.forward = lambda batches: None
+        nxt.start()
+        await nxt.until_archived(head)
+        await nxt.stop(5)
+        wal.close()
+
+        # What counts, as a restore reads it: a fence masks older epochs after it.
+        lsn, masked = 1, 0
+        for h, frames in _objects(s3_server, prefix):
+            if h.fence:
+                masked = max(masked, h.epoch)
+                continue
+            if h.epoch < masked:
+                continue
+            for f_first, events, _raw in frames:
+                assert f_first == lsn, f"LSN {lsn} missing before {f_first} in {h}"
+                lsn += events
+        assert lsn == head + 1
+
+    asyncio.run(run())
