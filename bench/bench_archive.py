@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_ingest import _free_port, closed_loop, make_bodies, open_loop
-from bench.common import cpu_seconds
+from bench.common import cpu_seconds, start_daemon
 
 MODES = ("none", "local", "archived")
 
@@ -102,20 +102,7 @@ class Daemon:
                 f'ack = "{mode}"\nflush_ms = {flush_ms}\n'
             )
         (self.dir / "config.toml").write_text(text + extra)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli.main", "run", "--config", "config.toml"],
-            cwd=self.dir,
-            stdout=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"daemon ({mode}) did not start")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/readyz", timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.1)
+        self.proc = start_daemon(self.dir, self.admin, f"daemon ({mode})")
         self.url = f"http://127.0.0.1:{ingest}/v1/events"
         self.keyed = False  # what bench_ingest's loops ask of a server
 

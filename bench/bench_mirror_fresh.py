@@ -35,12 +35,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench.bench_ingest import _free_port
-from bench.common import process_tree, total_cpu_seconds
+from bench.common import process_tree, start_daemon, total_cpu_seconds
 
 HEADERS = {"Content-Type": "application/x-ndjson"}
 
@@ -64,20 +63,7 @@ class Daemon:
             'columns = { amount = "double", status = "string" }\nbuckets = 16\n'
         )
         (self.dir / "config.toml").write_text(text)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli.main", "run", "--config", "config.toml"],
-            cwd=self.dir,
-            stdout=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the daemon did not start")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/readyz", timeout=1):
-                    break
-            except OSError:
-                time.sleep(0.1)
+        self.proc = start_daemon(self.dir, self.admin, "the daemon")
         self.url = f"http://127.0.0.1:{ingest}/v1/events"
 
     def cpu_seconds(self) -> float:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -113,3 +118,22 @@ class HookServer:
         asyncio.run_coroutine_threadsafe(cleanup(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+def start_daemon(folder: Path, admin: int, what: str = "the daemon") -> subprocess.Popen[bytes]:
+    """``eventplane run --config config.toml`` in ``folder``, once its admin port
+    ``admin`` answers ``/readyz`` (within 60 s)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daemon.cli.main", "run", "--config", "config.toml"],
+        cwd=folder,
+        stdout=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=1):
+                return proc
+        except OSError:
+            time.sleep(0.1)
