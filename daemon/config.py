@@ -449,6 +449,7 @@ _WAL_ARCHIVE: dict[str, Checker] = {
     "flush_ms": _int(1, 60_000),
     "max_unarchived_bytes": _int(1 * MiB, unit="bytes"),
     "role": _choice("primary", "standby"),
+    "poll_ms": _int(50, 60_000),
 }
 
 

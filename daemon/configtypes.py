@@ -160,6 +160,8 @@ class WalArchiveConfig:
     # "primary": holds the archive's manifest and takes events; "standby": holds
     # nothing, answers ingest 503 "standby" (docs/operating.md, "A standby").
     role: Literal["primary", "standby"] = "primary"
+    # A standby lists the archive this often and downloads what is new (daemon/follow.py).
+    poll_ms: int = 1000
 
 
 @dataclass(frozen=True, slots=True)

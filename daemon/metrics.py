@@ -180,6 +180,27 @@ class Metrics:
             "1 once a newer holder fenced this daemon out of the archive (it acks nothing).",
             registry=r,
         )
+        # A standby ([wal.archive] role = "standby", docs/operating.md, "A standby").
+        self.standby_followed_lsn = Gauge(
+            p + "standby_followed_lsn",
+            "Last LSN of the archive a standby holds in its data_dir (0: a primary).",
+            registry=r,
+        )
+        self.standby_lag_lsns = Gauge(
+            p + "standby_lag_lsns",
+            "LSNs the archive held that the standby had not, at its last poll.",
+            registry=r,
+        )
+        self.standby_lag_seconds = Gauge(
+            p + "standby_lag_seconds",
+            "Age of the oldest archive object the standby had not, at its last poll.",
+            registry=r,
+        )
+        self.standby_takeovers = Counter(
+            p + "standby_takeovers_total",
+            "Takeovers: this standby restored the archive and became its primary.",
+            registry=r,
+        )
         self.wal_head_lsn = Gauge(p + "wal_head_lsn", "Last durable LSN in the WAL.", registry=r)
         self.wal_floor_lsn = Gauge(
             p + "wal_retained_floor_lsn",

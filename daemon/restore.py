@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -136,7 +137,7 @@ class _Segments:
         fsync_dir(self.directory)
 
 
-def _has_wal(wal_dir: Path) -> bool:
+def has_wal(wal_dir: Path) -> bool:
     if not wal_dir.is_dir():
         return False
     return (wal_dir / IDENTITY).exists() or any(
@@ -168,13 +169,16 @@ def restore(
     accept_loss_from: int | None = None,
     progress: IO[str] | None = None,
     s3: Any = None,
+    fetch: Callable[[Any, str, str, int], bytes] | None = None,
 ) -> Summary:
-    """Steps 1-5 of the module doc; raises :class:`RestoreRefused`."""
+    """Steps 1-5 of the module doc; raises :class:`RestoreRefused`. ``fetch(s3,
+    bucket, key, number)`` gives an object's bytes (a standby's cache,
+    daemon/follow.py); every object is checked whole either way."""
     started = time.monotonic()
     arc = cfg.wal.archive
     if arc is None:
         raise RestoreRefused("the config has no [wal.archive]: there is nothing to restore from")
-    if _has_wal(cfg.wal_dir):
+    if has_wal(cfg.wal_dir):
         raise RestoreRefused(
             f"{cfg.wal_dir} already holds a WAL: restore only rebuilds an empty data_dir "
             "(move it away first if it is really lost)"
@@ -211,7 +215,10 @@ def restore(
     try:
         for i, number in enumerate(numbers):
             name = object_name(number)
-            body = s3.get_object(Bucket=where.bucket, Key=prefix + name)["Body"].read()
+            if fetch is not None:
+                body = fetch(s3, where.bucket, prefix + name, number)
+            else:
+                body = s3.get_object(Bucket=where.bucket, Key=prefix + name)["Body"].read()
             try:
                 head, frames = parse_object(body)
                 if head.wal_id != wal_id:
@@ -448,7 +455,7 @@ def archive_holds_wal(cfg: Config) -> str | None:
 def archive_manifest(cfg: Config) -> dict[str, Any] | None:
     """``run`` on a data_dir without a WAL: the archive's manifest, if it has one."""
     arc = cfg.wal.archive
-    if arc is None or _has_wal(cfg.wal_dir):
+    if arc is None or has_wal(cfg.wal_dir):
         return None
     from daemon.walarchive import MANIFEST
 

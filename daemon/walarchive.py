@@ -223,6 +223,24 @@ class ManifestWatch:
     def epoch(self) -> int | None:
         return None if self.manifest is None else int(self.manifest.get("epoch", 0))
 
+    def due_at(self) -> float | None:
+        """When this standby takes over (Unix time by its clock), None while no
+        WAL is archived: the holder's last renewal + ``lease_ttl_s`` +
+        ``lease_skew_s`` (the rule a taker applies, daemon/table/lease.py). A
+        manifest released by a clean stop waits as long, so a primary's restart
+        keeps its role."""
+        m = self.manifest
+        if m is None or not m.get("wal_id") or not m.get("holder"):
+            return None
+        s3 = self.s3cfg
+        if m.get("released"):
+            return float(m.get("renewed_at", 0)) + s3.lease_ttl_s + s3.lease_skew_s
+        return float(m.get("expires_at", 0)) + s3.lease_skew_s
+
+    def takeover_due(self) -> bool:
+        due = self.due_at()
+        return due is not None and self.error is None and self._clock() > due
+
     def status(self) -> dict[str, Any]:
         m = self.manifest
         return {
@@ -232,6 +250,9 @@ class ManifestWatch:
             "held": self.live(),
             "epoch": self.epoch(),
             "wal_id": None if m is None else m.get("wal_id"),
+            "takeover_in_s": None
+            if self.due_at() is None
+            else round(float(self.due_at() or 0) - self._clock(), 1),
             "manifest_read_s_ago": None
             if self.read_at is None
             else round(self._clock() - self.read_at, 1),
@@ -263,7 +284,13 @@ class ManifestWatch:
     async def _run(self) -> None:
         try:
             while True:
-                await asyncio.sleep(self.interval_s)
+                # Read again at the holder's renewal period, and just after the
+                # moment a takeover becomes due.
+                wait = self.interval_s
+                due = self.due_at()
+                if due is not None:
+                    wait = min(wait, max(due - self._clock(), 0.0) + 0.05)
+                await asyncio.sleep(wait)
                 await asyncio.to_thread(self.read)
         except asyncio.CancelledError:
             raise
@@ -812,10 +839,30 @@ class WalArchive:
 
     # ------------------------------------------------------------------ ingest
 
+    def lease_refusal(self) -> str | None:
+        """Why this daemon may acknowledge nothing now, in either mode (None: it
+        may): fenced, or its manifest not renewed in time. It stops before its
+        lease can end, as a table writer stops committing (invariant 18): a
+        standby may take the archive over then (invariant 21)."""
+        if self.fenced is not None:
+            return self.fenced
+        lease = self.lease
+        if lease is not None and not lease.may_commit():
+            window = self.s3cfg.lease_ttl_s - self.s3cfg.lease_skew_s
+            return (
+                "this daemon has not renewed the archive's manifest for over "
+                f"s3.lease_ttl_s - s3.lease_skew_s ({window:g} s), so a standby may take "
+                "over: it acknowledges nothing until a renewal lands "
+                f"({self.lease_error or 'the store does not answer'})"
+            )
+        return None
+
     def refusal(self) -> str | None:
         """Why ingest answers 503 now (None: it may take the request)."""
         if self.fenced is not None:
             return self.fenced
+        if (why := self.lease_refusal()) is not None:
+            return f"{why}; nothing was stored"
         if self._unarchived_bytes > self.cfg.max_unarchived_bytes:
             return (
                 f"{self._unarchived_bytes} bytes of the WAL are not archived yet, over "

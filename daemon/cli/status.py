@@ -150,6 +150,17 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
         lines.append(f"standby     {primary}  archive {standby.get('uri')}")
         if standby.get("error"):
             lines.append(f"            {standby['error']}")
+        follow = _obj(standby.get("follow"))
+        if follow:
+            due = standby.get("takeover_in_s")
+            lines.append(
+                f"            followed to LSN {_int(follow.get('followed_lsn'))}, "
+                f"{_int(follow.get('lag_lsns'))} behind ({follow.get('lag_s')} s), "
+                f"{_int(follow.get('objects'))} objects here"
+                + (f"; takes over in {due} s unless the primary renews" if due is not None else "")
+            )
+    elif doc.get("took_over"):
+        lines.append("standby     took the archive over: this daemon is its primary")
     wal = _obj(doc.get("wal"))
     lines.append(
         f"WAL         head {_int(wal.get('head_lsn'))}  floor {_int(wal.get('retained_floor'))}"

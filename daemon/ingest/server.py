@@ -105,6 +105,8 @@ class ArchiveGate(Protocol):
 
     def refusal(self) -> str | None: ...
 
+    def lease_refusal(self) -> str | None: ...
+
     async def until_archived(self, lsn: int) -> None: ...
 
 
@@ -578,7 +580,19 @@ class IngestServer(Producers, Idempotency):
         """With ``[wal.archive] ack = "archived"``: return once the archive holds
         ``last``; an outage or a fence is a 503 (the events stay in the WAL)."""
         archive = self.archive
-        if archive is None or not archive.acks_archived:
+        if archive is None:
+            return
+        if not archive.acks_archived:
+            # A lease that lapsed while the request was written: a standby may
+            # hold the archive now, so this daemon acknowledges nothing.
+            if (why := archive.lease_refusal()) is not None:
+                raise Rejection(
+                    503,
+                    "archive_unavailable",
+                    f"LSN {first}..{last} are stored in this daemon's WAL but not "
+                    f"acknowledged: {why}. Retry (another endpoint may be the primary now)",
+                    retry_after=self._cfg.retry_after_s,
+                )
             return
         try:
             await archive.until_archived(last)

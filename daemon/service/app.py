@@ -96,8 +96,12 @@ class Daemon:
         self.admin: AdminServer | None = None
         self.triggers: Any = None
         self.archive: Any = None  # daemon.walarchive.WalArchive under [wal.archive]
-        # daemon.walarchive.ManifestWatch with [wal.archive] role = "standby".
+        # daemon.walarchive.ManifestWatch with [wal.archive] role = "standby", and
+        # its copy of the archive (daemon.follow.Follower).
         self.standby: Any = None
+        self.follower: Any = None
+        self.took_over = False  # this process (or this data_dir) took the archive over
+        self.takeover_error: str | None = None  # the last takeover refused, until one works
         archive = cfg.wal.archive
         self.role = archive.role if archive is not None else "primary"
         # What startup() is doing, for the one line a start-up failure prints.
@@ -159,8 +163,15 @@ class Daemon:
         self.startup_step = f"the data dir {cfg.data_dir}"
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         if self.role == "standby":
-            await self._startup_standby(t0)
-            return
+            from daemon.restore import has_wal
+
+            if not has_wal(cfg.wal_dir):
+                await self._startup_standby(t0)
+                return
+            # A standby that took the archive over keeps its role across restarts.
+            log.info("standby.is_primary", data_dir=str(cfg.data_dir), wal_dir=str(cfg.wal_dir))
+            self.role = "primary"
+            self.took_over = True
 
         if cfg.wal.archive is not None:
             # A wiped disk never silently becomes a new WAL (docs/operating.md,
@@ -214,7 +225,16 @@ class Daemon:
             self.archive = WalArchive(
                 cfg.wal.archive, cfg.s3, self.wal, str(cfg.data_dir), self.metrics
             )
-            await self.archive.open()
+            try:
+                await self.archive.open()
+            except ArchiveRefusedError as exc:
+                if not self.took_over:
+                    raise
+                raise ArchiveRefusedError(
+                    f"{exc}. This data_dir took the archive over as its standby before; to "
+                    f"follow the new primary as its standby again, move {cfg.wal_dir} away "
+                    '(docs/operating.md, "A standby")'
+                ) from exc
             self.archive.start()
             self.wal.set_batch_listener(self.archive.on_durable_batches)
             plane_wal = ArchivedWal(self.wal, self.archive)
@@ -318,6 +338,13 @@ class Daemon:
         self.standby = ManifestWatch(cfg.wal.archive, cfg.s3)
         await self.standby.open()
         self.standby.start()
+        # Step 1b. The archive's copy in this data_dir (daemon/follow.py)
+        from daemon.follow import Follower
+
+        self.startup_step = f"the standby's copy of the archive in {cfg.data_dir}"
+        self.follower = Follower(cfg.wal.archive, cfg.s3, cfg.data_dir, self.metrics)
+        self.follower.wal_id = (self.standby.manifest or {}).get("wal_id")
+        self.follower.start()
         # Step 2. Listeners, admin first
         self.startup_step = "the listeners' TLS files and the producer tokens"
         tokens = await asyncio.to_thread(security.load_tokens, cfg.ingest)
@@ -359,11 +386,13 @@ class Daemon:
         )
 
     async def main_loop(self) -> None:
-        failed = asyncio.ensure_future(
-            self.plane.wait_failed() if self.plane is not None else self.standby.wait_failed()
-        )
+        failed = asyncio.ensure_future(self._wait_failed())
         try:
             while not self.should_exit:
+                due = self.standby is not None and self.standby.takeover_due()
+                if due and await self._take_over():
+                    failed.cancel()
+                    failed = asyncio.ensure_future(self._wait_failed())
                 self._wakeup.clear()
                 waiter = asyncio.ensure_future(self._wakeup.wait())
                 done, _ = await asyncio.wait(
@@ -384,6 +413,103 @@ class Daemon:
                     await self._reload()
         finally:
             failed.cancel()
+
+    async def _wait_failed(self) -> BaseException:
+        if self.plane is not None:
+            return await self.plane.wait_failed()
+        exc: BaseException = await self.standby.wait_failed()
+        return exc
+
+    async def _take_over(self) -> bool:
+        """The primary stopped renewing the archive's manifest: restore the archive
+        into this data_dir and become its primary (docs/operating.md, "A standby").
+        True once this daemon is the primary.
+
+        1. Read the manifest again: a renewal since the last read keeps us a standby.
+        2. A last poll of the archive into the copy in ``follow/``.
+        3. The restore (daemon/restore.py) from that copy: the next epoch and its
+           fences (the old primary's next upload fails), the watermarks from the
+           S3 tables. Refused (the old primary renewed first, a damaged object):
+           this daemon stays a standby and health says why.
+        4. The standby's listeners, watch and copy stop; the primary's start runs
+           (``startup``): the WAL, the archive (its released manifest taken at
+           once), the plane, Spark, the listeners.
+        """
+        from daemon.restore import RestoreRefused, restore
+
+        cfg = self.cfg
+        watch, follower = self.standby, self.follower
+        t0 = time.monotonic()
+        # Step 1. A fresh read of the manifest
+        await asyncio.to_thread(watch.read)
+        if not watch.takeover_due():
+            return False
+        manifest = watch.manifest or {}
+        log.warning(
+            "standby.takeover",
+            holder=manifest.get("holder"),
+            epoch=manifest.get("epoch"),
+            renewed_s_ago=round(time.time() - float(manifest.get("renewed_at", 0)), 1),
+        )
+        # Step 2. The last poll
+        await follower.stop()
+        follower.wal_id = manifest.get("wal_id")
+        await asyncio.to_thread(follower.poll_logged)
+        # Step 3. The restore
+        try:
+            summary = await asyncio.to_thread(restore, cfg, fetch=follower.fetch)
+        except RestoreRefused as exc:
+            if self.takeover_error != str(exc):
+                log.error("standby.takeover_refused", error=str(exc))
+            self.takeover_error = str(exc)
+            follower.start()
+            return False
+        self.takeover_error = None
+        log.info(
+            "standby.restored",
+            first_lsn=summary.first_lsn,
+            last_lsn=summary.last_lsn,
+            objects=summary.objects,
+            from_copy=len(follower.cached),
+            bytes=summary.bytes,
+            epoch=summary.epoch,
+            lost_from=summary.lost[0] if summary.lost else None,
+            seconds=round(summary.seconds, 3),
+        )
+        # Step 4. Standby parts stop; the primary starts
+        if self._watchdog is not None:
+            await self._watchdog.stop()
+            self._watchdog = None
+        if self.ingest is not None:
+            self.ingest.begin_drain()
+            self.ingest.hurry()
+            await self.ingest.stop(0.0)
+        if self.admin is not None:
+            await self.admin.stop(0.0)
+        await watch.stop()
+        follower.drop()
+        self.standby = self.follower = self.ingest = self.admin = None
+        self.role = "primary"
+        self.took_over = True
+        self.started = False
+        self.metrics.standby_takeovers.inc()
+        try:
+            await self.startup()
+        except Exception as exc:
+            # Restored, not started (the old primary took the manifest back in
+            # between, a bad listener file): exit; a restart starts as the primary
+            # of this data_dir, or says who holds the archive.
+            self.exit_code = EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILED
+            log_startup_failure(self.startup_step, exc, self.exit_code)
+            self.should_exit = True
+            return False
+        log.warning(
+            "standby.took_over",
+            epoch=self.archive.epoch if self.archive is not None else None,
+            head_lsn=self.wal.head_lsn() if self.wal is not None else None,
+            seconds=round(time.monotonic() - t0, 3),
+        )
+        return True
 
     async def shutdown(self, deadline: Deadline) -> None:
         self.notifier.stopping()
@@ -408,6 +534,8 @@ class Daemon:
             await self._stop_step("admin", self.admin.stop(deadline.remaining()), deadline)
         if self.standby is not None:
             await self._stop_step("standby", self.standby.stop(), deadline)
+        if self.follower is not None:
+            await self._stop_step("follow", self.follower.stop(), deadline)
         if self.archive is not None:
             await self._stop_step("archive", self.archive.stop(deadline.remaining(0.1)), deadline)
         # Step 3. Final group commit and close.
@@ -713,7 +841,12 @@ class Daemon:
             )
         archive = self.archive.problem(self.cfg.health.stall_after_s) if self.archive else None
         if self.standby is not None:
-            archive = self.standby.problem(self.cfg.health.stall_after_s)
+            limit = self.cfg.health.stall_after_s
+            archive = self.standby.problem(limit) or (
+                self.follower.problem(limit) if self.follower is not None else None
+            )
+            if self.takeover_error is not None:
+                archive = f"the standby cannot take over: {self.takeover_error}"
         if archive is not None:
             out.append({"part": "wal archive", "message": archive})
         planner = plane.planner if plane is not None else None
@@ -841,6 +974,10 @@ class Daemon:
             out["wal"]["archive"] = self.archive.status()
         if self.standby is not None:
             out["standby"] = self.standby.status()
+            if self.follower is not None:
+                out["standby"]["follow"] = self.follower.status()
+            out["standby"]["takeover_error"] = self.takeover_error
+        out["took_over"] = self.took_over
         if self.plane is not None:
             out.update(self.plane.status())
         executor_status = getattr(self.executor, "status", None)

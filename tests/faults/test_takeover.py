@@ -1,0 +1,281 @@
+"""A standby takes over (docs/operating.md, "A standby"): real daemons, a real
+SeaweedFS (tests/s3/server.py), real SIGKILL and SIGSTOP.
+
+1. The primary SIGKILLed under load, ``ack = "archived"``, keyed producers
+   given both endpoints, a Delta stream on S3 (real Spark): the standby takes
+   over within the lease, every acknowledged event is in the table exactly
+   once, no failover retry stored twice.
+2. The primary SIGSTOPped past its lease (``ack = "local"``): the standby takes
+   over; SIGCONT: the old primary acknowledges nothing more, and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from daemon.client import IngestError, SyncIngestClient
+from tests import requires
+from tests.faults.support import healthz, spark_config, stage, wait_for
+from tests.faults.test_wal_archive import _post, _s3
+from tests.integration.harness import DaemonProcess, make_events, write_config
+from tests.s3.server import S3Server, Weed, start_weed
+
+pytestmark = [pytest.mark.crash, pytest.mark.timeout(300)]
+
+
+def _archive(server: S3Server, ack: str) -> str:
+    return f"""{_s3(server)}
+[wal.archive]
+uri = "s3://{server.bucket}/takeover"
+ack = "{ack}"
+flush_ms = 50
+poll_ms = 200
+"""
+
+
+def _readyz(daemon: DaemonProcess) -> int:
+    try:
+        with urllib.request.urlopen(daemon.admin_url + "/readyz", timeout=2) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+class Producers:
+    """Keyed producers given both endpoints (daemon.client): each ack's LSNs,
+    the events' ``new.i``, and when and where it was acknowledged."""
+
+    def __init__(self, urls: list[str], n: int = 2, batch: int = 50) -> None:
+        self.urls, self.n, self.batch = urls, n, batch
+        self.acks: list[tuple[float, str, int, int, bool, range]] = []
+        self.failed: list[str] = []
+        self._halt = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(p,)) for p in range(n)]
+
+    def _run(self, p: int) -> None:
+        client = SyncIngestClient(
+            endpoints=self.urls, retry_for_s=90, max_wait_s=1.0, key_prefix=f"tk{p}"
+        )
+        i = p * 10_000_000
+        with client:
+            while not self._halt.is_set():
+                try:
+                    ack = client.send(make_events(i, self.batch))
+                except IngestError as exc:
+                    with self._lock:
+                        self.failed.append(f"{exc.__class__.__name__}: {exc}")
+                    return
+                with self._lock:
+                    self.acks.append(
+                        (
+                            time.monotonic(),
+                            client.url,
+                            ack.first_lsn,
+                            ack.last_lsn,
+                            ack.replayed,
+                            range(i, i + self.batch),
+                        )
+                    )
+                i += self.batch
+                self._halt.wait(0.02)
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._halt.set()
+        for t in self._threads:
+            t.join(timeout=120)
+
+    def acked_lsns(self) -> set[int]:
+        with self._lock:
+            return {lsn for *_, a, b, _r, _i in self.acks for lsn in range(a, b + 1)}
+
+    def first_ack_after(self, t: float, url: str) -> float | None:
+        with self._lock:
+            times = [at for at, where, *_ in self.acks if at > t and url in where]
+        return min(times) if times else None
+
+
+@pytest.mark.spark
+def test_a_standby_takes_over_a_killed_primary_and_every_acknowledged_event_lands_once(
+    tmp_path: Path,
+) -> None:
+    """1. A primary and a standby on one archive and one Delta stream on S3
+       (lease_ttl_s 4, lease_skew_s 1); two keyed producers given both.
+    2. The lake commits; the standby's copy of the archive follows.
+    3. SIGKILL the primary: within the lease the standby restores the archive
+       from its copy, fences it and opens ingest; the producers fail over.
+    4. Every acknowledged LSN is in the table once, every event's ``new.i``
+       once (no failover retry stored twice), batch ids above the old ones."""
+    from deltalake import DeltaTable
+
+    requires.delta_jars()
+    (tmp_path / "weed").mkdir()
+    weed: Weed = start_weed(tmp_path / "weed")
+    server = weed.server
+    uri = f"s3://{server.bucket}/cdc/lake"
+    lake = f"""{_archive(server, "archived")}
+[[cdc.streams]]
+name = "lake"
+collections = "*"
+path = "{uri}"
+format = "delta"
+"""
+
+    def config(name: str, role: str) -> Path:
+        (tmp_path / name).mkdir()
+        text = lake.replace("flush_ms = 50\n", f'flush_ms = 50\nrole = "{role}"\n')
+        return spark_config(tmp_path / name, {}, extra=text)
+
+    primary = DaemonProcess.production(config("a", "primary"))
+    standby = DaemonProcess.production(config("b", "standby"), ready_path="/healthz")
+    producers: Producers | None = None
+    try:
+        # Step 1. Both daemons, the producers
+        primary.start(timeout_s=90)
+        standby.start(timeout_s=60)
+        producers = Producers([primary.ingest_url, standby.ingest_url])
+        producers.start()
+        # Step 2. The lake commits, the standby follows
+        wait_for(
+            "the lake commits",
+            lambda: stage(primary.status(), "cdc:lake")["batch_id"] > 3,
+            90,
+            primary,
+        )
+        wait_for(
+            "the standby follows",
+            lambda: standby.status()["standby"]["follow"]["followed_lsn"] > 0,
+            30,
+            standby,
+        )
+        before = stage(primary.status(), "cdc:lake")["batch_id"]
+        # Step 3. SIGKILL
+        killed_at = time.monotonic()
+        primary.kill()
+        wait_for("the standby takes over", lambda: _readyz(standby) == 200, 60, standby)
+        took = time.monotonic() - killed_at
+        first = wait_for(
+            "an ack from the new primary",
+            lambda: producers.first_ack_after(killed_at, standby.ingest_url) if producers else 0,
+            60,
+            standby,
+        )
+        time.sleep(2)  # acks from the new primary for a while
+        producers.stop()
+        assert not producers.failed, producers.failed[:3]
+        acked = producers.acked_lsns()
+        st = standby.status()
+        assert st["role"] == "primary" and st["took_over"] is True, st
+        head = st["wal"]["head_lsn"]
+        assert head >= max(acked)
+        wait_for(
+            "the lake catches up",
+            lambda: min(c["watermark"] for c in standby.status()["cores"]) >= head,
+            90,
+            standby,
+        )
+        assert stage(standby.status(), "cdc:lake")["batch_id"] > before
+        log = standby.log_path.read_text()
+        assert '"event": "standby.took_over"' in log and '"event": "standby.restored"' in log
+        assert standby.stop() == 0
+        # Step 4. Exactly once
+        rows = DeltaTable(uri, storage_options=server.storage_options()).to_pyarrow_table(
+            columns=["lsn", "new_json"]
+        )
+        seen = Counter(rows["lsn"].to_pylist())
+        assert acked <= set(seen), sorted(acked - set(seen))[:10]
+        assert max(seen.values()) == 1, [k for k, v in seen.items() if v > 1][:10]
+        ids = Counter(json.loads(text)["i"] for text in rows["new_json"].to_pylist())
+        assert max(ids.values()) == 1, [k for k, v in ids.items() if v > 1][:10]
+        sent = {i for *_, events in producers.acks for i in events}
+        assert sent <= set(ids), sorted(sent - set(ids))[:10]
+        print(
+            f"takeover: ready {took:.1f} s after the SIGKILL, first ack at "
+            f"{first - killed_at:.1f} s; {len(acked)} acknowledged, {len(seen)} rows"
+        )
+    finally:
+        if producers is not None:
+            producers.stop()
+        primary.stop()
+        standby.stop()
+        weed.stop()
+
+
+def test_a_primary_stopped_past_its_lease_acknowledges_nothing_once_woken(
+    tmp_path: Path,
+) -> None:
+    """1. A primary (``ack = "local"``) and a standby; events acknowledged.
+    2. SIGSTOP the primary past lease_ttl_s + lease_skew_s: the standby takes
+       over and acknowledges the next events.
+    3. SIGCONT: the old primary answers 503 at once (its lease lapsed while it
+       slept; a renewal finds the manifest taken) and health says why; nothing
+       it stores after waking is acknowledged."""
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    server = weed.server
+
+    def config(name: str, role: str) -> Path:
+        (tmp_path / name).mkdir()
+        text = _archive(server, "local").replace("poll_ms", f'role = "{role}"\npoll_ms')
+        return write_config(tmp_path / name, text + "\n[health]\nstall_after_s = 2\n")
+
+    primary = DaemonProcess.production(config("a", "primary"))
+    standby = DaemonProcess.production(config("b", "standby"), ready_path="/healthz")
+    try:
+        # Step 1
+        primary.start(timeout_s=60)
+        standby.start(timeout_s=60)
+        code, body, _ = _post(primary.ingest_url, n=20)
+        assert code == 200 and body["ack"] == "local", body
+        wait_for(
+            "the standby follows",
+            lambda: standby.status()["standby"]["follow"]["followed_lsn"] >= 20,
+            30,
+            standby,
+        )
+        # Step 2
+        primary.signal(signal.SIGSTOP)
+        wait_for("the standby takes over", lambda: _readyz(standby) == 200, 60, standby)
+        code, body, _ = _post(standby.ingest_url, n=10, start=100)
+        assert code == 200 and body["first_lsn"] == 21, body
+        # Step 3
+        primary.signal(signal.SIGCONT)
+        code, body, _ = _post(primary.ingest_url, n=10, start=200)
+        assert code == 503 and body["error"] == "archive_unavailable", body
+        assert "has not renewed the archive's manifest" in body["message"], body
+        for k in range(5):
+            code, body, _ = _post(primary.ingest_url, n=10, start=300 + 10 * k)
+            assert code == 503, body
+            time.sleep(0.3)
+        _code, health = wait_for(
+            "the old primary's health names the takeover",
+            lambda: (lambda h: h if h[0] == 503 else None)(healthz(primary)),
+            30,
+            primary,
+        )
+        text = json.dumps(health)
+        assert "taken over" in text or "fenced" in text or "has not renewed" in text, health
+        assert standby.status()["wal"]["head_lsn"] == 30
+        assert standby.stop() == 0
+    finally:
+        if primary.proc is not None and primary.proc.poll() is None:
+            primary.signal(signal.SIGCONT)
+        primary.stop()
+        standby.stop()
+        weed.stop()
