@@ -19,8 +19,10 @@ per request).
   exponential backoff with jitter, each capped by ``max_wait_s``; no retry
   starts once ``retry_for_s`` (attempts and waits) would be exceeded.
 - ``endpoints``: the daemons to try, in order (a primary and its standby,
-  docs/operating.md, "A standby"). A connection error or a ``standby`` answer
-  (503, :class:`StandbyError`) moves the request to the next endpoint at once,
+  docs/operating.md, "A standby"). A connection error, a ``standby`` answer
+  (503, :class:`StandbyError`) or a ``not_primary`` one (503,
+  :class:`NotPrimaryError`: a primary whose manifest lapsed or was taken over)
+  moves the request to the next endpoint at once,
   with the same key; once every endpoint failed in a row the ordinary wait
   comes first. Requests go to the endpoint that last answered.
 - ``token``: sent as ``Authorization: Bearer`` (docs/security.md);
@@ -79,6 +81,8 @@ IDEMPOTENCY_KEY = "Idempotency-Key"
 REPLAYED = "Idempotent-Replayed"
 # The error word of a standby daemon's 503 (docs/ingest.md, "Clients and retries").
 STANDBY = "standby"
+# A primary that may not acknowledge now: its manifest lapsed or was taken over.
+NOT_PRIMARY = "not_primary"
 # Keys are 1..255 visible ASCII characters (ingest.max_idempotency_key_bytes); a
 # prefix leaves room for the request number.
 MAX_KEY_PREFIX = 200
@@ -200,6 +204,14 @@ class StandbyError(UnavailableError):
         return got if isinstance(got, str) else None
 
 
+class NotPrimaryError(UnavailableError):
+    """503 ``not_primary``: this daemon was the archive's primary but has not
+    renewed its manifest in time, or was taken over; nothing was acknowledged.
+    A client with other endpoints tries the next one at once."""
+
+    fails_over = True
+
+
 class InsufficientStorageError(IngestError):
     """507: the WAL's volume is full; nothing was stored; retry after ``retry_after``."""
 
@@ -273,6 +285,8 @@ def error_from_response(status: int, body: bytes, retry_after: str | None) -> In
     cls = _BY_STATUS.get(status, IngestError)
     if status == 503 and error == STANDBY:
         cls = StandbyError
+    elif status == 503 and error == NOT_PRIMARY:
+        cls = NotPrimaryError
     return cls(
         message, status=status, error=error, body=doc, retry_after=parse_retry_after(retry_after)
     )

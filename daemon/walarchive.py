@@ -60,6 +60,7 @@ from daemon.table.lease import (
     LeaseHeldError,
     PreconditionFailed,
     S3Store,
+    wall_clock,
 )
 from daemon.table.s3 import Location, client, explain
 from wal.archive import (
@@ -134,7 +135,7 @@ def live_holder(manifest: dict[str, Any] | None, skew_s: float) -> str:
     m = manifest or {}
     if m.get("released") or not m.get("holder"):
         return ""
-    if time.time() > float(m.get("expires_at", 0)) + skew_s:
+    if wall_clock() > float(m.get("expires_at", 0)) + skew_s:
         return ""
     return (
         f"; its manifest is held now by {holder_text(m)}, the archive's primary: a second "
@@ -168,7 +169,7 @@ class ManifestWatch:
         s3cfg: S3Config,
         *,
         s3: Any = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = wall_clock,
     ) -> None:
         self.cfg, self.s3cfg = cfg, s3cfg
         self.where = Location.parse(cfg.uri)
@@ -452,7 +453,7 @@ class WalArchive:
             raw = {}
         if not raw.get("holder"):
             return f"wal.archive: the archive's manifest {exc}"
-        left = float(raw.get("expires_at", 0)) + self.s3cfg.lease_skew_s - time.time()
+        left = float(raw.get("expires_at", 0)) + self.s3cfg.lease_skew_s - wall_clock()
         return (
             f"wal.archive: {self.cfg.uri} has a primary already: its manifest is held by "
             f"{holder_text(raw)}, for {max(left, 0):.0f} s more unless it renews. One primary "
@@ -714,15 +715,19 @@ class WalArchive:
             return False
         return got is not None and got[0] == body
 
-    async def _fenced_at(self, obj: _Object) -> None:
-        holder = "another daemon"
+    async def _holder(self) -> str:
+        """The manifest's holder as messages name it ("another daemon" if unreadable)."""
         try:
             assert self.store is not None
             got = await self._io(self.store.get, self._key(MANIFEST))
             if got is not None:
-                holder = holder_text(json.loads(got[0]))
+                return holder_text(json.loads(got[0]))
         except Exception:
             pass
+        return "another daemon"
+
+    async def _fenced_at(self, obj: _Object) -> None:
+        holder = await self._holder()
         self._fence_off(
             f"fenced: the create of archive object {object_name(obj.number)} (LSN "
             f"{obj.first}..{obj.last}) failed, that name is taken; the archive is held by "
@@ -803,10 +808,17 @@ class WalArchive:
             try:
                 await self._io(lease.renew)
             except LeaseError as exc:
-                # Taken over: the new holder's fences stop this daemon at its
-                # next upload (what fences is the objects, not the lease).
+                # Taken over: the new holder's fences would stop this daemon at
+                # its next upload (what fences is the objects, not the lease); it
+                # stops here already, so that nothing waits for that upload.
                 self.lease_error = f"the archive's manifest was taken over: {exc}"
                 log.error("archive.lease_lost", error=str(exc), epoch=self.epoch)
+                holder = await self._holder()
+                self._fence_off(
+                    f"fenced: the archive's manifest was taken over; the archive is held by "
+                    f"{holder}, this daemon's epoch is {self.epoch}. It acknowledges nothing "
+                    "more; stop it"
+                )
                 return
             except Exception as exc:
                 if self.lease_error is None:

@@ -281,6 +281,18 @@ class IngestServer(Producers, Idempotency):
         requests in progress; aiohttp's own wait for them (step 3) remains."""
         self._hurry = True
 
+    def _not_primary(self, why: str) -> Rejection:
+        """503 ``not_primary``: this daemon was the archive's primary and may not
+        acknowledge now (its manifest not renewed in time, or taken over: a
+        standby may be the primary); a client with other endpoints fails over."""
+        return Rejection(
+            503,
+            "not_primary",
+            f"this daemon is not the WAL archive's primary now: {why}. Retry at the "
+            "other endpoint (with the same Idempotency-Key the request is stored once)",
+            retry_after=self._cfg.retry_after_s,
+        )
+
     def _standby_rejection(self, primary: str | None) -> Rejection:
         where = f"the primary is on {primary}" if primary else "no daemon holds the archive now"
         return Rejection(
@@ -416,6 +428,8 @@ class IngestServer(Producers, Idempotency):
             raise self._standby_rejection(self.standby())
         if self._draining:
             raise self._draining_rejection()
+        if self.archive is not None and (why := self.archive.lease_refusal()) is not None:
+            raise self._not_primary(f"{why}; nothing was stored")
         if self.archive is not None and (why := self.archive.refusal()) is not None:
             raise Rejection(
                 503,
@@ -586,17 +600,19 @@ class IngestServer(Producers, Idempotency):
             # A lease that lapsed while the request was written: a standby may
             # hold the archive now, so this daemon acknowledges nothing.
             if (why := archive.lease_refusal()) is not None:
-                raise Rejection(
-                    503,
-                    "archive_unavailable",
-                    f"LSN {first}..{last} are stored in this daemon's WAL but not "
-                    f"acknowledged: {why}. Retry (another endpoint may be the primary now)",
-                    retry_after=self._cfg.retry_after_s,
+                raise self._not_primary(
+                    f"{why}; LSN {first}..{last} are stored in this daemon's WAL but not "
+                    "acknowledged"
                 )
             return
         try:
             await archive.until_archived(last)
         except ArchiveUnavailable as exc:
+            if exc.fenced:
+                raise self._not_primary(
+                    f"{exc}; LSN {first}..{last} are stored in this daemon's WAL but not "
+                    "archived nor acknowledged"
+                ) from exc
             raise Rejection(
                 503,
                 "archive_unavailable",

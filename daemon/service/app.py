@@ -62,6 +62,7 @@ from daemon.service.admin import AdminServer
 from daemon.service.deadline import Deadline
 from daemon.service.metrics import Metrics
 from daemon.service.sdnotify import Notifier, Watchdog
+from daemon.table.lease import wall_clock
 from wal import Wal
 from wal.errors import WalClosedError
 
@@ -449,7 +450,7 @@ class Daemon:
             "standby.takeover",
             holder=manifest.get("holder"),
             epoch=manifest.get("epoch"),
-            renewed_s_ago=round(time.time() - float(manifest.get("renewed_at", 0)), 1),
+            renewed_s_ago=round(wall_clock() - float(manifest.get("renewed_at", 0)), 1),
         )
         # Step 2. The last poll
         await follower.stop()

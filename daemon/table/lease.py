@@ -47,6 +47,17 @@ import structlog
 
 from daemon.errors import DaemonError
 
+# The wall clock leases are read and written by: this host's, plus a test's
+# offset (tests/faults/test_takeover.py runs a standby whose clock runs ahead).
+ENV_CLOCK_OFFSET = "EVENTPLANE_CLOCK_OFFSET_S"
+_CLOCK_OFFSET_S = float(os.environ.get(ENV_CLOCK_OFFSET) or 0.0)
+
+
+def wall_clock() -> float:
+    """Unix time as leases see it (``time.time()`` unless a test skews it)."""
+    return time.time() + _CLOCK_OFFSET_S
+
+
 log = structlog.get_logger("eventplane.cdc")
 
 
@@ -121,7 +132,7 @@ class Lease:
         *,
         ttl_s: float = 30.0,
         skew_s: float = 5.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = wall_clock,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         if ttl_s <= 2 * skew_s:

@@ -7,11 +7,16 @@ SeaweedFS (tests/s3/server.py), real SIGKILL and SIGSTOP.
    once, no failover retry stored twice.
 2. The primary SIGSTOPped past its lease (``ack = "local"``): the standby takes
    over; SIGCONT: the old primary acknowledges nothing more, and says why.
+3. The store down when the takeover is due: the standby waits, says why, and
+   takes over once it is back; retried requests answer their original LSNs.
+4. A standby whose clock runs ahead takes over early: nothing acknowledged is
+   lost or stored twice.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -19,15 +24,18 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from daemon.client import IngestError, SyncIngestClient
+from daemon.table.lease import ENV_CLOCK_OFFSET
 from tests import requires
 from tests.faults.support import healthz, spark_config, stage, wait_for
-from tests.faults.test_wal_archive import _post, _s3
+from tests.faults.test_wal_archive import SKEW_S, TTL_S, _post, _s3
 from tests.integration.harness import DaemonProcess, make_events, write_config
 from tests.s3.server import S3Server, Weed, start_weed
+from wal import Wal
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(300)]
 
@@ -257,7 +265,7 @@ def test_a_primary_stopped_past_its_lease_acknowledges_nothing_once_woken(
         # Step 3
         primary.signal(signal.SIGCONT)
         code, body, _ = _post(primary.ingest_url, n=10, start=200)
-        assert code == 503 and body["error"] == "archive_unavailable", body
+        assert code == 503 and body["error"] == "not_primary", body
         assert "has not renewed the archive's manifest" in body["message"], body
         for k in range(5):
             code, body, _ = _post(primary.ingest_url, n=10, start=300 + 10 * k)
@@ -278,4 +286,160 @@ def test_a_primary_stopped_past_its_lease_acknowledges_nothing_once_woken(
             primary.signal(signal.SIGCONT)
         primary.stop()
         standby.stop()
+        weed.stop()
+
+
+_NEW_I = re.compile(rb'\{"i": ?(-?\d+), ?"amount"')
+
+
+def _wal_events(wal_dir: Path) -> dict[int, int]:
+    """LSN -> the event's ``new.i`` of every record in a stopped daemon's WAL."""
+    wal = Wal.open(wal_dir)
+    try:
+        out = {}
+        for rec in wal.read(wal.retained_floor()):
+            found = _NEW_I.search(rec.payload)
+            assert found, rec
+            out[rec.lsn] = int(found[1])
+        return out
+    finally:
+        wal.close()
+
+
+def _keyed(url: str, key: str, start: int) -> tuple[int, dict[str, Any]]:
+    body = b"".join(json.dumps(e).encode() + b"\n" for e in make_events(start, 10))
+    headers = {"Content-Type": "application/x-ndjson", "Idempotency-Key": key}
+    req = urllib.request.Request(url + "/v1/events", body, headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        exc.close()
+        return exc.code, json.loads(raw)
+
+
+def test_a_takeover_waits_out_a_store_outage_and_keeps_every_acknowledged_request(
+    tmp_path: Path,
+) -> None:
+    """1. A primary (``ack = "archived"``) acknowledges three keyed requests.
+    2. SIGKILL it and take the store away: past lease_ttl_s + lease_skew_s the
+       standby is still a standby (it cannot read the manifest, let alone
+       fence), and health names the archive.
+    3. The store returns: the standby takes over, and a retry of each request
+       answers its original LSNs (``replayed``), a new one the next LSN."""
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    server = weed.server
+
+    def config(name: str, role: str) -> Path:
+        (tmp_path / name).mkdir()
+        text = _archive(server, "archived").replace("poll_ms", f'role = "{role}"\npoll_ms')
+        return write_config(tmp_path / name, text + "\n[health]\nstall_after_s = 2\n")
+
+    primary = DaemonProcess.production(config("a", "primary"))
+    standby = DaemonProcess.production(config("b", "standby"), ready_path="/healthz")
+    try:
+        # Step 1
+        primary.start(timeout_s=60)
+        standby.start(timeout_s=60)
+        acked = {}
+        for n in range(3):
+            code, body = _keyed(primary.ingest_url, f"req-{n}", 10 * n)
+            assert code == 200 and body["ack"] == "archived", body
+            acked[f"req-{n}"] = (body["first_lsn"], body["last_lsn"])
+        # Step 2
+        primary.kill()
+        weed.stop()
+        time.sleep(TTL_S + SKEW_S + 3)
+        assert _readyz(standby) == 503
+        code, health = healthz(standby)
+        assert code == 503 and health["role"] == "standby", health
+        assert "wal archive" in json.dumps(health), health
+        # Step 3
+        weed.start()
+        wait_for("the standby takes over", lambda: _readyz(standby) == 200, 60, standby)
+        for n in range(3):
+            code, body = _keyed(standby.ingest_url, f"req-{n}", 10 * n)
+            assert code == 200 and body.get("replayed") is True, body
+            assert (body["first_lsn"], body["last_lsn"]) == acked[f"req-{n}"], body
+        code, body = _keyed(standby.ingest_url, "req-new", 100)
+        assert code == 200 and body["first_lsn"] == 31, body
+        assert standby.stop() == 0
+    finally:
+        primary.stop()
+        standby.stop()
+        weed.stop()
+
+
+def test_a_standby_whose_clock_runs_ahead_may_take_over_early_but_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """1. A primary (``ack = "archived"``) under keyed load given both endpoints;
+       the standby's clock runs 3 s ahead (lease_skew_s is 1).
+    2. SIGSTOP the primary for 2.5 s, inside its own lease: the standby, by its
+       clock, sees the lease expired and takes over early.
+    3. SIGCONT: the old primary's next upload meets the new epoch's fence; it
+       acknowledges nothing after it.
+    4. Every acknowledgement, from either daemon, names LSNs whose events the
+       new primary's WAL holds, each event once: the skew cost availability,
+       never safety."""
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    server = weed.server
+
+    def config(name: str, role: str) -> Path:
+        (tmp_path / name).mkdir()
+        text = _archive(server, "archived").replace("poll_ms", f'role = "{role}"\npoll_ms')
+        return write_config(tmp_path / name, text)
+
+    primary = DaemonProcess.production(config("a", "primary"))
+    standby = DaemonProcess.production(
+        config("b", "standby"), ready_path="/healthz", env={ENV_CLOCK_OFFSET: "3"}
+    )
+    producers: Producers | None = None
+    try:
+        # Step 1
+        primary.start(timeout_s=60)
+        standby.start(timeout_s=60)
+        producers = Producers([primary.ingest_url, standby.ingest_url], batch=20)
+        producers.start()
+        wait_for("acks", lambda: producers is not None and len(producers.acks) > 20, 30, primary)
+        # Step 2
+        primary.signal(signal.SIGSTOP)
+        time.sleep(2.5)
+        # Step 3
+        primary.signal(signal.SIGCONT)
+        wait_for("the standby takes over", lambda: _readyz(standby) == 200, 60, standby)
+        time.sleep(2)
+        producers.stop()
+        assert not producers.failed, producers.failed[:3]
+        _code, body, _ = wait_for(
+            "the old primary knows it was taken over",
+            lambda: (lambda r: r if r[0] == 503 else None)(_post(primary.ingest_url)),
+            30,
+            primary,
+        )
+        assert body["error"] == "not_primary", body
+        archive = primary.status()["wal"]["archive"]
+        assert archive["fenced"] and archive["lease"]["held"] is False, archive
+        assert standby.stop() == 0
+        # Step 4
+        events = _wal_events(tmp_path / "b" / "data" / "wal")
+        for _at, _url, first, last, _replayed, sent in producers.acks:
+            assert [events.get(lsn) for lsn in range(first, last + 1)] == list(sent)
+        counts = Counter(events.values())
+        assert max(counts.values()) == 1, [i for i, c in counts.items() if c > 1][:10]
+        log = standby.log_path.read_text()
+        assert '"event": "standby.took_over"' in log
+        # Early: by the true clock the lease had not expired (a right clock waits).
+        took = [json.loads(line) for line in log.splitlines() if '"standby.takeover"' in line]
+        assert took and took[0]["renewed_s_ago"] - 3 < TTL_S + SKEW_S, took
+    finally:
+        if producers is not None:
+            producers.stop()
+        for d in (primary, standby):
+            if d.proc is not None and d.proc.poll() is None:
+                d.signal(signal.SIGCONT)
+            d.stop()
         weed.stop()

@@ -22,6 +22,7 @@ from daemon.client import (
     Client,
     IngestClient,
     IngestConnectionError,
+    NotPrimaryError,
     PayloadTooLargeError,
     Retry,
     StandbyError,
@@ -320,3 +321,39 @@ def test_the_resend_command_repeats_every_url() -> None:
     assert resend_command(args, "p", 1000, 7) == (
         "eventplane send --url http://a:1 --url http://b:2 --key-prefix p --from-line 7"
     )
+
+
+class _LapsedLease:
+    """The archive gate of a primary whose manifest lapsed (daemon/walarchive.py)."""
+
+    acks_archived = False
+
+    def lease_refusal(self) -> str:
+        return "this daemon has not renewed the archive's manifest for over 25 s"
+
+    def refusal(self) -> str:
+        return self.lease_refusal()
+
+    async def until_archived(self, lsn: int) -> None:
+        return None
+
+
+async def test_a_primary_whose_manifest_lapsed_answers_not_primary_and_the_request_fails_over(
+    start_ingest: StartIngest,
+    standby_wal: Wal,
+    wal: Wal,
+    send_to: Send,
+) -> None:
+    """An old primary (its manifest not renewed in time) answers 503
+    ``not_primary`` and stores nothing; the request goes on at once to the next
+    endpoint (the standby that took over) and lands there once."""
+    old = await start_ingest(wal_=standby_wal)
+    old.archive = _LapsedLease()  # type: ignore[assignment]
+    new = await start_ingest()
+    ack, retries = await send_to([old.url, new.url], BODY)
+    assert (ack.first_lsn, ack.last_lsn) == (1, 5)
+    assert len(retries) == 1 and retries[0].wait_s == 0.0
+    error = retries[0].error
+    assert isinstance(error, NotPrimaryError) and error.status == 503, error
+    assert "has not renewed the archive's manifest" in str(error)
+    assert standby_wal.head_lsn() == 0 and wal.head_lsn() == 5
