@@ -120,9 +120,12 @@ class HookServer:
         self._thread.join(10)
 
 
-def start_daemon(folder: Path, admin: int, what: str = "the daemon") -> subprocess.Popen[bytes]:
+def start_daemon(
+    folder: Path, admin: int, what: str = "the daemon", path: str = "/readyz"
+) -> subprocess.Popen[bytes]:
     """``eventplane run --config config.toml`` in ``folder``, once its admin port
-    ``admin`` answers ``/readyz`` (within 60 s)."""
+    ``admin`` answers ``path`` (within 60 s; a standby answers ``/healthz``, never
+    ``/readyz``)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "daemon.cli.main", "run", "--config", "config.toml"],
         cwd=folder,
@@ -133,7 +136,7 @@ def start_daemon(folder: Path, admin: int, what: str = "the daemon") -> subproce
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"{what} did not start")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin}{path}", timeout=1):
                 return proc
         except OSError:
             time.sleep(0.1)

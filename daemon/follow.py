@@ -1,18 +1,20 @@
 """A standby's copy of the WAL archive: the continuous part of a restore
 (docs/operating.md, "A standby").
 
-A standby keeps ``<data_dir>/follow/``: each object of ``<uri>/wal/`` under
-its number, so a takeover downloads only what came since the last poll.
+A standby keeps ``<data_dir>/follow/``: the objects of ``<uri>/wal/`` in
+*packs*, one file per poll named by its first object's number and the time, so a takeover
+downloads only what came since the last poll.
 
 Each poll (every ``[wal.archive] poll_ms``, in a thread of its own):
 
 1. List ``<uri>/wal/``. Cached objects the listing no longer has were pruned by
-   the primary (every stage had them): their files go.
+   the primary (every stage had them): a pack goes with its last object.
 2. Download each listed object not cached, in number order, and check it whole
    (wal/archive.py: header, body and frame CRCs, the manifest's WAL id, its
    number); a bad object is not kept: the restore at a takeover names it.
-   Each file is written to a temp name, fsynced and renamed, so a file in the
-   cache is always a whole, checked object.
+   :data:`DOWNLOADS` at a time, into one pack written to a temp name and
+   renamed (the directory fsynced); it is a copy, not the record: an object a
+   crash cut short is read from the store again at the takeover.
 3. The lag, measured before the downloads: the archive's last LSN (the header
    of the newest object) minus the cache's, and the age of the oldest object
    not cached yet (its ``LastModified``).
@@ -25,13 +27,15 @@ other is downloaded.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import shutil
+import struct
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
@@ -40,6 +44,7 @@ from daemon.table.s3 import Location, client, explain
 from wal.archive import (
     OBJECT_HEADER_SIZE,
     ArchiveFormatError,
+    ObjectHeader,
     object_name,
     parse_header,
     parse_object,
@@ -53,6 +58,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("eventplane.follow")
 
 DIRNAME = "follow"
+DOWNLOADS: Final = 4  # objects downloading at once
+# A pack: the objects one poll downloaded, each as its length (u32, big-endian), then its bytes.
+_LEN: Final = struct.Struct(">I")
 
 
 class Follower:
@@ -73,6 +81,8 @@ class Follower:
         self._s3 = s3
         self.wal_id: str | None = None  # the manifest's, once the standby has read it
         self.cached: dict[int, tuple[int, int]] = {}  # number -> (first, last LSN); fences too
+        self._where: dict[int, tuple[Path, int, int]] = {}  # number -> (pack, offset, length)
+        self._packs: dict[Path, set[int]] = {}  # pack -> the numbers it still holds
         self.cached_bytes = 0
         self.followed_lsn = 0  # the last LSN of the contiguous cache (0: none)
         self.archive_lsn = 0  # the archive's last LSN at the last poll
@@ -84,26 +94,54 @@ class Follower:
         self.error_since: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._lock = threading.Lock()  # one poll at a time (a cancelled task's thread runs on)
+        self._pool = concurrent.futures.ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="follow")
         self._load()
 
     # ---------------------------------------------------------------- cache
 
     def _load(self) -> None:
-        """The cache a start finds (a standby restarted): checked headers only."""
+        """The copy a start finds (a standby restarted): each pack's records,
+        headers checked; a pack a crash cut short keeps its whole records."""
         self.dir.mkdir(parents=True, exist_ok=True)
         for path in sorted(self.dir.iterdir()):
-            if not path.name.isdigit():
+            if not path.name.replace("-", "").isdigit():
                 path.unlink()  # a temp file of a poll killed midway
                 continue
-            try:
-                with path.open("rb") as f:
-                    head = parse_header(f.read(OBJECT_HEADER_SIZE))
-            except (ArchiveFormatError, OSError):
+            data = path.read_bytes()
+            at = 0
+            while at + _LEN.size <= len(data):
+                (n,) = _LEN.unpack_from(data, at)
+                body = data[at + _LEN.size : at + _LEN.size + n]
+                if len(body) < max(n, OBJECT_HEADER_SIZE):
+                    break
+                try:
+                    head = parse_header(body[:OBJECT_HEADER_SIZE])
+                except ArchiveFormatError:
+                    break
+                self._index(head.number, head.first_lsn, head.last_lsn, path, at + _LEN.size, n)
+                at += _LEN.size + n
+            if path in self._packs:
+                self.cached_bytes += len(data)
+            else:
                 path.unlink()
-                continue
-            self.cached[int(path.name)] = (head.first_lsn, head.last_lsn)
-            self.cached_bytes += path.stat().st_size
         self._advance()
+
+    def _index(self, number: int, first: int, last: int, pack: Path, at: int, n: int) -> None:
+        self.cached[number] = (first, last)
+        self._where[number] = (pack, at, n)
+        self._packs.setdefault(pack, set()).add(number)
+
+    def _forget(self, number: int) -> None:
+        """``number`` was pruned; its pack goes with its last object."""
+        del self.cached[number]
+        pack = self._where.pop(number)[0]
+        left = self._packs[pack]
+        left.discard(number)
+        if not left:
+            del self._packs[pack]
+            with contextlib.suppress(FileNotFoundError):
+                self.cached_bytes -= pack.stat().st_size
+                pack.unlink()
 
     def _advance(self) -> None:
         """The followed LSN: the end of the cached objects, taken in number order."""
@@ -115,21 +153,39 @@ class Follower:
             last = max(last, end)
         self.followed_lsn = last
 
-    def path(self, number: int) -> Path:
-        return self.dir / object_name(number)
+    def read(self, number: int) -> bytes | None:
+        """Object ``number``'s bytes from the copy (None: not in it)."""
+        where = self._where.get(number)
+        if where is None:
+            return None
+        pack, at, n = where
+        try:
+            with pack.open("rb") as f:
+                f.seek(at)
+                return f.read(n)
+        except FileNotFoundError:
+            return None
 
     def fetch(self, s3: Any, bucket: str, key: str, number: int) -> bytes:
-        """The restore's source of object ``number``: the cache, else the store."""
-        path = self.path(number)
-        if number in self.cached and path.exists():
-            return path.read_bytes()
-        body: bytes = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-        return body
+        """The restore's source of object ``number``: the copy if it is whole
+        (a pack the machine's crash cut short is not), else the store."""
+        body = self.read(number)
+        if body is not None:
+            try:
+                parse_object(body)
+                return body
+            except ArchiveFormatError:
+                log.warning("follow.copy_damaged", object=object_name(number))
+        got: bytes = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        return got
 
     def drop(self) -> None:
-        """After a takeover: the restored WAL holds everything the cache had."""
+        """After a takeover: the restored WAL holds everything the copy had."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self.dir, ignore_errors=True)
         self.cached.clear()
+        self._where.clear()
+        self._packs.clear()
         self.cached_bytes = 0
 
     # ---------------------------------------------------------------- poll
@@ -152,10 +208,7 @@ class Follower:
                     listed[int(name)] = item["LastModified"].timestamp()
         # Step 1. What the primary pruned goes here too
         for number in [n for n in self.cached if n not in listed]:
-            with contextlib.suppress(FileNotFoundError):
-                self.cached_bytes -= self.path(number).stat().st_size
-                self.path(number).unlink()
-            del self.cached[number]
+            self._forget(number)
         # Step 3 (before the downloads). The lag
         missing = sorted(n for n in listed if n not in self.cached)
         top = max(listed) if listed else 0
@@ -171,12 +224,15 @@ class Follower:
         self._advance()
         self.lag_lsns = max(self.archive_lsn - self.followed_lsn, 0)
         self.lag_s = max(time.time() - listed[missing[0]], 0.0) if missing else 0.0
-        # Step 2. Download, check, keep
-        done = 0
-        for number in missing:
-            body = s3.get_object(Bucket=self.where.bucket, Key=prefix + object_name(number))[
+        # Step 2. Download (DOWNLOADS at once), check, keep
+        kept: list[tuple[ObjectHeader, bytes]] = []
+        bodies = self._pool.map(
+            lambda n: s3.get_object(Bucket=self.where.bucket, Key=prefix + object_name(n))[
                 "Body"
-            ].read()
+            ].read(),
+            missing,
+        )
+        for number, body in zip(missing, bodies, strict=True):
             try:
                 head, _frames = parse_object(body)
                 if self.wal_id is not None and head.wal_id != self.wal_id:
@@ -189,17 +245,24 @@ class Follower:
                 # Not kept: the takeover's restore reads it again and names it.
                 log.warning("follow.object_damaged", object=object_name(number), error=str(exc))
                 continue
-            tmp = self.dir / f".{object_name(number)}.tmp"
+            kept.append((head, body))
+        if kept:
+            # One pack per poll: a file per object costs more than its download.
+            pack = self.dir / f"{object_name(kept[0][0].number)}-{time.time_ns()}"
+            tmp = self.dir / f".{pack.name}.tmp"
             with tmp.open("wb") as f:
-                f.write(body)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, self.path(number))
-            self.cached[number] = (head.first_lsn, head.last_lsn)
-            self.cached_bytes += len(body)
-            done += 1
-        if done:
+                at = 0
+                for head, body in kept:
+                    f.write(_LEN.pack(len(body)))
+                    f.write(body)
+                    self._index(
+                        head.number, head.first_lsn, head.last_lsn, pack, at + _LEN.size, len(body)
+                    )
+                    at += _LEN.size + len(body)
+            os.rename(tmp, pack)
             fsync_dir(self.dir)
+            self.cached_bytes += at
+        done = len(kept)
         self._advance()
         self.polls += 1
         self.polled_at = time.time()
