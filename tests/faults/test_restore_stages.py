@@ -1,0 +1,104 @@
+"""``eventplane restore`` brings back every kind of stage, not only CDC streams
+(daemon/restore.py, docs/operating.md "Losing the machine"): real daemons,
+a real SeaweedFS (tests/s3/server.py), ``ack = "archived"``.
+
+1. A mirror on S3 (no JVM): producers of inserts, updates and deletes,
+   SIGKILL, the data_dir deleted, restore, run, more events, every request
+   without an answer sent again with its ``Idempotency-Key``: the mirror is
+   the fold of every acknowledged event and no batch id is in two merges.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.support import stage, wait_for
+from tests.faults.test_restore import _archive_toml, _eventplane, _run_refuses
+from tests.integration.harness import DaemonProcess, write_config
+from tests.integration.test_crash_recording import _wait_caught_up
+from tests.integration.test_mirror_crash import Producers, fold, post
+from tests.s3.server import start_weed
+
+pytestmark = [pytest.mark.crash, pytest.mark.timeout(300)]
+
+
+def test_a_mirror_on_s3_after_a_restore_is_the_fold_of_every_acknowledged_event(
+    tmp_path: Path,
+) -> None:
+    from deltalake import DeltaTable
+
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    server = weed.server
+    uri = f"s3://{server.bucket}/mirrors/orders"
+    extra = f"""{_archive_toml(server, "mirror")}
+[[cdc.mirrors]]
+name = "orders"
+collection = "orders"
+path = "{uri}"
+columns = {{ amount = "double", n = "long" }}
+buckets = 4
+"""
+    config = write_config(tmp_path, extra, cores=2, interval_ms=100)
+    daemon = DaemonProcess.production(config)
+    rng = random.Random(42)
+    data = tmp_path / "data"
+    acked = []
+    try:
+        daemon.start(timeout_s=60)
+        producers = Producers(daemon.ingest_url, rng, threads=2)
+        producers.start()
+        try:
+            wait_for(
+                "the mirror commits",
+                lambda: stage(daemon.status(), "mirror:orders")["batch_id"] > 5,
+                60,
+                daemon,
+            )
+            daemon.kill()
+        finally:
+            producers.stop()
+        acked += producers.acked
+        shutil.rmtree(data)
+        _run_refuses(config)
+
+        got = _eventplane(config, "restore")
+        assert got.returncode == 0, got.stdout + got.stderr
+        found = re.search(r"table mirror:orders: last batch (\d+)", got.stdout)
+        mirrored = int(found[1]) if found else 0
+
+        daemon.start(timeout_s=60)
+        more = Producers(daemon.ingest_url, rng, threads=2)
+        more.start()
+        time.sleep(2.0)
+        more.stop()
+        acked += more.acked
+        for key, evs in producers.unanswered + more.unanswered:
+            acked.append((post(daemon.ingest_url, evs, key), evs))
+        _wait_caught_up(daemon, timeout_s=120)
+        assert stage(daemon.status(), "mirror:orders")["batch_id"] > mirrored
+        assert daemon.stop() == 0
+        table = DeltaTable(uri, storage_options=server.storage_options())
+        rows = table.to_pyarrow_table().to_pylist()
+        got_state = {r["key"]: (r["lsn"], json.loads(r["doc"])) for r in rows}
+        want = fold(acked)
+        assert len(got_state) == len(rows), "a key has two rows"
+        wrong = sorted(k for k in set(want) | set(got_state) if want.get(k) != got_state.get(k))
+        assert not wrong, [(k, want.get(k), got_state.get(k)) for k in wrong[:5]]
+        assert mirrored > 0, "the summary names the mirror's last batch"
+        merges = [
+            json.loads(h["userMetadata"])["eventplane"]["batch_id"]
+            for h in table.history()
+            if h.get("operation") == "MERGE"
+        ]
+        assert len(merges) == len(set(merges)), "a batch id in two merges"
+    finally:
+        daemon.stop()
+        weed.stop()
