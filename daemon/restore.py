@@ -77,6 +77,7 @@ class Summary:
     not_derived: list[str] = field(default_factory=list)
     batch_id: int = 0
     plans: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    triggers_from: int = 0  # the trigger stage evaluates the events from this LSN again
 
     def lines(self) -> list[str]:
         out = [
@@ -96,6 +97,11 @@ class Summary:
             out.append(
                 f"batches {min(self.plans)}..{max(self.plans)} planned again as the tables "
                 "ahead committed them (the stages behind re-run them)"
+            )
+        if self.triggers_from:
+            out.append(
+                f"triggers: every event from LSN {self.triggers_from} is evaluated again "
+                "(the retry queue was on the lost disk; at least once)"
             )
         for why in self.not_derived:
             out.append(f"not derived: {why}")
@@ -490,8 +496,63 @@ def _watermarks(cfg: Config, wal_id: str, summary: Summary) -> WatermarkSnapshot
         )
     else:
         summary.plans = plans
-    stages = tuple((stage, pos.batch_id) for stage, pos in sorted(positions.items()))
-    return WatermarkSnapshot(wal_id, cores, batch_id, lsns, stages)
+    progress = {stage: pos.batch_id for stage, pos in positions.items()}
+    if cfg.triggers and batch_id > 0:
+        batch_id, lsns = _triggers_from_floor(cfg, summary, progress, batch_id, lsns)
+    return WatermarkSnapshot(wal_id, cores, batch_id, lsns, tuple(sorted(progress.items())))
+
+
+def _triggers_from_floor(
+    cfg: Config,
+    summary: Summary,
+    progress: dict[str, int],
+    low: int,
+    lsns: tuple[int, ...],
+) -> tuple[int, tuple[int, ...]]:
+    """The trigger stage evaluates again every event the restored WAL holds
+    below the tables' batches: its retry queue was lost with the disk, and the
+    archive keeps every row still in it (the retention floor, invariant 9), so
+    at least once holds.
+
+    Those events are planned again as batches ``low - n + 1 .. low`` (at most
+    ``microbatch.max_rows`` events of a core each); every other stage is level
+    with ``low`` or ahead and skips them, the triggers stand at ``low - n``.
+    Returns the watermarks' batch id and LSNs."""
+    from wal import Wal
+
+    floor = summary.first_lsn - 1
+    chunks: dict[int, list[tuple[int, int]]] = {}
+    wal = Wal.open(cfg.data_dir / TMP / "wal", segment_bytes=cfg.wal.segment_bytes)
+    try:
+        for core in range(cfg.daemon.cores):
+            starts = [r[core][0] for r in summary.plans.values() if core in r]
+            end = min(starts) - 1 if starts else lsns[core]
+            if end <= floor:
+                continue
+            got = [
+                lsn for b in wal.read_batches(floor + 1, core=core, to_lsn=end) for lsn in b.lsns
+            ]
+            if got:
+                size = max(cfg.microbatch.max_rows, -(-len(got) // low))
+                chunks[core] = [
+                    (got[i], got[min(i + size, len(got)) - 1]) for i in range(0, len(got), size)
+                ]
+    finally:
+        wal.close()
+    if not chunks:
+        return low, lsns
+    n = max(len(c) for c in chunks.values())
+    for i in range(n):
+        summary.plans[low - n + 1 + i] = {c: ch[i] for c, ch in chunks.items() if i < len(ch)}
+    for stream in cfg.cdc.streams:
+        progress.setdefault(f"cdc:{stream.name}", low)
+    for mirror in cfg.cdc.mirrors:
+        progress.setdefault(f"mirror:{mirror.name}", low)
+    for handler in cfg.cdc.handlers:
+        progress.setdefault(f"handler:{handler.function}", low)
+    progress["triggers"] = low - n
+    summary.triggers_from = floor + 1
+    return low - n, tuple(floor if c in chunks else lsn for c, lsn in enumerate(lsns))
 
 
 def _write_plans(cfg: Config, wal_id: str, summary: Summary) -> None:

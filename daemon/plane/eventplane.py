@@ -466,6 +466,10 @@ class EventPlane:
         backfill_floor = self.planner.backfill_floor()
         if backfill_floor is not None:
             floor = min(floor, backfill_floor)
+        # What a stage still needs after committing: the trigger retry queue's rows.
+        stage_floor = getattr(self.executor, "wal_floor", None)
+        if callable(stage_floor) and (needed := stage_floor()) is not None:
+            floor = min(floor, needed)
         if floor <= 0:
             return
         removed = await asyncio.to_thread(self.wal.truncate_below, floor + 1)

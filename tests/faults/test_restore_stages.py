@@ -6,6 +6,12 @@ a real SeaweedFS (tests/s3/server.py), ``ack = "archived"``.
    SIGKILL, the data_dir deleted, restore, run, more events, every request
    without an answer sent again with its ``Idempotency-Key``: the mirror is
    the fold of every acknowledged event and no batch id is in two merges.
+2. Triggers (real Spark), their webhook receiver down while events arrive, so
+   every matching row waits in the retry queue while the stage and a mirror
+   on S3 commit and retention runs: SIGKILL, the data_dir deleted, restore,
+   the receiver back, run: every matching acknowledged row is delivered at
+   least once with its key (the archive kept the queued rows: the retention
+   floor holds for them; the restored trigger stage evaluates from it).
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.support import stage, wait_for
+from tests import requires
+from tests.faults.receivers import Receiver
+from tests.faults.support import spark_config, stage, wait_for
 from tests.faults.test_restore import _archive_toml, _eventplane, _run_refuses
-from tests.integration.harness import DaemonProcess, write_config
+from tests.faults.test_wal_archive import _post
+from tests.integration.harness import DaemonProcess, make_events, write_config
 from tests.integration.test_crash_recording import _wait_caught_up
 from tests.integration.test_mirror_crash import Producers, fold, post
 from tests.s3.server import start_weed
@@ -101,4 +110,79 @@ buckets = 4
         assert len(merges) == len(set(merges)), "a batch id in two merges"
     finally:
         daemon.stop()
+        weed.stop()
+
+
+@pytest.mark.spark
+def test_every_matching_row_queued_for_retry_is_delivered_after_a_restore(
+    tmp_path: Path,
+) -> None:
+    requires.delta_jars()
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    server = weed.server
+    receiver = Receiver(status=503)
+    extra = f"""{_archive_toml(server, "triggers")}
+[consumer]
+watermark_flush_ms = 200
+
+[[cdc.mirrors]]
+name = "c0"
+collection = "c0"
+path = "s3://{server.bucket}/mirrors/c0"
+buckets = 2
+
+[[triggers]]
+name = "hook"
+collection = "c1"
+action = {{ type = "webhook", url = "{receiver.url}" }}
+retry = {{ max_attempts = 100000, initial_backoff_ms = 200, max_backoff_ms = 500 }}
+"""
+    config = spark_config(tmp_path, {}, extra=extra)
+    daemon = DaemonProcess.production(config)
+    data = tmp_path / "data"
+    matching: set[int] = set()
+    try:
+        daemon.start(timeout_s=120)
+        last = 0
+        for i in range(30):
+            status, body, _ = _post(daemon.ingest_url, 10, start=i * 10)
+            assert status == 200 and body["ack"] == "archived", body
+            events = make_events(i * 10, 10)
+            matching |= {
+                body["first_lsn"] + j for j, e in enumerate(events) if e["collection"] == "c1"
+            }
+            last = body["last_lsn"]
+        wait_for(
+            "every stage past the last event, the rows in the retry queue",
+            lambda: (
+                (st := daemon.status())["retry_queue"]["depth"] > 0
+                and min(c["watermark"] for c in st["cores"]) >= last
+            ),
+            120,
+            daemon,
+        )
+        time.sleep(2.0)  # watermark flushes, and retention with them
+        daemon.kill()
+        assert not receiver.rows
+        shutil.rmtree(data)
+        _run_refuses(config)
+
+        got = _eventplane(config, "restore")
+        assert got.returncode == 0, got.stdout + got.stderr
+        print("restore summary:\n" + got.stdout)
+        receiver.status = 200
+        daemon.start(timeout_s=120)
+        wait_for(
+            "every matching row delivered",
+            lambda: matching <= receiver.lsns(),
+            120,
+            daemon,
+        )
+        keys = {(int(r["lsn"]), r["idempotency_key"]) for r in receiver.rows}
+        assert {(lsn, f"hook:{lsn}") for lsn in matching} <= keys
+        assert daemon.stop() == 0
+    finally:
+        daemon.stop()
+        receiver.close()
         weed.stop()
