@@ -77,6 +77,7 @@ class Summary:
     not_derived: list[str] = field(default_factory=list)
     batch_id: int = 0
     plans: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    unacknowledged: tuple[int, int] | None = None  # LSNs dropped that no answer acknowledged
     triggers_from: int = 0  # the trigger stage evaluates the events from this LSN again
 
     def lines(self) -> list[str]:
@@ -90,6 +91,12 @@ class Summary:
             out.append(
                 f"LOST: LSN {first}..{last if last is not None else '?'} "
                 f"({self.lost_because}); accepted with --accept-loss-from {first}"
+            )
+        if self.unacknowledged is not None:
+            first, last = self.unacknowledged
+            out.append(
+                f"never acknowledged: LSN {first}..{last} (uploads in flight at the loss that "
+                'never landed; with ack = "archived" no answer covered them): not restored'
             )
         for name, (bid, lsns) in sorted(self.tables.items()):
             out.append(f"table {name}: last batch {bid}, last LSN per core {lsns}")
@@ -270,7 +277,9 @@ def restore(
                 f"it held LSNs up to {fenced_at}: its last objects are missing (deleted by hand?)",
             )
         if problem is not None:
-            _on_problem(s3, where, numbers, problem, accept_loss_from, summary, wal_id, fenced_at)
+            _on_problem(
+                s3, where, numbers, problem, accept_loss_from, summary, wal_id, fenced_at, arc.ack
+            )
         segs.finish()
         summary.first_lsn, summary.last_lsn = segs.first_lsn, segs.next_lsn - 1
         if problem is not None:
@@ -319,19 +328,29 @@ def _on_problem(
     summary: Summary,
     wal_id: str,
     fenced_at: int,
+    ack: str = "local",
 ) -> None:
     index, first_lost, why = problem
     last: int | None = fenced_at if fenced_at >= first_lost else None
+    after: list[tuple[int, ObjectHeader | None]] = []
     for number in numbers[index:]:
-        try:
-            got = s3.get_object(
-                Bucket=where.bucket, Key=where.key(f"wal/{object_name(number)}"), Range="bytes=0-79"
-            )
-            head: ObjectHeader = parse_header(got["Body"].read())
-        except Exception:
-            continue
-        if head.wal_id == wal_id and not head.fence:
+        head = _head(s3, where, number)
+        after.append((number, head))
+        if head is not None and head.wal_id == wal_id and not head.fence:
             last = max(last or 0, head.last_lsn)
+    if ack == "archived" and index > 0 and first_lost > fenced_at:
+        tail = _never_acknowledged(numbers[index - 1], _head(s3, where, numbers[index - 1]), after)
+        if tail is not None and wal_id == tail[0]:
+            summary.unacknowledged = (first_lost, tail[1])
+            log.warning(
+                "restore.unacknowledged_dropped",
+                first_lsn=first_lost,
+                last_lsn=tail[1],
+                reason=why,
+                message="uploads in flight at the loss never landed; with ack = "
+                '"archived" none of these LSNs was acknowledged',
+            )
+            return
     lost = f"LSN {first_lost}..{last if last is not None else '?'}"
     if accept != first_lost:
         log.error("restore.refused", reason=why, lost=lost)
@@ -342,6 +361,46 @@ def _on_problem(
     summary.lost = (first_lost, last)
     summary.lost_because = why
     log.warning("restore.lsns_lost", first_lsn=first_lost, last_lsn=last, reason=why)
+
+
+def _head(s3: Any, where: Location, number: int) -> ObjectHeader | None:
+    """The header of archive object ``number`` (None: missing or unreadable)."""
+    try:
+        got = s3.get_object(
+            Bucket=where.bucket, Key=where.key(f"wal/{object_name(number)}"), Range="bytes=0-79"
+        )
+        return parse_header(got["Body"].read())
+    except Exception:
+        return None
+
+
+def _never_acknowledged(
+    before: int, prev: ObjectHeader | None, after: list[tuple[int, ObjectHeader | None]]
+) -> tuple[str, int] | None:
+    """A gap that only uploads in flight at a kill leave: ``(WAL id, last LSN
+    after it)``, or None when an acknowledged object may be missing.
+
+    A holder makes an object only while fewer than :data:`MAX_IN_FLIGHT` are
+    not stored after its stored prefix, and an ``ack = "archived"`` answer
+    waits for that prefix. So when the names missing start right after
+    object ``before`` (``prev``, the last one that counts) and every object
+    after them is a data object of ``prev``'s epoch below ``before + 1 +
+    MAX_IN_FLIGHT`` (no later holder fenced them), nothing from the gap on was
+    ever acknowledged; the caller has checked that no fence records it as
+    archived either. Anything else (a deeper hole, a later epoch, an object
+    that does not parse) may be a deletion by hand, and is refused."""
+    from daemon.walarchive import MAX_IN_FLIGHT
+
+    if prev is None or not after or after[0][0] == before + 1:
+        return None
+    last = 0
+    for number, head in after:
+        if head is None or head.fence or head.epoch != prev.epoch or head.wal_id != prev.wal_id:
+            return None
+        if number >= before + 1 + MAX_IN_FLIGHT:
+            return None
+        last = max(last, head.last_lsn)
+    return prev.wal_id, last
 
 
 def _move_lost(s3: Any, where: Location, numbers: list[int]) -> None:

@@ -12,6 +12,11 @@ a real SeaweedFS (tests/s3/server.py), ``ack = "archived"``.
    the receiver back, run: every matching acknowledged row is delivered at
    least once with its key (the archive kept the queued rows: the retention
    floor holds for them; the restored trigger stage evaluates from it).
+3. A SIGKILL with uploads in flight that never landed (made here by taking
+   one of the last objects away): with ``ack = "archived"`` the restore keeps
+   what is contiguous and names the LSNs above as never acknowledged, no flag
+   needed; a hole deeper than the uploads a holder keeps in flight, and any
+   gap with ``ack = "local"``, still ask for ``--accept-loss-from``.
 """
 
 from __future__ import annotations
@@ -22,13 +27,20 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests import requires
 from tests.faults.receivers import Receiver
 from tests.faults.support import spark_config, stage, wait_for
-from tests.faults.test_restore import _archive_toml, _eventplane, _run_refuses
+from tests.faults.test_restore import (
+    _archive_toml,
+    _data_objects,
+    _eventplane,
+    _run_refuses,
+    _wal_frames,
+)
 from tests.faults.test_wal_archive import _post
 from tests.integration.harness import DaemonProcess, make_events, write_config
 from tests.integration.test_crash_recording import _wait_caught_up
@@ -185,4 +197,85 @@ retry = {{ max_attempts = 100000, initial_backoff_ms = 200, max_backoff_ms = 500
     finally:
         daemon.stop()
         receiver.close()
+        weed.stop()
+
+
+def _killed_with_objects(tmp_path: Path, ack: str) -> tuple[Any, Any, Path, list[Any]]:
+    """A daemon filled in ``ack`` mode and SIGKILLed, its data_dir deleted: the
+    SeaweedFS, the config and the archive's data objects (key, header)."""
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    server = weed.server
+    toml = _archive_toml(server, "gap").replace('ack = "archived"', f'ack = "{ack}"')
+    config = write_config(tmp_path, toml, wal='retention = "keep"')
+    daemon = DaemonProcess.production(config)
+    try:
+        daemon.start(timeout_s=60)
+        for i in range(20):
+            status, body, _ = _post(daemon.ingest_url, 10, start=i * 10)
+            assert status == 200 and body["ack"] == ack, body
+            time.sleep(0.06)  # past flush_ms: one object per request or so
+        time.sleep(0.5)
+        daemon.kill()
+    except BaseException:
+        daemon.stop()
+        weed.stop()
+        raise
+    shutil.rmtree(tmp_path / "data")
+    objects = _data_objects(server, "gap")
+    assert len(objects) >= 8, objects
+    return weed, server, config, objects
+
+
+def test_uploads_that_never_landed_are_named_never_acknowledged_and_need_no_flag(
+    tmp_path: Path,
+) -> None:
+    weed, server, config, objects = _killed_with_objects(tmp_path, "archived")
+    s3 = server.client()
+    daemon = DaemonProcess.production(config)
+    try:
+        # A hole deeper than the uploads in flight: an object deleted by hand.
+        key, head = objects[-6]
+        kept = s3.get_object(Bucket=server.bucket, Key=key)["Body"].read()
+        s3.delete_object(Bucket=server.bucket, Key=key)
+        got = _eventplane(config, "restore")
+        assert got.returncode == 1, got.stdout + got.stderr
+        assert f"--accept-loss-from {head.first_lsn}" in got.stderr, got.stderr
+        assert not (tmp_path / "data" / "wal").exists()
+        s3.put_object(Bucket=server.bucket, Key=key, Body=kept)
+
+        # The last upload but one never landed, the last one did.
+        key, head = objects[-2]
+        tail = objects[-1][1]
+        s3.delete_object(Bucket=server.bucket, Key=key)
+        got = _eventplane(config, "restore")
+        assert got.returncode == 0, got.stdout + got.stderr
+        assert f"never acknowledged: LSN {head.first_lsn}..{tail.last_lsn} " in got.stdout
+        assert f": LSN 1..{head.first_lsn - 1}," in got.stdout, got.stdout
+        assert "LOST" not in got.stdout
+        _, frames = _wal_frames(tmp_path / "data" / "wal")
+        assert max(frames) < head.first_lsn
+        daemon.start(timeout_s=60)
+        status, body, _ = _post(daemon.ingest_url, 10)
+        assert status == 200 and body["first_lsn"] == head.first_lsn, body
+        assert daemon.stop() == 0
+    finally:
+        daemon.stop()
+        weed.stop()
+
+
+def test_with_ack_local_a_gap_after_a_kill_still_asks_for_accept_loss_from(
+    tmp_path: Path,
+) -> None:
+    weed, server, config, objects = _killed_with_objects(tmp_path, "local")
+    try:
+        key, head = objects[-2]
+        server.client().delete_object(Bucket=server.bucket, Key=key)
+        got = _eventplane(config, "restore")
+        assert got.returncode == 1, got.stdout + got.stderr
+        assert f"--accept-loss-from {head.first_lsn}" in got.stderr, got.stderr
+        assert not (tmp_path / "data" / "wal").exists()
+        got = _eventplane(config, "restore", "--accept-loss-from", str(head.first_lsn))
+        assert got.returncode == 0 and f"LOST: LSN {head.first_lsn}.." in got.stdout, got.stdout
+    finally:
         weed.stop()
