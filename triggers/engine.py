@@ -685,11 +685,12 @@ class TriggerEngine(RetryQueue):
 
     # ------------------------------------------------------------ helpers
 
-    def wal_floor(self) -> int | None:
-        """The LSN below which the WAL (and its archive) may go: below the oldest
-        row the retry queue still has to deliver (invariant 9), so a restore
-        from the archive evaluates it again (docs/operating.md, "Losing the
-        machine"); None when the queue is empty."""
+    def archive_floor(self) -> int | None:
+        """The LSN below which the WAL archive may go: below the oldest row the
+        retry queue still has to deliver (invariant 9), so a restore from the
+        archive evaluates it again (docs/operating.md, "Losing the machine");
+        None when the queue is empty. The local WAL needs none of it (the
+        queue holds whole rows)."""
         oldest = self._oldest_pending
         return None if oldest is None else oldest - 1
 
