@@ -547,6 +547,14 @@ def _watermarks(cfg: Config, wal_id: str, summary: Summary) -> WatermarkSnapshot
     )
     summary.batch_id = top
     plans = _replans(positions, batch_id, top)
+    if plans is None and all(stage.startswith("mirror:") for stage in positions):
+        # Mirrors only: a merge never takes a key back (``t.lsn < s.lsn``), so
+        # each one may take again what it holds; what it must not meet is a
+        # batch id at or below its txn version (a merge it would skip).
+        batch_id = top
+        plans = {}
+        for pos in positions.values():
+            pos.batch_id = top
     if plans is None:
         summary.not_derived.append(
             f"the tables are not level (last batches {batch_id}..{top}) and no table records "

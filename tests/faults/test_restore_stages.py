@@ -6,6 +6,9 @@ a real SeaweedFS (tests/s3/server.py), ``ack = "archived"``.
    SIGKILL, the data_dir deleted, restore, run, more events, every request
    without an answer sent again with its ``Idempotency-Key``: the mirror is
    the fold of every acknowledged event and no batch id is in two merges.
+   Two mirrors whose last merges are batches apart, with a batch neither
+   merged between (each batch has one collection only): after restore and
+   run each is the fold of its own.
 2. Triggers (real Spark), their webhook receiver down while events arrive, so
    every matching row waits in the retry queue while the stage and a mirror
    on S3 commit and retention runs: SIGKILL, the data_dir deleted, restore,
@@ -278,4 +281,78 @@ def test_with_ack_local_a_gap_after_a_kill_still_asks_for_accept_loss_from(
         got = _eventplane(config, "restore", "--accept-loss-from", str(head.first_lsn))
         assert got.returncode == 0 and f"LOST: LSN {head.first_lsn}.." in got.stdout, got.stdout
     finally:
+        weed.stop()
+
+
+def _posts_of(url: str, collection: str, i: int) -> tuple[int, list[dict[str, Any]]]:
+    evs = [
+        {"collection": collection, "op": "insert", "key": f"k{(i * 3 + j) % 7}", "new": {"n": i}}
+        for j in range(3)
+    ]
+    return post(url, evs, f"{collection}-{i}"), evs
+
+
+def test_mirrors_batches_apart_are_each_the_fold_of_their_collection_after_a_restore(
+    tmp_path: Path,
+) -> None:
+    from deltalake import DeltaTable
+
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    server = weed.server
+    mirrors = "".join(
+        f"""
+[[cdc.mirrors]]
+name = "{c}"
+collection = "{c}"
+path = "s3://{server.bucket}/mirrors/{c}"
+buckets = 2
+"""
+        for c in ("a", "b")
+    )
+    config = write_config(tmp_path, _archive_toml(server, "two") + mirrors, cores=2)
+    daemon = DaemonProcess.production(config)
+    acked: dict[str, list[tuple[int, list[dict[str, Any]]]]] = {"a": [], "b": []}
+
+    def one_batch(collection: str, i: int) -> None:
+        posted = _posts_of(daemon.ingest_url, collection, i)
+        acked.setdefault(collection, []).append(posted)
+        name = f"mirror:{'a' if collection == 'c' else collection}"
+        before = stage(daemon.status(), name)["batch_id"]
+        wait_for(name, lambda: stage(daemon.status(), name)["batch_id"] > before, 30, daemon)
+
+    try:
+        daemon.start(timeout_s=60)
+        one_batch("a", 0)
+        one_batch("c", 1)  # a batch no mirror merges: no table records it
+        for i in range(2, 8):  # b's last merge 6 batches above a's
+            one_batch("b", i)
+        daemon.kill()
+        shutil.rmtree(tmp_path / "data")
+        got = _eventplane(config, "restore")
+        assert got.returncode == 0, got.stdout + got.stderr
+        print("restore summary:\n" + got.stdout)
+        daemon.start(timeout_s=60)
+        for i in range(7, 13):
+            one_batch("a" if i % 2 else "b", i)
+        _wait_caught_up(daemon, timeout_s=60)
+        assert daemon.stop() == 0
+        for c in ("a", "b"):
+            table = DeltaTable(
+                f"s3://{server.bucket}/mirrors/{c}", storage_options=server.storage_options()
+            )
+            rows = table.to_pyarrow_table().to_pylist()
+            have = {r["key"]: (r["lsn"], json.loads(r["doc"])) for r in rows}
+            want = {
+                k: v
+                for k, v in fold(
+                    [
+                        (first, [{**e, "collection": "orders"} for e in evs])
+                        for first, evs in acked[c]
+                    ]
+                ).items()
+            }
+            assert have == want, (c, sorted(set(want.items()) ^ set(have.items()), key=str)[:5])
+    finally:
+        daemon.stop()
         weed.stop()
