@@ -17,11 +17,15 @@
    ``run`` does (:meth:`WalArchive.open`: the next epoch, fences at the next
    names: an old holder still running is stopped at its next upload); release.
 4. Derive the watermarks from the Delta tables on S3: each stream's commits of
-   app id ``eventplane/<WAL id>/<stream>`` give its last batch id (the txn
-   version) and per core its last LSN (the commits' ``userMetadata``); batch
+   app id ``eventplane/<WAL id>/<stream>`` (a mirror's: ``.../mirror/<name>``)
+   give its last batch id (the txn version) and per core its last LSN (the
+   commits' ``userMetadata``). The watermarks are the lowest table's; the
+   batches up to the highest table's are planned again with the ranges the
+   tables ahead committed, so the stages behind re-run exactly those; batch
    ids go on above, no committed LSN is appended again.
-5. Move into place: ``watermarks.json`` first, then ``wal/`` (a rename). A kill
-   before that leaves no WAL: ``run`` still refuses, a new restore starts over.
+5. Move into place: ``watermarks.json`` and ``plans.log`` first, then ``wal/``
+   (a rename). A kill before that leaves no WAL: ``run`` still refuses, a new
+   restore starts over.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ class Summary:
     tables: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     not_derived: list[str] = field(default_factory=list)
     batch_id: int = 0
+    plans: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    unacknowledged: tuple[int, int] | None = None  # LSNs dropped that no answer acknowledged
+    triggers_from: int = 0  # the trigger stage evaluates the events from this LSN again
 
     def lines(self) -> list[str]:
         out = [
@@ -86,8 +93,24 @@ class Summary:
                 f"LOST: LSN {first}..{last if last is not None else '?'} "
                 f"({self.lost_because}); accepted with --accept-loss-from {first}"
             )
+        if self.unacknowledged is not None:
+            first, last = self.unacknowledged
+            out.append(
+                f"never acknowledged: LSN {first}..{last} (uploads in flight at the loss that "
+                'never landed; with ack = "archived" no answer covered them): not restored'
+            )
         for name, (bid, lsns) in sorted(self.tables.items()):
             out.append(f"table {name}: last batch {bid}, last LSN per core {lsns}")
+        if self.plans:
+            out.append(
+                f"batches {min(self.plans)}..{max(self.plans)} planned again as the tables "
+                "ahead committed them (the stages behind re-run them)"
+            )
+        if self.triggers_from:
+            out.append(
+                f"triggers: every event from LSN {self.triggers_from} is evaluated again "
+                "(the retry queue was on the lost disk; at least once)"
+            )
         for why in self.not_derived:
             out.append(f"not derived: {why}")
         out.append(f"batch ids go on above {self.batch_id}")
@@ -261,7 +284,9 @@ def restore(
                 f"it held LSNs up to {fenced_at}: its last objects are missing (deleted by hand?)",
             )
         if problem is not None:
-            _on_problem(s3, where, numbers, problem, accept_loss_from, summary, wal_id, fenced_at)
+            _on_problem(
+                s3, where, numbers, problem, accept_loss_from, summary, wal_id, fenced_at, arc.ack
+            )
         segs.finish()
         summary.first_lsn, summary.last_lsn = segs.first_lsn, segs.next_lsn - 1
         if problem is not None:
@@ -275,8 +300,7 @@ def restore(
         # Step 5: watermarks first (no WAL yet: run still refuses), then the WAL.
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         WatermarkStore(cfg.data_dir / WATERMARKS_FILENAME).save(snap)
-        for stale in ("plans.log",):
-            (cfg.data_dir / stale).unlink(missing_ok=True)
+        _write_plans(cfg, wal_id, summary)
         crash_point("restore.after_watermarks")
         if cfg.wal_dir.exists():
             cfg.wal_dir.rmdir()  # empty (checked in step 1)
@@ -311,19 +335,29 @@ def _on_problem(
     summary: Summary,
     wal_id: str,
     fenced_at: int,
+    ack: str = "local",
 ) -> None:
     index, first_lost, why = problem
     last: int | None = fenced_at if fenced_at >= first_lost else None
+    after: list[tuple[int, ObjectHeader | None]] = []
     for number in numbers[index:]:
-        try:
-            got = s3.get_object(
-                Bucket=where.bucket, Key=where.key(f"wal/{object_name(number)}"), Range="bytes=0-79"
-            )
-            head: ObjectHeader = parse_header(got["Body"].read())
-        except Exception:
-            continue
-        if head.wal_id == wal_id and not head.fence:
+        head = _head(s3, where, number)
+        after.append((number, head))
+        if head is not None and head.wal_id == wal_id and not head.fence:
             last = max(last or 0, head.last_lsn)
+    if ack == "archived" and index > 0 and first_lost > fenced_at:
+        tail = _never_acknowledged(numbers[index - 1], _head(s3, where, numbers[index - 1]), after)
+        if tail is not None and wal_id == tail[0]:
+            summary.unacknowledged = (first_lost, tail[1])
+            log.warning(
+                "restore.unacknowledged_dropped",
+                first_lsn=first_lost,
+                last_lsn=tail[1],
+                reason=why,
+                message="uploads in flight at the loss never landed; with ack = "
+                '"archived" none of these LSNs was acknowledged',
+            )
+            return
     lost = f"LSN {first_lost}..{last if last is not None else '?'}"
     if accept != first_lost:
         log.error("restore.refused", reason=why, lost=lost)
@@ -334,6 +368,46 @@ def _on_problem(
     summary.lost = (first_lost, last)
     summary.lost_because = why
     log.warning("restore.lsns_lost", first_lsn=first_lost, last_lsn=last, reason=why)
+
+
+def _head(s3: Any, where: Location, number: int) -> ObjectHeader | None:
+    """The header of archive object ``number`` (None: missing or unreadable)."""
+    try:
+        got = s3.get_object(
+            Bucket=where.bucket, Key=where.key(f"wal/{object_name(number)}"), Range="bytes=0-79"
+        )
+        return parse_header(got["Body"].read())
+    except Exception:
+        return None
+
+
+def _never_acknowledged(
+    before: int, prev: ObjectHeader | None, after: list[tuple[int, ObjectHeader | None]]
+) -> tuple[str, int] | None:
+    """A gap that only uploads in flight at a kill leave: ``(WAL id, last LSN
+    after it)``, or None when an acknowledged object may be missing.
+
+    A holder makes an object only while fewer than :data:`MAX_IN_FLIGHT` are
+    not stored after its stored prefix, and an ``ack = "archived"`` answer
+    waits for that prefix. So when the names missing start right after
+    object ``before`` (``prev``, the last one that counts) and every object
+    after them is a data object of ``prev``'s epoch below ``before + 1 +
+    MAX_IN_FLIGHT`` (no later holder fenced them), nothing from the gap on was
+    ever acknowledged; the caller has checked that no fence records it as
+    archived either. Anything else (a deeper hole, a later epoch, an object
+    that does not parse) may be a deletion by hand, and is refused."""
+    from daemon.walarchive import MAX_IN_FLIGHT
+
+    if prev is None or not after or after[0][0] == before + 1:
+        return None
+    last = 0
+    for number, head in after:
+        if head is None or head.fence or head.epoch != prev.epoch or head.wal_id != prev.wal_id:
+            return None
+        if number >= before + 1 + MAX_IN_FLIGHT:
+            return None
+        last = max(last, head.last_lsn)
+    return prev.wal_id, last
 
 
 def _move_lost(s3: Any, where: Location, numbers: list[int]) -> None:
@@ -375,32 +449,78 @@ async def _take_over(cfg: Config, wal_dir: Path) -> int:
         await wal.aclose()
 
 
-def _stream_position(stream: Any, wal_id: str) -> tuple[int, dict[int, int]]:
-    from daemon.table.delta import app_id, log_commits
-    from daemon.table.location import table_files
+Ranges = dict[int, tuple[int, int]]
 
-    mine = app_id(wal_id, stream.name)
-    bid = 0
-    high: dict[int, int] = {}
-    for _version, actions in log_commits(table_files(stream), -1):
-        txns = [t for t in actions.get("txn", []) if t.get("appId") == mine]
+
+@dataclass
+class _Position:
+    """One table's progress as its Delta log records it (step 4)."""
+
+    batch_id: int = 0  # the txn version of its app id
+    high: dict[int, int] = field(default_factory=dict)  # core -> last LSN committed
+    plans: dict[int, Ranges] = field(default_factory=dict)  # batch id -> its ranges
+
+
+def _table_position(files: Any, app: str) -> _Position:
+    """The commits of app id ``app`` in the table's log: each one's ``txn``
+    version is its batch id, its ``userMetadata`` the batch's ranges."""
+    from daemon.table.fence import log_commits
+
+    out = _Position()
+    for _version, actions in log_commits(files, -1):
+        txns = [t for t in actions.get("txn", []) if t.get("appId") == app]
         meta = json.loads(actions.get("commitInfo", {}).get("userMetadata") or "{}").get(
             "eventplane"
         )
         if not txns or meta is None:
             continue
-        bid = max(bid, int(txns[0]["version"]))
-        for core, (_first, last) in meta["ranges"].items():
-            high[int(core)] = max(high.get(int(core), 0), int(last))
-    return bid, high
+        bid = int(txns[0]["version"])
+        out.batch_id = max(out.batch_id, bid)
+        ranges = {int(c): (int(a), int(b)) for c, (a, b) in meta["ranges"].items()}
+        out.plans[bid] = ranges
+        for core, (_first, last) in ranges.items():
+            out.high[core] = max(out.high.get(core, 0), last)
+    return out
+
+
+def _stream_position(stream: Any, wal_id: str) -> _Position:
+    from daemon.table.delta import app_id
+    from daemon.table.location import table_files
+
+    return _table_position(table_files(stream), app_id(wal_id, stream.name))
+
+
+def _mirror_position(mirror: Any, wal_id: str) -> _Position:
+    """A mirror commits only the batches that have rows of its collection, with
+    the batch's ranges: its state is the fold of its collection up to ``high``
+    and of nothing above (a later event would be in a later commit)."""
+    from daemon.table.location import S3Files
+    from daemon.table.mirror import app_id
+
+    return _table_position(S3Files(mirror.uri, mirror.s3), app_id(wal_id, mirror.name))
+
+
+def _replans(positions: dict[str, _Position], low: int, top: int) -> dict[int, Ranges] | None:
+    """The plans of batches ``low+1..top`` as the tables ahead committed them,
+    so the stages behind re-run exactly those batches (as after a crash) and
+    the planner goes on above ``top``; None if a batch id is in no table."""
+    plans: dict[int, Ranges] = {}
+    for pos in positions.values():
+        for bid, ranges in pos.plans.items():
+            if low < bid <= top:
+                plans.setdefault(bid, ranges)
+    return plans if set(plans) == set(range(low + 1, top + 1)) else None
 
 
 def _watermarks(cfg: Config, wal_id: str, summary: Summary) -> WatermarkSnapshot:
     """Step 4. Every core's events below the restored WAL's first LSN were
-    committed by every stage (the archive prunes only below every reader)."""
+    committed by every stage (the archive prunes only below every reader).
+    Each Delta stream and mirror on S3 gives its position; the watermarks are
+    the lowest, and the batches between the lowest and the highest table are
+    planned again from the tables' own records (``summary.plans``)."""
     cores = cfg.daemon.cores
     floor = summary.first_lsn - 1
-    positions: dict[str, tuple[int, dict[int, int]]] = {}
+    positions: dict[str, _Position] = {}
     for stream in cfg.cdc.streams:
         if stream.format != "delta" or not stream.uri:
             summary.not_derived.append(
@@ -409,28 +529,116 @@ def _watermarks(cfg: Config, wal_id: str, summary: Summary) -> WatermarkSnapshot
             )
             continue
         positions[f"cdc:{stream.name}"] = _stream_position(stream, wal_id)
-    for stage, (bid, high) in positions.items():
-        summary.tables[stage] = (bid, [high.get(c, 0) for c in range(cores)])
-        if high and max(high.values()) > summary.last_lsn:
+    for mirror in cfg.cdc.mirrors:
+        if not mirror.uri:
             summary.not_derived.append(
-                f"{stage} holds LSN {max(high.values())}, above the restored WAL's last "
+                f"mirror {mirror.name!r} ({mirror.path}): only mirrors on S3 are read; it "
+                "lived on the lost disk and is rebuilt from the restored WAL's events only"
+            )
+            continue
+        positions[f"mirror:{mirror.name}"] = _mirror_position(mirror, wal_id)
+    for stage, pos in positions.items():
+        summary.tables[stage] = (pos.batch_id, [pos.high.get(c, 0) for c in range(cores)])
+        if pos.high and max(pos.high.values()) > summary.last_lsn:
+            summary.not_derived.append(
+                f"{stage} holds LSN {max(pos.high.values())}, above the restored WAL's last "
                 f"({summary.last_lsn}): `run` refuses to reuse those LSNs (docs/operating.md, "
                 '"Losing the machine")'
             )
     if not positions:
         return WatermarkSnapshot(wal_id, cores, 0, tuple(max(floor, 0) for _ in range(cores)))
-    batch_id = min(bid for bid, _ in positions.values())
+    batch_id = min(p.batch_id for p in positions.values())
+    top = max(p.batch_id for p in positions.values())
     lsns = tuple(
-        max(floor, min(high.get(c, 0) for _, high in positions.values())) for c in range(cores)
+        max(floor, min(p.high.get(c, 0) for p in positions.values())) for c in range(cores)
     )
-    if len({(bid, tuple(sorted(h.items()))) for bid, h in positions.values()}) > 1:
+    summary.batch_id = top
+    plans = _replans(positions, batch_id, top)
+    if plans is None and all(stage.startswith("mirror:") for stage in positions):
+        # Mirrors only: a merge never takes a key back (``t.lsn < s.lsn``), so
+        # each one may take again what it holds; what it must not meet is a
+        # batch id at or below its txn version (a merge it would skip).
+        batch_id = top
+        plans = {}
+        for pos in positions.values():
+            pos.batch_id = top
+    if plans is None:
         summary.not_derived.append(
-            "the tables are not level (different last batches): the watermarks are the lowest; "
-            "a table ahead of them refuses its re-run batches (see docs/operating.md)"
+            f"the tables are not level (last batches {batch_id}..{top}) and no table records "
+            "every batch between: the watermarks are the lowest; a table ahead skips the "
+            "batches up to its own (see docs/operating.md)"
         )
-    summary.batch_id = max(bid for bid, _ in positions.values())
-    stages = tuple((stage, bid) for stage, (bid, _) in sorted(positions.items()))
-    return WatermarkSnapshot(wal_id, cores, batch_id, lsns, stages)
+    else:
+        summary.plans = plans
+    progress = {stage: pos.batch_id for stage, pos in positions.items()}
+    if cfg.triggers and batch_id > 0:
+        batch_id, lsns = _triggers_from_floor(cfg, summary, progress, batch_id, lsns)
+    return WatermarkSnapshot(wal_id, cores, batch_id, lsns, tuple(sorted(progress.items())))
+
+
+def _triggers_from_floor(
+    cfg: Config,
+    summary: Summary,
+    progress: dict[str, int],
+    low: int,
+    lsns: tuple[int, ...],
+) -> tuple[int, tuple[int, ...]]:
+    """The trigger stage evaluates again every event the restored WAL holds
+    below the tables' batches: its retry queue was lost with the disk, and the
+    archive keeps every row still in it (the retention floor, invariant 9), so
+    at least once holds.
+
+    Those events are planned again as batches ``low - n + 1 .. low`` (at most
+    ``microbatch.max_rows`` events of a core each); every other stage is level
+    with ``low`` or ahead and skips them, the triggers stand at ``low - n``.
+    Returns the watermarks' batch id and LSNs."""
+    from wal import Wal
+
+    floor = summary.first_lsn - 1
+    chunks: dict[int, list[tuple[int, int]]] = {}
+    wal = Wal.open(cfg.data_dir / TMP / "wal", segment_bytes=cfg.wal.segment_bytes)
+    try:
+        for core in range(cfg.daemon.cores):
+            starts = [r[core][0] for r in summary.plans.values() if core in r]
+            end = min(starts) - 1 if starts else lsns[core]
+            if end <= floor:
+                continue
+            got = [
+                lsn for b in wal.read_batches(floor + 1, core=core, to_lsn=end) for lsn in b.lsns
+            ]
+            if got:
+                size = max(cfg.microbatch.max_rows, -(-len(got) // low))
+                chunks[core] = [
+                    (got[i], got[min(i + size, len(got)) - 1]) for i in range(0, len(got), size)
+                ]
+    finally:
+        wal.close()
+    if not chunks:
+        return low, lsns
+    n = max(len(c) for c in chunks.values())
+    for i in range(n):
+        summary.plans[low - n + 1 + i] = {c: ch[i] for c, ch in chunks.items() if i < len(ch)}
+    for stream in cfg.cdc.streams:
+        progress.setdefault(f"cdc:{stream.name}", low)
+    for mirror in cfg.cdc.mirrors:
+        progress.setdefault(f"mirror:{mirror.name}", low)
+    for handler in cfg.cdc.handlers:
+        progress.setdefault(f"handler:{handler.function}", low)
+    progress["triggers"] = low - n
+    summary.triggers_from = floor + 1
+    return low - n, tuple(floor if c in chunks else lsn for c, lsn in enumerate(lsns))
+
+
+def _write_plans(cfg: Config, wal_id: str, summary: Summary) -> None:
+    """Step 5: the batches the tables ahead committed, planned again (or none)."""
+    from daemon.plane.planlog import FILENAME, PlanLog
+
+    path = cfg.data_dir / FILENAME
+    path.unlink(missing_ok=True)
+    if summary.plans:
+        plans = PlanLog(path, wal_id, cfg.daemon.cores)
+        plans.rewrite(summary.plans)
+        plans.close()
 
 
 def main(cfg: Config, accept_loss_from: int | None, out: IO[str] = sys.stdout) -> int:

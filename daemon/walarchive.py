@@ -1009,3 +1009,12 @@ class ArchivedWal:
         removed = self._wal.truncate_below(below)
         self._archive.prune(below)
         return removed
+
+    def truncate_below_keeping(self, lsn: int, archive_lsn: int) -> int:
+        """:meth:`truncate_below`, but the archive keeps its objects from
+        ``archive_lsn`` on: rows the trigger retry queue has yet to deliver,
+        which a restore on a new disk evaluates again (invariant 9)."""
+        below = min(lsn, self._archive.archived_lsn + 1)
+        removed = self._wal.truncate_below(below)
+        self._archive.prune(min(below, archive_lsn))
+        return removed

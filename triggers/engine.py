@@ -131,6 +131,9 @@ class TriggerEngine(RetryQueue):
         # loop leaves its entries alone), so no retry pass parses the queue.
         self._paused: dict[str, Pause] = {}
         self._queued_rows: dict[str, int] = {}
+        # The lowest first LSN in the retry queue (None: empty), written only in
+        # the store's thread, right after the writes that change it.
+        self._oldest_pending: int | None = None
 
     # ------------------------------------------------------------ properties
 
@@ -360,7 +363,7 @@ class TriggerEngine(RetryQueue):
                 tg.create_task(self._first_attempts(t, rows, sql, batch_id, retries, dead))
         # Step 3. Make every failure durable before the batch may commit
         if retries or dead:
-            evicted = await self._db(store.record, retries, dead)
+            evicted = await self._db(self._record, store, retries, dead)
             self._evicted(evicted)
             for r in retries:
                 if r.chunk.trigger in self._paused:
@@ -682,6 +685,29 @@ class TriggerEngine(RetryQueue):
 
     # ------------------------------------------------------------ helpers
 
+    def archive_floor(self) -> int | None:
+        """The LSN below which the WAL archive may go: below the oldest row the
+        retry queue still has to deliver (invariant 9), so a restore from the
+        archive evaluates it again (docs/operating.md, "Losing the machine");
+        None when the queue is empty. The local WAL needs none of it (the
+        queue holds whole rows)."""
+        oldest = self._oldest_pending
+        return None if oldest is None else oldest - 1
+
+    def _record(
+        self, store: TriggerStore, retries: Sequence[NewRetry], dead: Sequence[DeadRows]
+    ) -> int:
+        """``store.record`` and the retry queue's floor with it (the store's thread)."""
+        evicted = store.record(retries, dead)
+        if retries:
+            low = min(r.chunk.first_lsn for r in retries)
+            oldest = self._oldest_pending
+            self._oldest_pending = low if oldest is None else min(oldest, low)
+        return evicted
+
+    def _read_floor(self, store: TriggerStore) -> None:
+        self._oldest_pending = store.oldest_pending_lsn()
+
     def _require_store(self) -> TriggerStore:
         if self._store is None:
             raise StoreError("the trigger engine is not started (call start() first)")
@@ -690,6 +716,7 @@ class TriggerEngine(RetryQueue):
     async def _refresh_gauges(self) -> int:
         store = self._require_store()
         depth = self._depth = await self._db(store.retry_depth)
+        await self._db(self._read_floor, store)
         before, self._dlq_size = self._dlq_size, await self._db(store.dlq_size)
         if self._paused and self._dlq_size < before:
             # Rows left the DLQ from outside: `eventplane dlq replay` (another

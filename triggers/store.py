@@ -428,6 +428,11 @@ class TriggerStore:
         cur = self._db.execute(f"SELECT {_RETRY_COLUMNS} FROM retry {where} ORDER BY id", args)
         return [RetryEntry(*row) for row in cur.fetchall()]
 
+    def oldest_pending_lsn(self) -> int | None:
+        """The lowest first LSN of the retry queue's entries (None: it is empty)."""
+        value = self._db.execute("SELECT MIN(first_lsn) FROM retry").fetchone()[0]
+        return None if value is None else int(value)
+
     def retry_depth(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM retry").fetchone()[0])
 

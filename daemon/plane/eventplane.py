@@ -468,7 +468,15 @@ class EventPlane:
             floor = min(floor, backfill_floor)
         if floor <= 0:
             return
-        removed = await asyncio.to_thread(self.wal.truncate_below, floor + 1)
+        # What the archive keeps beyond that: the trigger retry queue's rows (a
+        # restore on a new disk evaluates them again); the local WAL needs none.
+        stage_floor = getattr(self.executor, "archive_floor", None)
+        needed = stage_floor() if callable(stage_floor) else None
+        keeping = getattr(self.wal, "truncate_below_keeping", None)
+        if needed is not None and needed < floor and callable(keeping):
+            removed = await asyncio.to_thread(keeping, floor + 1, needed + 1)
+        else:
+            removed = await asyncio.to_thread(self.wal.truncate_below, floor + 1)
         if removed:
             log.info("wal_retention", below_lsn=floor + 1, removed_segments=removed)
 

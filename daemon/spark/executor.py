@@ -248,6 +248,16 @@ class SparkExecutor(SessionLife, StreamMaintenance):
     def session(self) -> Any | None:
         return self._session
 
+    def archive_floor(self) -> int | None:
+        """The lowest LSN - 1 the WAL archive keeps for a stage after its batch
+        committed (the trigger retry queue's rows, invariant 9); None: none."""
+        floors = [
+            floor
+            for st in self._stages
+            if callable(fn := getattr(st, "archive_floor", None)) and (floor := fn()) is not None
+        ]
+        return min(floors) if floors else None
+
     @property
     def sinks(self) -> Sequence[CdcSink]:
         return tuple(self._sinks)
