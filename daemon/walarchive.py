@@ -83,6 +83,7 @@ log = structlog.get_logger("eventplane.archive")
 MAX_IN_FLIGHT: Final = 4  # archive objects uploading at once
 MAX_OBJECT_BYTES: Final = 16 * 1024 * 1024  # frames per object, about (one frame may exceed it)
 LOOK_BACK: Final = 2 * MAX_IN_FLIGHT  # objects whose headers a new holder reads
+PRUNE_HEADERS: Final = 256  # headers of objects from before the start read per retention pass
 RETRY_MAX_S: Final = 5.0
 MANIFEST: Final = "manifest.json"
 _T = TypeVar("_T")
@@ -351,6 +352,7 @@ class WalArchive:
         self._open: deque[_Object] = deque()  # made, in number order, not all stored
         # (number, last LSN) of this process's stored data objects, for :meth:`prune`.
         self._stored: deque[tuple[int, int]] = deque()
+        self._older: deque[int] = deque()  # numbers listed at the start, not yet pruned
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
         # (last LSN, monotonic time, bytes) of each durable group not yet archived.
         self._groups: deque[tuple[int, float, int]] = deque()
@@ -486,6 +488,7 @@ class WalArchive:
     def _fence(self, store: S3Store, wal_id: str) -> None:
         """Steps 3-5: fences, then the archived LSN and the next number."""
         numbers = self._list()
+        self._older = deque(numbers)  # for :meth:`_prune_older`
         top = numbers[-1] if numbers else 0
         low = max(numbers[0] if numbers else 1, top - LOOK_BACK + 1)
         present = set(numbers)
@@ -830,12 +833,12 @@ class WalArchive:
             self.lease_error = None
 
     def prune(self, below_lsn: int) -> int:
-        """Remove this epoch's data objects whose every LSN is below ``below_lsn``
+        """Remove the data objects whose every LSN is below ``below_lsn``
         (every stage is done with them: the WAL's own retention rule), keeping
         the newest one; fences stay, they mask a paused writer's objects. Any
         thread; a failed DELETE is tried again at the next retention pass."""
         stored = self._stored
-        removed = 0
+        removed = self._prune_older(below_lsn) if stored else 0
         while len(stored) > 1 and stored[0][1] < below_lsn:
             number = stored[0][0]
             try:
@@ -847,6 +850,31 @@ class WalArchive:
             removed += 1
         if removed:
             log.info("archive.objects_removed", count=removed, below_lsn=below_lsn)
+        return removed
+
+    def _prune_older(self, below_lsn: int) -> int:
+        """The objects listed at the start (an earlier process's, or a restored
+        archive's), lowest number first while their every LSN is below
+        ``below_lsn``: their headers are read as they come (at most
+        :data:`PRUNE_HEADERS` a pass); fences stay. Called once this process
+        has stored an object of its own, so the archive's end is never removed."""
+        removed = 0
+        older = self._older
+        for _ in range(PRUNE_HEADERS):
+            if not older:
+                break
+            number = older[0]
+            try:
+                head = self._header(number)
+                if head is not None and not head.fence:
+                    if head.last_lsn >= below_lsn:
+                        break
+                    self._s3.delete_object(Bucket=self.where.bucket, Key=self._object_key(number))
+                    removed += 1
+            except Exception as exc:
+                log.warning("archive.prune_failed", object=object_name(number), error=str(exc))
+                break
+            older.popleft()
         return removed
 
     # ------------------------------------------------------------------ ingest

@@ -119,6 +119,39 @@ def test_the_archive_holds_exactly_the_wals_frames_and_gates_retention(
     asyncio.run(run())
 
 
+def test_objects_of_an_earlier_process_are_pruned_once_every_stage_is_past_them(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """1. A holder archives 20 groups and stops (no retention ran).
+    2. The same data_dir starts again and archives 5 more: retention past
+       every LSN removes the first process's data objects too, keeping the
+       newest object and every fence (before, only this process's went)."""
+    prefix = f"arch-{uuid.uuid4().hex[:8]}"
+    uri = f"s3://{s3_server.bucket}/{prefix}"
+
+    async def run() -> None:
+        for start, groups in ((0, 20), (1000, 5)):
+            wal = Wal.open(tmp_path / "wal", segment_bytes=8192)
+            archive = _archive(s3_server, wal, uri, tmp_path, ack="archived", flush_ms=5)
+            await archive.open()
+            archive.forward = lambda batches: None
+            archive.start()
+            wal.set_batch_listener(archive.on_durable_batches)
+            last = await _append(wal, start, groups)
+            await archive.until_archived(last)
+            if start:
+                before = [h for h, _ in _objects(s3_server, prefix) if not h.fence]
+                assert min(h.first_lsn for h in before) == 1, "the first run's objects"
+                ArchivedWal(wal, archive).truncate_below(last + 1)
+                left = _objects(s3_server, prefix)
+                assert [h.last_lsn for h, _ in left if not h.fence] == [last]
+                assert sum(h.fence for h, _ in left) == 2 * 4  # each start's fences
+            await archive.stop(1)
+            wal.close()
+
+    asyncio.run(run())
+
+
 def test_a_data_dir_of_another_wal_is_refused_naming_both(
     s3_server: S3Server, tmp_path: Path
 ) -> None:
