@@ -31,6 +31,7 @@ import pytest
 from daemon.client import IngestError, SyncIngestClient
 from daemon.table.lease import ENV_CLOCK_OFFSET
 from tests import requires
+from tests.faults.receivers import Receiver
 from tests.faults.support import healthz, spark_config, stage, wait_for
 from tests.faults.test_wal_archive import SKEW_S, TTL_S, _post, _s3
 from tests.integration.harness import DaemonProcess, make_events, write_config
@@ -129,7 +130,9 @@ def test_a_standby_takes_over_a_killed_primary_and_every_acknowledged_event_land
     3. SIGKILL the primary: within the lease the standby restores the archive
        from its copy, fences it and opens ingest; the producers fail over.
     4. Every acknowledged LSN is in the table once, every event's ``new.i``
-       once (no failover retry stored twice), batch ids above the old ones."""
+       once (no failover retry stored twice), batch ids above the old ones;
+       every acknowledged row of the webhook trigger's collection delivered at
+       least once with its key (the receiver refused them around the kill)."""
     from deltalake import DeltaTable
 
     requires.delta_jars()
@@ -137,12 +140,19 @@ def test_a_standby_takes_over_a_killed_primary_and_every_acknowledged_event_land
     weed: Weed = start_weed(tmp_path / "weed")
     server = weed.server
     uri = f"s3://{server.bucket}/cdc/lake"
+    receiver = Receiver()
     lake = f"""{_archive(server, "archived")}
 [[cdc.streams]]
 name = "lake"
 collections = "*"
 path = "{uri}"
 format = "delta"
+
+[[triggers]]
+name = "hook"
+collection = "c1"
+action = {{ type = "webhook", url = "{receiver.url}" }}
+retry = {{ max_attempts = 100000, initial_backoff_ms = 200, max_backoff_ms = 500 }}
 """
 
     def config(name: str, role: str) -> Path:
@@ -173,6 +183,8 @@ format = "delta"
             standby,
         )
         before = stage(primary.status(), "cdc:lake")["batch_id"]
+        receiver.status = 503  # rows wait in the primary's retry queue at the kill
+        time.sleep(1.0)
         # Step 3. SIGKILL
         killed_at = time.monotonic()
         primary.kill()
@@ -184,6 +196,7 @@ format = "delta"
             60,
             standby,
         )
+        receiver.status = 200
         time.sleep(2)  # acks from the new primary for a while
         producers.stop()
         assert not producers.failed, producers.failed[:3]
@@ -199,6 +212,16 @@ format = "delta"
             standby,
         )
         assert stage(standby.status(), "cdc:lake")["batch_id"] > before
+        # Every acknowledged row of c1 reaches the webhook, with its key.
+        matching = {
+            first + k
+            for *_, first, _last, _replayed, events in producers.acks
+            for k, i in enumerate(events)
+            if i % 3 == 1
+        }
+        wait_for("every trigger row delivered", lambda: matching <= receiver.lsns(), 90, standby)
+        keys = {(int(r["lsn"]), r["idempotency_key"]) for r in receiver.rows}
+        assert {(lsn, f"hook:{lsn}") for lsn in matching} <= keys
         log = standby.log_path.read_text()
         assert '"event": "standby.took_over"' in log and '"event": "standby.restored"' in log
         assert standby.stop() == 0
@@ -222,6 +245,7 @@ format = "delta"
             producers.stop()
         primary.stop()
         standby.stop()
+        receiver.close()
         weed.stop()
 
 
