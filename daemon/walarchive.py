@@ -741,6 +741,16 @@ class WalArchive:
     def _fence_off(self, why: str) -> None:
         if self.fenced is not None:
             return
+        head = self.wal.head_lsn()
+        if head > self.archived_lsn:
+            # With ack = "local" these were acknowledged; the new holder has none of them.
+            first = self.archived_lsn + 1
+            log.error("archive.unarchived_after_fence", first_lsn=first, last_lsn=head)
+            why += (
+                f". LSN {first}..{head} are in this daemon's WAL only, never archived (with "
+                'ack = "local" they were acknowledged): re-send those events from their source '
+                "(eventplane wal inspect shows them)"
+            )
         self.fenced = why
         self.metrics.archive_fenced.set(1)
         log.error("archive.fenced", reason=why, archived_lsn=self.archived_lsn)

@@ -221,6 +221,51 @@ def test_a_new_holders_fence_fails_the_old_holders_next_upload(
     asyncio.run(run())
 
 
+def test_a_local_mode_holder_taken_over_names_the_lsns_only_its_wal_has(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """``ack = "local"``: the old holder stops renewing and uploading after 10
+    archived groups, acknowledges 3 more (local), and a second holder takes
+    over from a copy of the WAL made before them. The old holder's next
+    renewal finds the manifest taken: it is fenced, and its message and log
+    name the LSNs that only its WAL holds."""
+    from structlog.testing import capture_logs
+
+    prefix = f"arch-{uuid.uuid4().hex[:8]}"
+    uri = f"s3://{s3_server.bucket}/{prefix}"
+
+    async def run() -> None:
+        wal = Wal.open(tmp_path / "a" / "wal")
+        old = _archive(s3_server, wal, uri, tmp_path / "a", ack="local", flush_ms=10)
+        await old.open()
+        old.forward = lambda batches: None
+        old.start()
+        wal.set_batch_listener(old.on_durable_batches)
+        last = await _append(wal, 0, 10)
+        await old.until_archived(last)
+        for task in old._tasks:  # paused: no upload, no renewal
+            task.cancel()
+        shutil.copytree(tmp_path / "a" / "wal", tmp_path / "b" / "wal", ignore=_no_lock)
+        more = await _append(wal, 10_000, 3)
+        await asyncio.sleep(4.0 + 1.0 + 0.5)  # past expires_at + skew
+        copy = Wal.open(tmp_path / "b" / "wal")
+        new = _archive(s3_server, copy, uri, tmp_path / "b")
+        await new.open()
+        with capture_logs() as logs:
+            await old._renew()  # woken: the next renewal
+        assert old.fenced is not None and "taken over" in old.fenced
+        assert f"LSN {last + 1}..{more} are in this daemon's WAL only" in old.fenced
+        assert old.lease_refusal() == old.fenced
+        event = next(e for e in logs if e["event"] == "archive.unarchived_after_fence")
+        assert (event["first_lsn"], event["last_lsn"]) == (last + 1, more)
+        await old.stop(1)
+        await new.stop(1)
+        wal.close()
+        copy.close()
+
+    asyncio.run(run())
+
+
 def _no_lock(_dir: str, names: list[str]) -> list[str]:
     return [n for n in names if n == "LOCK"]
 
