@@ -12,7 +12,9 @@ the version after the one it read, or fails:
    a maintenance commit rebased onto it conflicts with its ``metaData``.
 2. **Check.** Before each commit (:meth:`Fence.check`): every commit since the
    last checked version is this writer's; another's means the table was taken
-   over (:meth:`Fence.taken_over`): the writer stops for good.
+   over (:meth:`Fence.taken_over`): the writer stops for good. One exception:
+   a writer that found no table at its open (so it fenced nothing) and then
+   finds only another's table creation, no data, fences it then.
 
 docs/cdc.md, "Tables on S3", says what a user sees.
 """
@@ -113,8 +115,16 @@ class Fence:
             if version > upto:
                 break
             info = actions.get("commitInfo", {})
-            if info.get(WRITER_KEY) != self.writer:
-                self.taken_over(version, info)
+            if info.get(WRITER_KEY) == self.writer:
+                continue
+            if self.seen < 0 and "add" not in actions and "metaData" in actions:
+                # No table at this writer's open, so no fence then; another
+                # process of this WAL created it since (a paused writer's create
+                # landing after a takeover): empty, so fence it now, as at an open.
+                log.warning(f"{self.event}_table_fenced_late", **self.fields, version=version)
+                self.commit(table)
+                return
+            self.taken_over(version, info)
         if advance:
             self.seen = max(self.seen, upto)
 

@@ -249,29 +249,44 @@ retry = {{ max_attempts = 100000, initial_backoff_ms = 200, max_backoff_ms = 500
         weed.stop()
 
 
+@pytest.mark.spark
 def test_a_primary_stopped_past_its_lease_acknowledges_nothing_once_woken(
     tmp_path: Path,
 ) -> None:
-    """1. A primary (``ack = "local"``) and a standby; events acknowledged.
-    2. SIGSTOP the primary past lease_ttl_s + lease_skew_s: the standby takes
-       over and acknowledges the next events.
+    """1. A primary (``ack = "local"``, a Delta stream on S3) and a standby;
+       events acknowledged, then SIGSTOP as soon as the standby has them.
+    2. Past lease_ttl_s + lease_skew_s the standby takes over and
+       acknowledges the next events.
     3. SIGCONT: the old primary answers 503 at once (its lease lapsed while it
        slept; a renewal finds the manifest taken) and health says why; nothing
-       it stores after waking is acknowledged."""
+       it stores after waking is acknowledged.
+    4. The table holds each LSN once, LSN 21..30 the new primary's events:
+       nothing the old primary wrote after the takeover."""
+    from deltalake import DeltaTable
+
+    requires.delta_jars()
     (tmp_path / "weed").mkdir()
     weed = start_weed(tmp_path / "weed")
     server = weed.server
+    uri = f"s3://{server.bucket}/cdc/lake"
 
     def config(name: str, role: str) -> Path:
         (tmp_path / name).mkdir()
         text = _archive(server, "local").replace("poll_ms", f'role = "{role}"\npoll_ms')
-        return write_config(tmp_path / name, text + "\n[health]\nstall_after_s = 2\n")
+        text += f"""
+[[cdc.streams]]
+name = "lake"
+collections = "*"
+path = "{uri}"
+format = "delta"
+"""
+        return spark_config(tmp_path / name, {}, extra=text, stall_after_s=2)
 
     primary = DaemonProcess.production(config("a", "primary"))
     standby = DaemonProcess.production(config("b", "standby"), ready_path="/healthz")
     try:
         # Step 1
-        primary.start(timeout_s=60)
+        primary.start(timeout_s=90)
         standby.start(timeout_s=60)
         code, body, _ = _post(primary.ingest_url, n=20)
         assert code == 200 and body["ack"] == "local", body
@@ -304,7 +319,23 @@ def test_a_primary_stopped_past_its_lease_acknowledges_nothing_once_woken(
         text = json.dumps(health)
         assert "taken over" in text or "fenced" in text or "has not renewed" in text, health
         assert standby.status()["wal"]["head_lsn"] == 30
+        # Step 4
+        wait_for(
+            "the new primary's lake holds LSN 30",
+            lambda: min(c["watermark"] for c in standby.status()["cores"]) >= 30,
+            90,
+            standby,
+        )
+        time.sleep(2)  # the old primary had its chance to commit
+        primary.stop()
         assert standby.stop() == 0
+        rows = DeltaTable(uri, storage_options=server.storage_options()).to_pyarrow_table(
+            columns=["lsn", "new_json"]
+        )
+        seen = Counter(rows["lsn"].to_pylist())
+        assert sorted(seen) == list(range(1, 31)) and max(seen.values()) == 1, seen
+        by_lsn = dict(zip(rows["lsn"].to_pylist(), rows["new_json"].to_pylist(), strict=True))
+        assert [json.loads(by_lsn[lsn])["i"] for lsn in range(21, 31)] == list(range(100, 110))
     finally:
         if primary.proc is not None and primary.proc.poll() is None:
             primary.signal(signal.SIGCONT)
