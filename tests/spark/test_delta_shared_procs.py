@@ -211,6 +211,18 @@ async def test_a_paused_writer_of_a_shared_table_lands_nothing_after_its_names_t
             root=tmp_path / "b", wal_id="wal-1", daemon_name="ep-1", stream_options=options
         )
         assert not ep1_batch3()  # the new holder removed the paused one's upload
+        # `eventplane cdc lease` shows the name's lease: B's, the new holder.
+        import io
+
+        from daemon.cli import cdc
+        from daemon.configtypes import CdcStream
+
+        shown = io.StringIO()
+        stream = CdcStream(
+            "all", ("*",), tmp_path / "b", format="delta", uri=uri, s3=short, writers="shared"
+        )
+        assert cdc.lease(stream, break_it=False, yes=False, out=shown, name="ep-1") == 0
+        assert "lease held by" in shown.getvalue() and str(tmp_path / "b") in shown.getvalue()
         assert not await b.execute(batches[2])
         assert not await b.execute(batches[3])
         os.kill(proc.pid, signal.SIGCONT)
