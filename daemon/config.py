@@ -401,8 +401,25 @@ def _with_tls(got: dict[str, Any], section: str, errors: list[str]) -> dict[str,
 
 _TLS: dict[str, Checker] = {k: _path for k in _TLS_KEYS}
 
+# A daemon's name: a partition value (``writer=<name>``) and a part of file
+# and property names of a shared table, so plain characters only.
+_DAEMON_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def _daemon_name(value: Any, path: str, errors: list[str]) -> Any:
+    if not isinstance(value, str) or not _DAEMON_NAME.match(value):
+        errors.append(
+            f"{path}: expected 1-63 letters, digits, '_', '.' or '-' (starting with a letter "
+            f"or digit), got {_show(value)}: the name is a folder and a property name in a "
+            f"shared table"
+        )
+        return None
+    return value
+
+
 _DAEMON: dict[str, Checker] = {
     "data_dir": _path,
+    "name": _daemon_name,
     "cores": _int(1, 256),
     "shutdown_timeout_s": _float(0.0),
 }
@@ -598,9 +615,10 @@ _STREAM: dict[str, Checker] = {
     # Delta's VACUUM counts whole hours (it rounds 0.4 to a window of 0,
     # which removes the files of commits running beside it).
     "vacuum_retain_hours": _int(1, why="Delta's VACUUM window is whole hours"),
+    "writers": _choice("single", "shared"),
     **_COMPACTION,
 }
-_STREAM_KEYS = ("quarantine_max_rows", "format", "variant", "vacuum_retain_hours")
+_STREAM_KEYS = ("quarantine_max_rows", "format", "variant", "vacuum_retain_hours", "writers")
 
 # A mirror's own columns, before its typed ones (docs/cdc.md, "Mirror tables").
 MIRROR_COLUMNS = ("key", "bucket", "lsn", "op", "updated_at", "producer", "doc")
@@ -655,6 +673,14 @@ def _parse_mirrors(raw: Any, errors: list[str]) -> list[CdcMirror]:
     seen: dict[str, int] = {}
     for i, table in enumerate(_array_of_tables(raw, "cdc.mirrors", errors)):
         where = f"cdc.mirrors[{i}]"
+        if isinstance(table, dict) and "writers" in table:
+            errors.append(
+                f"{where}.writers: a mirror has one writer, so it takes no writers key: its "
+                f"merge keeps per key the event of the highest LSN, and the LSNs of two "
+                f"daemons' WALs do not order one key's events (a CDC stream can be shared: "
+                f'[[cdc.streams]] writers = "shared")'
+            )
+            continue
         got = _section(table, where, _MIRROR, errors)
         if not _required(table, ("name", "collection", "path"), where, errors):
             continue
@@ -744,6 +770,17 @@ def _parse_cdc(raw: Any, errors: list[str]) -> CdcConfig:
                 f"{where}.path: a table on S3 ({uri}) must be a Delta table without "
                 f'VARIANT columns (set format = "delta"; not {why}): a Parquet folder '
                 f"has no atomic commit on object storage, and VARIANT needs Spark's writer"
+            )
+            continue
+        if got.get("writers") == "shared" and (
+            got.get("format", "delta") != "delta" or got.get("variant")
+        ):
+            why = "variant = true" if got.get("variant") else 'format = "parquet"'
+            errors.append(
+                f'{where}.writers: a shared table (writers = "shared") is a Delta table '
+                f"without VARIANT columns (not {why}): several daemons' appends land through "
+                f"Delta's log, which orders concurrent commits, and delta-rs commits them; a "
+                f"Parquet folder's ledger has one writer"
             )
             continue
         delta_only = [k for k in ("variant", "vacuum_retain_hours") if k in got]
@@ -941,6 +978,15 @@ def _cross_checks(cfg: Config, errors: list[str]) -> None:
             f"of a commit can outlive the lease window. Lower request_timeout_s, "
             f"connect_timeout_s or max_retries, or raise lease_ttl_s"
         )
+    shared = [(i, st) for i, st in enumerate(cfg.cdc.streams) if st.writers == "shared"]
+    if shared and not cfg.daemon.name:
+        i, st = shared[0]
+        errors.append(
+            f'daemon.name: required, since cdc.streams[{i}] ("{st.name}") has writers = '
+            f'"shared": each daemon appending to a shared table names itself there (its rows\' '
+            f"writer column, its own files and checks), so set a name unique among the "
+            f"table's writers and keep it across restarts"
+        )
     archive = cfg.wal.archive
     if archive is not None and archive.role == "standby":
         _standby_checks(cfg, errors)
@@ -978,9 +1024,7 @@ def _resolve_paths(cfg: Config) -> Config:
     def resolve(p: Path) -> Path:
         return p if p.is_absolute() else (base / p)
 
-    daemon = DaemonConfig(
-        resolve(cfg.daemon.data_dir), cfg.daemon.cores, cfg.daemon.shutdown_timeout_s
-    )
+    daemon = dataclasses.replace(cfg.daemon, data_dir=resolve(cfg.daemon.data_dir))
     data_dir = resolve(cfg.daemon.data_dir)
 
     def secret(p: Path | None) -> Path | None:

@@ -56,6 +56,8 @@ class DaemonConfig:
     cores: int = 4
     # Must stay below the unit's TimeoutStopSec (30 s in systemd/eventplane.service).
     shutdown_timeout_s: float = 20.0
+    # The daemon's name among the writers of a shared table ("": none).
+    name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +304,9 @@ class CdcStream:
     # The table's URI when it is on S3 ("s3://bucket/prefix"; "": at path).
     uri: str = ""
     s3: S3Config | None = None
+    # "shared": several daemons append to this Delta table, each as its
+    # [daemon] name (docs/cdc.md, "Shared tables"); "single": this one only.
+    writers: str = "single"
 
     @property
     def location(self) -> str:

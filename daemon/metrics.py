@@ -499,6 +499,14 @@ class Metrics:
             ["stream"],
             registry=r,
         )
+        self.cdc_commit_retries = Counter(
+            p + "cdc_commit_retries_total",
+            "Commits of a CDC stream's batch tried again because another commit took "
+            "the Delta version first (another daemon's, in a shared table: docs/cdc.md, \"Shared "
+            'tables"), since the daemon started.',
+            ["stream"],
+            registry=r,
+        )
         self.mirror_cast_failures = Counter(
             p + "mirror_cast_failures_total",
             "Values of a mirror's typed column that did not fit its type (the column is "

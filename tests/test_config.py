@@ -334,3 +334,49 @@ def test_a_standby_with_tables_on_s3_only_is_accepted_and_a_primary_may_have_loc
         "cdc": {"streams": [{"name": "local", "collections": ["*"], "path": "tables/local"}]},
     }
     assert config.parse(primary).cdc.streams[0].uri == ""
+
+
+def test_a_shared_stream_needs_a_daemon_name_and_the_name_is_kept_after_path_resolution() -> None:
+    plain = config.parse(_stream()).cdc.streams[0]
+    assert plain.writers == "single"
+    with pytest.raises(ConfigError) as info:
+        config.parse(_stream(writers="shared"))
+    (error,) = info.value.errors
+    assert error.startswith(
+        'daemon.name: required, since cdc.streams[0] ("s") has writers = "shared"'
+    )
+    cfg = config.parse({"daemon": {"name": "ep-1"}, **_stream(writers="shared")})
+    assert cfg.daemon.name == "ep-1" and cfg.cdc.streams[0].writers == "shared"
+    with pytest.raises(ConfigError) as info:
+        config.parse({"daemon": {"name": "ep/1"}})
+    assert info.value.errors[0].startswith("daemon.name: expected 1-63 letters")
+    with pytest.raises(ConfigError) as info:
+        config.parse(_stream(writers="many"))
+    assert info.value.errors == [
+        'cdc.streams[0].writers: expected one of "single" | "shared", got "many"'
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [({"format": "parquet"}, 'format = "parquet"'), ({"variant": True}, "variant")],
+)
+def test_a_shared_parquet_or_variant_stream_is_refused_saying_why(
+    extra: dict[str, object], why: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.parse({"daemon": {"name": "ep-1"}, **_stream(writers="shared", **extra)})
+    (error,) = info.value.errors
+    assert error.startswith(
+        'cdc.streams[0].writers: a shared table (writers = "shared") is a Delta'
+    )
+    assert why in error and "Parquet folder's ledger has one writer" in error
+
+
+def test_a_mirror_with_a_writers_key_is_refused_saying_why() -> None:
+    mirror = {"name": "m", "collection": "orders", "path": "m", "writers": "shared"}
+    with pytest.raises(ConfigError) as info:
+        config.parse({"cdc": {"mirrors": [mirror]}})
+    (error,) = info.value.errors
+    assert error.startswith("cdc.mirrors[0].writers: a mirror has one writer")
+    assert "do not order one key's events" in error

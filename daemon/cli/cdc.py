@@ -117,10 +117,11 @@ def latest_rows_delta(stream: CdcStream, limit: int) -> list[dict[str, Any]]:
     return rows
 
 
-def lease(stream: CdcStream, *, break_it: bool, yes: bool, out: TextIO) -> int:
+def lease(stream: CdcStream, *, break_it: bool, yes: bool, out: TextIO, name: str = "") -> int:
     """Show the writer's lease of a table on S3, or remove it (``--break``)
     after a confirmation: for a daemon that is gone for good, when waiting
-    for the lease to expire is not wanted (docs/cdc.md, "Tables on S3")."""
+    for the lease to expire is not wanted (docs/cdc.md, "Tables on S3"). A
+    shared table's lease is the one of ``name`` (``[daemon] name``)."""
     import json as jsonmod
     import time
 
@@ -134,7 +135,8 @@ def lease(stream: CdcStream, *, break_it: bool, yes: bool, out: TextIO) -> int:
         return 1
     files = S3Files(stream.uri, stream.s3 or S3Config())
     store = S3Store(files.client, files.where.bucket)
-    key = files.where.key(f"{META_DIR}/lease.json")
+    under = f"{META_DIR}/writers/{name}" if stream.writers == "shared" else META_DIR
+    key = files.where.key(f"{under}/lease.json")
     current = store.get(key)
     if current is None:
         print(f"stream {stream.name!r} ({stream.uri}): no lease: no daemon writes it", file=out)
@@ -263,7 +265,7 @@ def main(
         )
         return 1
     if args.cdc_command == "lease":
-        return lease(stream, break_it=args.break_lease, yes=args.yes, out=out)
+        return lease(stream, break_it=args.break_lease, yes=args.yes, out=out, name=cfg.daemon.name)
     if args.cdc_command == "rewrite":
         return rewrite(stream, session=session, out=out)
     if args.cdc_command == "files":

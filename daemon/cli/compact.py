@@ -173,7 +173,9 @@ def locally(
     if read_ledger(stream.path) is None:
         print(f"stream {stream.name!r} ({stream.path}): no committed rows yet", file=out)
         return 0
-    sink = sink_class(stream)(stream, wal_id="", cores=cfg.daemon.cores)
+    sink = sink_class(stream)(
+        stream, wal_id="", cores=cfg.daemon.cores, daemon_name=cfg.daemon.name
+    )
     try:
         sink.open()  # the stream's lock, and its recovery
     except CdcStreamLockedError as exc:

@@ -80,7 +80,11 @@ def _act(
         _err(f"stream {stream.name!r}: {stream.path} holds no table yet")
         return 1
     sink = sink_class(stream)(
-        stream, wal_id=ledger.wal_id, cores=ledger.cores, data_dir=cfg.data_dir
+        stream,
+        wal_id=ledger.wal_id,
+        cores=ledger.cores,
+        data_dir=cfg.data_dir,
+        daemon_name=cfg.daemon.name,
     )
     try:
         sink.open()

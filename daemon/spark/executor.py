@@ -583,8 +583,13 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         try:
             for s in self.cfg.cdc.streams:
                 sink = sink_class(s)(
-                    s, wal_id=self.wal_id, cores=self.cfg.daemon.cores, data_dir=self.cfg.data_dir
+                    s,
+                    wal_id=self.wal_id,
+                    cores=self.cfg.daemon.cores,
+                    data_dir=self.cfg.data_dir,
+                    daemon_name=self.cfg.daemon.name,
                 )
+                sink.on_commit_retry = self.metrics.cdc_commit_retries.labels(s.name).inc
                 sink.open()
                 sinks.append(sink)
                 self.metrics.cdc_quarantined_rows.labels(sink.name).set(sink.quarantined)

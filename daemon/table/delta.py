@@ -32,6 +32,18 @@ are read from ``_delta_log`` and appended to the ledger from their
 batch re-runs). The identity check (invariant 13) is the ledger's WAL id and
 ``cores``, also in the table's properties (``eventplane.wal_id``,
 ``eventplane.cores``) and in the app id.
+
+A shared table (``writers = "shared"``: several daemons append to it, each
+as its ``[daemon] name``) says so in ``eventplane.writers``, and names each
+writer's WAL in ``eventplane.daemon.<name>.wal_id``: a daemon joins by
+setting its own (another WAL under its name refuses). Its rows carry
+``writer``, a partition column, so each writer's files sit in its own
+``writer=<name>`` folders: its open removes orphans there only, its
+roll-forward reads its own app id's commits only, and each commit is retried
+onto the others' (no automatic rebase: the fence is re-checked each time,
+``SHARED_COMMIT_ATTEMPTS``). On disk its state is ``_eventplane/writers/<name>/``;
+on S3 its lease is ``_eventplane/writers/<name>/lease.json`` and its fence
+counts only the commits of its name (:mod:`daemon.table.fence`).
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 
@@ -53,7 +65,7 @@ from daemon.plane.batch import MicroBatch
 from daemon.table import deltacommit, fence, quarantine, s3
 from daemon.table.crash import crash_point
 from daemon.table.durable import atomic_write_json, fsync_file
-from daemon.table.errors import CdcLayoutError
+from daemon.table.errors import CdcLayoutError, CdcStreamLockedError
 from daemon.table.layout import META_DIR, TABLE_COLUMNS
 from daemon.table.lease import Holder, Keeper, Lease, LeaseError, S3Store
 from daemon.table.ledger import (
@@ -96,6 +108,15 @@ REPLAY_APP = "/replay"
 # Attempts of one commit to a table on S3 that lost its version to this
 # writer's own maintenance (OPTIMIZE, DELETE, VACUUM's two commits).
 COMMIT_ATTEMPTS = 8
+# The same in a shared table, where every other daemon's commits race too:
+# 32 bounds a batch's retries against a few daemons committing about once a
+# second each (metric eventplane_cdc_commit_retries_total counts them).
+SHARED_COMMIT_ATTEMPTS = 32
+# A shared table's properties: that it is shared, and each writer's WAL id.
+SHARED_PROPERTY = "eventplane.writers"
+DAEMON_PROPERTY = "eventplane.daemon."
+# The partition column naming the daemon that wrote a row of a shared table.
+WRITER_COLUMN = "writer"
 
 
 def app_id(wal_id: str, stream: str) -> str:
@@ -135,10 +156,29 @@ class DeltaSink(CdcSink):
         cores: int,
         keep_batches: int = KEEP_BATCHES,
         data_dir: Path | None = None,
+        daemon_name: str = "",
     ) -> None:
         super().__init__(
-            stream, wal_id=wal_id, cores=cores, keep_batches=keep_batches, data_dir=data_dir
+            stream,
+            wal_id=wal_id,
+            cores=cores,
+            keep_batches=keep_batches,
+            data_dir=data_dir,
+            daemon_name=daemon_name,
         )
+        self.shared = stream.writers == "shared"
+        if self.shared and not daemon_name:
+            raise CdcLayoutError(
+                f'stream {self.name!r} has writers = "shared": set [daemon] name (this '
+                f"daemon's name among the table's writers)"
+            )
+        # The table's partition columns: a shared table's end with the writer's name.
+        self.partition_by = (
+            (*stream.partition_by, WRITER_COLUMN) if self.shared else stream.partition_by
+        )
+        if self.shared and not stream.uri:
+            # The table's folder is every writer's: each keeps its state apart.
+            self.meta = self.path / META_DIR / "writers" / daemon_name
         self.app_id = app_id(wal_id, stream.name)
         # Where the table's files are (this folder or an S3 prefix) and, on
         # S3, the writer's lease next to them (daemon/table/lease.py).
@@ -155,7 +195,14 @@ class DeltaSink(CdcSink):
         # On S3: this process's identity in each commit's commitInfo and its
         # side of the fence in the table's log (daemon/table/fence.py).
         what = f"stream {self.name!r} ({self.location})"
-        self.fence = fence.Fence(self.files, self.app_id, what, "cdc", stream=self.name)
+        self.fence = fence.Fence(
+            self.files,
+            self.app_id,
+            what,
+            "cdc",
+            name=daemon_name if self.shared else "",
+            stream=self.name,
+        )
         self.writer = self.fence.writer
         # Step 1 writes a raw inbox file's rows without a Spark job and commits
         # them with delta-rs; VARIANT columns (which delta-rs cannot open) take
@@ -174,9 +221,15 @@ class DeltaSink(CdcSink):
         self._lock()
         try:
             self._take_lease()
-            created = read_ledger(self.path) is None
+            created = read_ledger(self.path, self.meta) is None
             self._ledger = self._load_or_create_ledger()
             self._check_table_identity(created)
+            # (delta-rs cannot open a VARIANT table; a shared one has none.)
+            if not self.stream.variant and table_exists(self.files):
+                table = self._maintenance_table()
+                self._check_sharing(dict(table.metadata().configuration))
+                if self.shared:
+                    self._join_shared(table)
             report = RecoveryReport()
             self._roll_forward(report)
             if self._fence():  # a commit that landed before the fence is taken in too
@@ -195,6 +248,19 @@ class DeltaSink(CdcSink):
             log.warning("cdc_recovered", stream=self.name, rolled_forward=report.rolled_forward)
         return report
 
+    def _lock(self) -> None:
+        """The stream's lock; in a shared table on disk, its writer's name's."""
+        try:
+            super()._lock()
+        except CdcStreamLockedError as exc:
+            if not self.shared:
+                raise
+            raise CdcStreamLockedError(
+                f"stream {self.name!r}: two daemons named {self.daemon_name!r} write the "
+                f"shared table {self.location}: this one (WAL id {self.wal_id}) and the "
+                f"holder of {exc.lock_text}. Give each daemon its own [daemon] name."
+            ) from None
+
     def _take_lease(self) -> None:
         """A table on S3: take the writer's lease, ``_eventplane/lease.json``
         under the table's prefix (one writer per table)."""
@@ -206,9 +272,11 @@ class DeltaSink(CdcSink):
         if problem is not None:
             raise s3.S3Error(f"stream {self.name!r}: {self.location}: {problem}")
         holder = Holder.this_process(str(self.data_dir or self.path), self.wal_id, self.name)
+        # A shared table: one lease per writer's name (the others append beside it).
+        under = f"{META_DIR}/writers/{self.daemon_name}" if self.shared else META_DIR
         lease = Lease(
             S3Store(files.client, files.where.bucket),
-            files.where.key(f"{META_DIR}/lease.json"),
+            files.where.key(f"{under}/lease.json"),
             holder,
             ttl_s=cfg.lease_ttl_s,
             skew_s=cfg.lease_skew_s,
@@ -271,6 +339,27 @@ class DeltaSink(CdcSink):
             f"point the stream's path at a new folder."
         )
 
+    def _load_or_create_ledger(self) -> Ledger:
+        if self.shared:  # the ledger on disk is the name's: another WAL's is a second daemon
+            ledger = read_ledger(self.path, self.meta)
+            if (
+                ledger is not None
+                and ledger.wal_id
+                and self.wal_id
+                and ledger.wal_id != self.wal_id
+            ):
+                self._two_daemons(ledger.wal_id)
+        return super()._load_or_create_ledger()
+
+    def _two_daemons(self, theirs: str) -> NoReturn:
+        raise IdentityMismatchError(
+            f"stream {self.name!r}: two daemons named {self.daemon_name!r} write the "
+            f"shared Delta table at {self.location}: the table's writer of that name "
+            f"is WAL id {theirs}, this daemon's WAL id is {self.wal_id}. Give each "
+            f"daemon its own [daemon] name (a name stays with its WAL: keep it across "
+            f"a restore or a takeover)."
+        )
+
     def _new_ledger(self) -> Ledger:
         ledger = super()._new_ledger()
         ledger.table_format = "delta"
@@ -306,7 +395,7 @@ class DeltaSink(CdcSink):
                 (t["appId"] for t in apps if t["appId"].split("/")[:3] != self.app_id.split("/")),
                 None,
             )
-            if other is not None:
+            if other is not None and not self.shared:  # a shared table's other writers'
                 raise IdentityMismatchError(
                     f"stream {self.name!r}: the Delta table at {self.location} holds commits of "
                     f"another event plane (Delta app id {other}, version {version}; this one "
@@ -420,7 +509,7 @@ class DeltaSink(CdcSink):
         cannot tell yet leaves them: the next attempt or the next open decides);
         files of a crash before (b) are removed when the stream opens
         (``_remove_orphans``); an error after the commit is logged, not raised."""
-        files = self._staged_files(staging, bid)
+        files = self._final_files(staging, bid)
         if not files:  # every row of the stream was set aside
             return
         actions = [
@@ -443,7 +532,7 @@ class DeltaSink(CdcSink):
         try:
             if self.keeper is not None:
                 self.keeper.check()  # the upload took a while: fenced again
-            if isinstance(self.files, S3Files):
+            if isinstance(self.files, S3Files) or self.shared:
                 if not self._commit_fenced(table, actions, meta, self.app_id, bid):
                     self._unlink(files)  # an earlier attempt committed it
             elif self._in_log(table, bid):
@@ -453,11 +542,12 @@ class DeltaSink(CdcSink):
                 deltacommit.commit(
                     table,
                     actions,
-                    partition_by=list(self.stream.partition_by),
+                    partition_by=list(self.partition_by),
                     app_id=self.app_id,
                     version=bid,
                     user_metadata={"eventplane": meta},
                     writer=self.writer,
+                    name=self.fence.name,
                 )
         except LeaseError:
             raise  # not this writer's table now: its files are for the holder's open to judge
@@ -492,7 +582,8 @@ class DeltaSink(CdcSink):
     def _commit_fenced(
         self, table: Any, actions: list[Any], meta: dict[str, Any], app: str, version: int | None
     ) -> bool:
-        """A commit to a table on S3, fenced by the store, with the ``txn``
+        """A commit to a table on S3, fenced by the store, or to a shared
+        table (the fence on S3 only: on disk each writer's lock is its own), with the ``txn``
         (``app``, ``version``; None: the last one plus 1):
 
         1. Read the log: the commits since the last checked version are this
@@ -505,10 +596,12 @@ class DeltaSink(CdcSink):
         """
         from deltalake.exceptions import CommitFailedError
 
-        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+        attempts = SHARED_COMMIT_ATTEMPTS if self.shared else COMMIT_ATTEMPTS
+        for attempt in range(1, attempts + 1):
             # Step 1. Read the log.
             table.update_incremental()
-            self._check_fence(table)
+            if isinstance(self.files, S3Files):
+                self._check_fence(table)
             # Step 2. Committed already?
             done = table.transaction_version(app)
             if version is None:
@@ -521,18 +614,21 @@ class DeltaSink(CdcSink):
                 deltacommit.commit(
                     table,
                     actions,
-                    partition_by=list(self.stream.partition_by),
+                    partition_by=list(self.partition_by),
                     app_id=app,
                     version=version,
                     user_metadata={"eventplane": meta},
                     writer=self.writer,
+                    name=self.fence.name,
                     retries=0,
                 )
                 return True
             except CommitFailedError as exc:
                 # Step 4. Whose commit took the version?
-                if attempt == COMMIT_ATTEMPTS:
+                if attempt == attempts:
                     raise
+                if self.on_commit_retry is not None:
+                    self.on_commit_retry()
                 log.info("cdc_delta_commit_conflict", stream=self.name, app=app, error=str(exc))
         raise AssertionError("unreachable")
 
@@ -573,7 +669,7 @@ class DeltaSink(CdcSink):
         staging = self.meta / "staging" / f"r{bid:012d}"
         try:
             CdcSink._write_staged(self, df, staging)
-            files = self._staged_files(staging, bid)
+            files = self._final_files(staging, bid)
             actions = [deltacommit.add_action(staging / r, f, STATS_COLUMNS) for r, f in files]
             if self.keeper is not None:
                 self.keeper.check()
@@ -594,7 +690,7 @@ class DeltaSink(CdcSink):
         staging = self.meta / "staging" / f"r{bid:012d}"
         try:
             CdcSink._write_staged(self, df, staging)
-            files = self._staged_files(staging, bid)
+            files = self._final_files(staging, bid)
             actions = [deltacommit.add_action(staging / r, f, STATS_COLUMNS) for r, f in files]
             for rel, _ in files:
                 fsync_file(staging / rel)
@@ -604,8 +700,10 @@ class DeltaSink(CdcSink):
             deltacommit.commit(
                 table,
                 actions,
-                partition_by=list(self.stream.partition_by),
+                partition_by=list(self.partition_by),
                 user_metadata={"eventplane": meta},
+                writer=self.writer,
+                name=self.fence.name,
             )
             table.update_incremental()
             self.files.sync_log(range(int(table.version()), int(table.version()) + 1))
@@ -626,11 +724,15 @@ class DeltaSink(CdcSink):
         from deltalake import DeltaTable, Field, Schema
 
         if not table_exists(self.files):
+            schema = json.loads(df.schema.json())
+            if self.shared:
+                column = {"name": WRITER_COLUMN, "type": "string", "nullable": True, "metadata": {}}
+                schema["fields"].append(column)
             DeltaTable.create(
                 self.files.uri,
-                Schema.from_json(df.schema.json()),
+                Schema.from_json(json.dumps(schema)),
                 mode="ignore",
-                partition_by=list(self.stream.partition_by),
+                partition_by=list(self.partition_by),
                 configuration={**DELTA_PROPERTIES, **self._our_properties()},
                 storage_options=self.files.storage_options,
                 raise_if_key_not_exists=False,
@@ -638,7 +740,10 @@ class DeltaSink(CdcSink):
             )
         table = self._maintenance_table()
         props = dict(table.metadata().configuration)
-        if not self._check_properties(props):
+        if self.shared:
+            self._check_sharing(props)
+            self._join_shared(table)
+        elif not self._check_properties(props):
             if self.files.remote:
                 raise IdentityMismatchError(
                     f"stream {self.name!r}: the Delta table at {self.location} does not name "
@@ -685,7 +790,72 @@ class DeltaSink(CdcSink):
             log.info("cdc_delta_columns_added", stream=self.name, columns=added)
         self._created = True
 
+    def _daemon(self) -> dict[str, str]:
+        """This daemon's properties in a shared table: its WAL and ``cores``."""
+        key = DAEMON_PROPERTY + self.daemon_name
+        return {f"{key}.wal_id": self.wal_id, f"{key}.cores": str(self.cores)}
+
+    def _check_sharing(self, props: dict[str, str]) -> None:
+        """The table is shared exactly when this stream says ``writers = "shared"``."""
+        shared = props.get(SHARED_PROPERTY) == "shared"
+        if shared == self.shared:
+            return
+        if shared:
+            names = ", ".join(sorted(_writer_names(props)))
+            raise IdentityMismatchError(
+                f'stream {self.name!r} has writers = "single" (the default) but the Delta '
+                f'table at {self.location} is shared ({SHARED_PROPERTY} = "shared"; its '
+                f"writers: {names}): a single writer would take the other daemons' commits "
+                f'for another event plane\'s. Set writers = "shared" and [daemon] name to '
+                f"join them, or point [[cdc.streams]] path at another table."
+            )
+        wal = props.get("eventplane.wal_id")
+        raise IdentityMismatchError(
+            f'stream {self.name!r} has writers = "shared" but the Delta table at '
+            f"{self.location} is not a shared table (no {SHARED_PROPERTY} property"
+            f"{'; its writer is WAL id ' + wal if wal else ''}): its one writer does not "
+            f'expect others. Set writers = "single" (or remove the line), or point path at '
+            f"a new folder for a shared table."
+        )
+
+    def _join_shared(self, table: Any) -> None:
+        """This daemon's name in the shared table: its own WAL's, set by its
+        first open (a ``metaData`` commit, retried onto the others'). Another
+        WAL under the name, or this WAL under another name, refuses."""
+        from deltalake.exceptions import CommitFailedError
+
+        if not self.wal_id:  # an offline command (eventplane cdc compact): it appends nothing
+            return
+        for attempt in range(1, SHARED_COMMIT_ATTEMPTS + 1):
+            table.update_incremental()
+            names = _writer_names(dict(table.metadata().configuration))
+            theirs = names.get(self.daemon_name)
+            if theirs is not None and theirs != self.wal_id:
+                self._two_daemons(theirs)
+            other = [n for n, w in names.items() if w == self.wal_id and n != self.daemon_name]
+            if other:
+                raise IdentityMismatchError(
+                    f"stream {self.name!r}: this daemon's WAL (id {self.wal_id}) writes the "
+                    f"shared Delta table at {self.location} as {other[0]!r}, not as "
+                    f"{self.daemon_name!r}: set [daemon] name = {other[0]!r} again (its "
+                    f"commits and rows carry that name)."
+                )
+            if theirs is not None:
+                return
+            try:
+                table.alter.set_table_properties(
+                    self._daemon(), False, commit_properties=self._commit_properties()
+                )
+            except CommitFailedError:
+                if attempt == SHARED_COMMIT_ATTEMPTS:
+                    raise
+                continue
+            log.info("cdc_shared_table_joined", stream=self.name, writer=self.daemon_name)
+            return
+
     def _our_properties(self) -> dict[str, str]:
+        if self.shared:
+            return {"eventplane.stream": self.name, SHARED_PROPERTY: "shared", **self._daemon()}
         return {
             "eventplane.stream": self.name,
             "eventplane.wal_id": self.wal_id,
@@ -921,11 +1091,26 @@ class DeltaSink(CdcSink):
         quarantine.drop(self.meta, lsns)
         quarantine.replay_file(self.meta, bid).unlink(missing_ok=True)
 
+    def _final_files(self, staging: Path, bid: int) -> list[tuple[str, str]]:
+        """:meth:`_staged_files`; in a shared table each under this writer's
+        ``writer=<name>`` folder (its partition value, and its own files)."""
+        files = self._staged_files(staging, bid)
+        if not self.shared:
+            return files
+        folder = f"{WRITER_COLUMN}={self.daemon_name}"
+        return [(rel, str(Path(final).parent / folder / Path(final).name)) for rel, final in files]
+
     def _remove_orphans(self, report: RecoveryReport) -> None:
         """Files of batches above the ledger's last (after the roll-forward:
-        never committed) go."""
+        never committed) go; in a shared table, this writer's only (the
+        others' batches are numbered by their own WALs)."""
         last = self.ledger.last_batch_id
-        orphans = [rel for batch_id, rel in self.files.published() if batch_id > last]
+        mine = f"{WRITER_COLUMN}={self.daemon_name}"
+        orphans = [
+            rel
+            for batch_id, rel in self.files.published()
+            if batch_id > last and (not self.shared or mine in rel.split("/")[:-1])
+        ]
         self.files.remove(orphans)
         report.orphans_removed.extend(orphans)
 
@@ -956,3 +1141,13 @@ def _activate(spark: Any) -> None:
     """Make ``spark`` the active session of this thread's JVM thread: Delta's
     commands (VACUUM) look it up, and a maintenance thread has none."""
     _py4j_jvm(spark).org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)
+
+
+def _writer_names(props: dict[str, str]) -> dict[str, str]:
+    """A shared table's writers: ``{name: WAL id}`` from its properties."""
+    tail = ".wal_id"
+    return {
+        k[len(DAEMON_PROPERTY) : -len(tail)]: v
+        for k, v in props.items()
+        if k.startswith(DAEMON_PROPERTY) and k.endswith(tail)
+    }

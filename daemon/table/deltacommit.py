@@ -33,6 +33,9 @@ STRING_STATS_CHARS = 32
 # The commitInfo field naming the daemon process that committed (delta.py:
 # a writer tells its own commits from a new writer's by it).
 WRITER_KEY = "eventplaneWriter"
+# The commitInfo field naming the daemon ([daemon] name) in a shared table: a
+# writer checks only the commits of its own name (delta.py, fence.py).
+NAME_KEY = "eventplaneName"
 
 
 def available() -> str | None:
@@ -149,11 +152,13 @@ def commit(
     app_id: str | None = None,
     version: int = 0,
     writer: str | None = None,
+    name: str | None = None,
     retries: int | None = None,
 ) -> None:
     """One blind append of ``actions`` to the delta-rs table ``table``, with
     ``userMetadata`` and, given ``app_id``, the ``txn`` (``app_id``, ``version``);
-    given ``writer``, its identity in commitInfo (``WRITER_KEY``). ``retries``
+    given ``writer``, its identity in commitInfo (``WRITER_KEY``; ``name``, the
+    daemon's in a shared table: ``NAME_KEY``). ``retries``
     0: a commit whose version another took fails (``CommitFailedError``)
     instead of being rebased onto it (None: delta-rs's default)."""
     from deltalake import CommitProperties, PostCommitHookProperties, Transaction
@@ -162,6 +167,8 @@ def commit(
     custom = {"userMetadata": json.dumps(user_metadata, separators=(",", ":"))}
     if writer is not None:
         custom[WRITER_KEY] = writer
+    if name:
+        custom[NAME_KEY] = name
     properties = CommitProperties(
         custom_metadata=custom, max_commit_retries=retries, app_transactions=txns
     )

@@ -22,6 +22,8 @@ class CdcRecoveryError(CdcError):
 class CdcStreamLockedError(CdcError):
     """Another process writes this stream."""
 
+    lock_text = ""  # the held lock, and whose it is (wal.lockfile.LockHeld)
+
 
 class CdcQuarantineLimitError(CdcError):
     """More rows of a batch fail alone than ``quarantine_max_rows``."""

@@ -12,9 +12,18 @@ the version after the one it read, or fails:
    a maintenance commit rebased onto it conflicts with its ``metaData``.
 2. **Check.** Before each commit (:meth:`Fence.check`): every commit since the
    last checked version is this writer's; another's means the table was taken
-   over (:meth:`Fence.taken_over`): the writer stops for good. One exception:
-   a writer that found no table at its open (so it fenced nothing) and then
-   finds only another's table creation, no data, fences it then.
+            if self.name and info.get(NAME_KEY) != self.name:
+                continue  # another daemon's commit to the shared table
+            if info.get(WRITER_KEY) == self.writer:
+                continue
+            if self.seen < 0 and "add" not in actions and "metaData" in actions:
+                # No table at this writer's open, so no fence then; another
+                # process of this WAL created it since (a paused writer's create
+                # landing after a takeover): empty, so fence it now, as at an open.
+                log.warning(f"{self.event}_table_fenced_late", **self.fields, version=version)
+                self.commit(table)
+                return
+            self.taken_over(version, info)
 
 docs/cdc.md, "Tables on S3", says what a user sees.
 """
@@ -29,7 +38,7 @@ from typing import Any, NoReturn
 
 import structlog
 
-from daemon.table.deltacommit import WRITER_KEY
+from daemon.table.deltacommit import NAME_KEY, WRITER_KEY
 from daemon.table.lease import Keeper, TableTakenOverError
 from daemon.table.location import TableFiles
 
@@ -40,6 +49,9 @@ log = structlog.get_logger("eventplane.fence")
 # writer's, of the fences.
 FENCE_PROPERTY = "eventplane.writer"
 FENCE_APP = "/fence"
+# Attempts of a fencing commit to a shared table, whose other daemons'
+# fences and joins are metaData commits too (daemon/table/delta.py's bound).
+SHARED_FENCE_ATTEMPTS = 32
 
 
 def log_commits(files: TableFiles, after: int) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -65,8 +77,11 @@ class Fence:
     ``event`` prefixes the log events (``cdc`` or ``mirror``), ``fields``
     are bound to them."""
 
-    def __init__(self, files: TableFiles, app_id: str, what: str, event: str, **fields: Any):
+    def __init__(
+        self, files: TableFiles, app_id: str, what: str, event: str, name: str = "", **fields: Any
+    ):
         self.files, self.app_id, self.what = files, app_id, what
+        self.name = name  # the daemon's name in a shared table ("": one writer)
         self.event, self.fields = event, fields
         self.keeper: Keeper | None = None  # set once the lease is taken
         # This process's identity in each commit's commitInfo, and the last
@@ -81,19 +96,37 @@ class Fence:
         from deltalake import CommitProperties
 
         custom = {**options.pop("custom_metadata", {}), WRITER_KEY: self.writer}
+        if self.name:
+            custom[NAME_KEY] = self.name
         return CommitProperties(custom_metadata=custom, **options)
 
     def commit(self, table: Any) -> int:
         """Step 1 on the delta-rs table ``table`` (which exists): the fencing
-        commit; returns its epoch."""
+        commit; returns its epoch. In a shared table another daemon's
+        ``metaData`` commit (its own fence) can take the version: read again
+        and retry, at most ``SHARED_FENCE_ATTEMPTS`` times."""
+        from deltalake.exceptions import CommitFailedError
+
+        attempts = SHARED_FENCE_ATTEMPTS if self.name else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._commit(table)
+            except CommitFailedError as exc:
+                if attempt == attempts:
+                    raise
+                log.info(f"{self.event}_fence_conflict", **self.fields, error=str(exc))
+        raise AssertionError("unreachable")
+
+    def _commit(self, table: Any) -> int:
         from deltalake import Transaction
 
         table.update_incremental()
         epoch = int(table.transaction_version(self.app_id + FENCE_APP) or 0) + 1
         holder = str(self.keeper.lease.holder) if self.keeper is not None else ""
         meta = {"eventplane": {"fence": epoch, "holder": holder}}
+        key = f"{FENCE_PROPERTY}.{self.name}" if self.name else FENCE_PROPERTY
         table.alter.set_table_properties(
-            {FENCE_PROPERTY: f"{epoch} {self.writer}"},
+            {key: f"{epoch} {self.writer}"},
             False,
             commit_properties=self.properties(
                 custom_metadata={"userMetadata": json.dumps(meta, separators=(",", ":"))},
@@ -115,6 +148,8 @@ class Fence:
             if version > upto:
                 break
             info = actions.get("commitInfo", {})
+            if self.name and info.get(NAME_KEY) != self.name:
+                continue  # another daemon's commit to the shared table
             if info.get(WRITER_KEY) == self.writer:
                 continue
             if self.seen < 0 and "add" not in actions and "metaData" in actions:

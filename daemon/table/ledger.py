@@ -165,9 +165,10 @@ class Ledger:
         )
 
 
-def read_ledger(path: Path) -> Ledger | None:
-    """The stream's ledger, or None when nothing was ever committed there."""
-    file = path / META_DIR / "ledger.json"
+def read_ledger(path: Path, meta: Path | None = None) -> Ledger | None:
+    """The stream's ledger, or None when nothing was ever committed there
+    (``meta``: the stream's state folder, when not ``path``'s ``_eventplane``)."""
+    file = (meta or path / META_DIR) / "ledger.json"
     try:
         raw = json.loads(file.read_bytes())
     except FileNotFoundError:

@@ -98,8 +98,12 @@ class CdcSink(ParquetWrite):
         cores: int,
         keep_batches: int = KEEP_BATCHES,
         data_dir: Path | None = None,
+        daemon_name: str = "",
     ) -> None:
         self.stream = stream
+        self.daemon_name = daemon_name  # [daemon] name: a shared table's writer (delta.py)
+        # Called once per commit attempt that lost its version to another commit.
+        self.on_commit_retry: Callable[[], None] | None = None
         self.path = Path(stream.path)
         self.meta = self.path / META_DIR
         self.wal_id = wal_id
@@ -202,13 +206,15 @@ class CdcSink(ParquetWrite):
         try:
             self._lock_fd = lockfile.take(self.meta / "lock", holder)
         except lockfile.LockHeld as exc:
-            raise CdcStreamLockedError(
+            error = CdcStreamLockedError(
                 f"stream {self.name!r}: {self.path} is locked by another process (another "
                 f"eventplane daemon writes it): its lock {exc}; stop that one or use another path"
-            ) from None
+            )
+            error.lock_text = str(exc)
+            raise error from None
 
     def _load_or_create_ledger(self) -> Ledger:
-        ledger = read_ledger(self.path)
+        ledger = read_ledger(self.path, self.meta)
         if ledger is None:
             ledger = self._new_ledger()
             atomic_write_json(self.meta / "ledger.json", ledger.to_json())

@@ -31,8 +31,10 @@ async def executor_factory(
     """``await make(**config_kwargs)`` -> a started SparkExecutor on the shared session."""
     made: list[SparkExecutor] = []
 
-    async def make(*, wal_id: str = "wal-1", stages: Any = (), **kwargs: Any) -> SparkExecutor:
-        cfg = make_config(tmp_path, **kwargs)
+    async def make(
+        *, wal_id: str = "wal-1", stages: Any = (), root: Path | None = None, **kwargs: Any
+    ) -> SparkExecutor:
+        cfg = make_config(root or tmp_path, **kwargs)
         ex = SparkExecutor(cfg, metrics, stages, wal_id=wal_id, session=spark)
         await ex.start()
         made.append(ex)

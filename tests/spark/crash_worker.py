@@ -7,7 +7,9 @@ writing under ROOT, printing ``committed <id>`` after each. With
 ``EVENTPLANE_CRASH_AT`` set it SIGKILLs itself at that point.
 ``--pause-before B`` prints ``paused B`` and waits for a line on stdin before
 batch B; ``--retries N`` retries a failed batch (once the executor is ready again)
-like the planner does.
+like the planner does. ``--daemon-name NAME --tables DIR``: the stream is
+``writers = "shared"`` (its table on disk under DIR unless ``--s3``), and the
+worker prints ``retries <n>`` (eventplane_cdc_commit_retries_total) at the end.
 """
 
 from __future__ import annotations
@@ -30,10 +32,18 @@ async def run(args: argparse.Namespace) -> int:
     if args.s3:  # {"uri": ..., "s3": {the [s3] section}}
         raw = json.loads(args.s3)
         options = {**(options or {}), "uri": raw["uri"], "s3": S3Config(**raw["s3"])}
+    if args.daemon_name:
+        options = {**(options or {}), "writers": "shared"}
     cfg = make_config(
-        Path(args.root), master=args.master, remote=args.remote, stream_options=options
+        Path(args.root),
+        master=args.master,
+        remote=args.remote,
+        stream_options=options,
+        daemon_name=args.daemon_name,
+        tables=Path(args.tables) if args.tables else None,
     )
-    ex = SparkExecutor(cfg, Metrics(), wal_id=args.wal_id)
+    metrics = Metrics()
+    ex = SparkExecutor(cfg, metrics, wal_id=args.wal_id)
     await ex.start()
     try:
         await asyncio.wait_for(ex.wait_ready(), args.ready_timeout)
@@ -54,6 +64,8 @@ async def run(args: argparse.Namespace) -> int:
                     await asyncio.sleep(1.0)
                     await asyncio.wait_for(ex.wait_ready(), args.ready_timeout)
             say(f"committed {batch.batch_id}")
+        if args.daemon_name:
+            say(f"retries {int(metrics.cdc_commit_retries.labels('all')._value.get())}")
     finally:
         await ex.stop()
     return 0
@@ -72,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bad-every", type=int, default=0, help="every Nth LSN's payload is bad")
     p.add_argument("--format", default="parquet", help="the stream's table format")
     p.add_argument("--s3", default="", help='the table on S3: {"uri": ..., "s3": {...}}')
+    p.add_argument("--daemon-name", default="", help="[daemon] name: the stream is shared")
+    p.add_argument("--tables", default="", help="the folder of the streams' tables on disk")
     p.add_argument("--pause-before", type=int, default=0, help="wait for a stdin line first")
     return asyncio.run(run(p.parse_args(argv)))
 

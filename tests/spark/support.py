@@ -119,6 +119,8 @@ def make_config(
     retention_s: int | None = None,
     stream_options: Mapping[str, Any] | None = None,
     attempt_slow_s: float = 600.0,
+    daemon_name: str = "",
+    tables: Path | None = None,
 ) -> Config:
     """``stream_options``: more keys of every ``[[cdc.streams]]`` (compaction).
 
@@ -126,9 +128,12 @@ def make_config(
     commit's outcome, so by default ``execute`` waits for every commit (it
     stops waiting after half of it, issue 47); a test of a commit handed back
     in flight sets it low. The planner's side of that is tests/core/test_slow_stages.py.
+
+    ``daemon_name``: ``[daemon] name``; ``tables``: the folder of the streams'
+    tables (default ``root/cdc``: a shared table's writers name one).
     """
     return Config(
-        daemon=DaemonConfig(data_dir=root / "var", cores=cores),
+        daemon=DaemonConfig(data_dir=root / "var", cores=cores, name=daemon_name),
         health=HealthConfig(attempt_slow_s=attempt_slow_s),
         spark=SparkConfig(
             master=master,
@@ -144,7 +149,7 @@ def make_config(
                 CdcStream(
                     name,
                     tuple(cols),
-                    root / "cdc" / name,
+                    (tables or root / "cdc") / name,
                     partition_by=tuple(partition_by),
                     retention_s=retention_s,
                     **{"format": "parquet", **(stream_options or {})},
