@@ -8,7 +8,9 @@
 ``eventplane cdc lease STREAM [--break [--yes]]``: the writer's lease of a
 table on S3 (``daemon.table.lease``), broken by hand with ``--break``.
 ``eventplane cdc mirror verify NAME``: a mirror compared with a fold of its
-change log (:mod:`daemon.table.mirrorverify`), exit 1 when they differ.
+change log (:mod:`daemon.table.mirrorverify`), exit 1 when they differ;
+``eventplane cdc mirror rebuild NAME``: folded anew and switched to
+(:mod:`daemon.table.mirrorrebuild`).
 
 ``show`` reads only what a plain reader would see (published files), newest
 batches first, using the stream's ledger to open just enough files for
@@ -486,7 +488,8 @@ def retention_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
 
 def mirror_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
     """``cdc mirror verify``: 0 when the mirror is the fold of its log, 1 when
-    it differs (the first differences printed), 2 when it cannot be compared."""
+    it differs (the first differences printed), 2 when it cannot be compared.
+    ``cdc mirror rebuild``: 0 once switched, 2 when it cannot run."""
     from daemon.table.mirrorverify import VerifyError, verify
 
     mirror = next((m for m in cfg.cdc.mirrors if m.name == args.mirror), None)
@@ -497,6 +500,8 @@ def mirror_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.mirror_command == "rebuild":
+        return _rebuild(cfg, mirror, out)
     try:
         verdict = verify(cfg, mirror, limit=max(args.limit, 1))
     except VerifyError as exc:
@@ -522,3 +527,45 @@ def mirror_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
 def _cell(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= MAX_CELL else text[: MAX_CELL - 3] + "..."
+
+
+def _rebuild(cfg: Config, mirror: Any, out: TextIO) -> int:
+    from daemon.table.mirrorrebuild import rebuild
+    from daemon.table.mirrorverify import VerifyError
+
+    bar = _Bar(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        done = rebuild(cfg, mirror, progress=bar)
+    except VerifyError as exc:
+        print(f"eventplane cdc mirror rebuild: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.end()
+    print(
+        f"mirror {done.mirror!r} rebuilt from stream {done.stream!r} up to batch "
+        f"{done.last_batch}: {done.events} events folded, {done.rows} rows, "
+        f"{done.seconds:.1f} s",
+        file=out,
+    )
+    return 0
+
+
+class _Bar:
+    """A one-line progress bar on a terminal, in batches folded."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def __call__(self, done: int, total: int) -> None:
+        width, share = 30, done / max(total, 1)
+        filled = int(width * share)
+        self.stream.write(
+            f"\rrebuild [{'#' * filled}{'.' * (width - filled)}] {100 * share:3.0f}% "
+            f"batch {done} of {total}"
+        )
+        self.stream.flush()
+
+    def end(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()

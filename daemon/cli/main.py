@@ -250,6 +250,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(r)
     r.add_argument("mirror")
     r.add_argument("--limit", type=int, default=10, help="differences shown (10)")
+    r = m_sub.add_parser(
+        "rebuild",
+        help="fold a mirror anew from its change log into a new table, then switch to it",
+        description="Fold the change log (a Delta CDC stream that takes the mirror's "
+        "collection) into a new table as the config says (buckets, columns, history), "
+        "then swap it for the old one in one step (docs/cdc.md, 'Mirror tables'). Takes "
+        "the mirror's lock: stop the daemon first. Killed, it leaves the old mirror in "
+        "place; run it again.",
+    )
+    _add_config(r)
+    r.add_argument("mirror")
     q = cdc_sub.add_parser(
         "compact",
         help="merge a CDC stream's small files now (through the daemon when it runs)",

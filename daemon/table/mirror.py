@@ -583,8 +583,10 @@ class MirrorTable:
                     f"path at a new folder, or move the old one away."
                 )
         rebuild = (
-            "a mirror's buckets and columns are fixed when its table is made; to change them, "
-            'rebuild the mirror: point its path at a new folder (docs/cdc.md, "Mirror tables")'
+            "a mirror's buckets, columns and history are fixed when its table is made; to "
+            f"change them, rebuild the mirror: stop the daemon, run `eventplane cdc mirror "
+            f"rebuild {self.name}` (on S3: point its path at a new prefix) "
+            '(docs/cdc.md, "Mirror tables")'
         )
         if props.get("eventplane.buckets") != ours["eventplane.buckets"]:
             raise CdcLayoutError(
@@ -618,9 +620,12 @@ class MirrorTable:
         version = table.transaction_version(self.app_id)
         return version is not None and int(version) >= batch_id
 
-    def commit(self, table: Any, batch: MicroBatch) -> MirrorResult:
+    def commit(
+        self, table: Any, batch: MicroBatch, *, note: Mapping[str, Any] | None = None
+    ) -> MirrorResult:
         """Merge the mirror's rows of ``batch`` (its rows as an Arrow table,
-        ``daemon.spark.frame.batch_table``) exactly once (module docstring)."""
+        ``daemon.spark.frame.batch_table``) exactly once (module docstring).
+        ``note``: more of the commit's ``userMetadata`` (a rebuild's ``first_batch``)."""
         started = time.monotonic()
         bid = batch.batch_id
         if self.done(bid):  # Step 0.
@@ -631,7 +636,7 @@ class MirrorTable:
         if not reduced.rows and not reduced.closes:
             return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
         crash_point("mirror.before_commit")
-        metrics = self._merge(reduced, batch)  # Step 2.
+        metrics = self._merge(reduced, batch, note or {})  # Step 2.
         crash_point("mirror.after_commit")
         self.last_batch_id = bid
         self.commits_since_compaction += 1
@@ -673,7 +678,9 @@ class MirrorTable:
         self.quarantined += len(rows) - had
         log.warning("mirror_events_set_aside", mirror=self.name, batch_id=bid, events=len(rows))
 
-    def _merge(self, reduced: Reduced, batch: MicroBatch) -> dict[str, Any]:
+    def _merge(
+        self, reduced: Reduced, batch: MicroBatch, note: Mapping[str, Any]
+    ) -> dict[str, Any]:
         """Commit step 2; on S3 fenced (module docstring):
 
         a. The log, then the lease: every commit since this writer's last is
@@ -713,6 +720,7 @@ class MirrorTable:
                 "ranges": {str(c): [a, b] for c, (a, b) in sorted(batch.ranges().items())},
                 "events": reduced.events,
                 "keys": len(reduced.rows),
+                **note,
             }
         }
         for attempt in range(1, COMMIT_ATTEMPTS + 1):

@@ -80,11 +80,13 @@ def _mirror_snapshot(mirror: CdcMirror) -> tuple[list[dict[str, Any]], str, int,
     last = table.transaction_version(app_id(wal_id, mirror.name))
     if last is None:
         raise VerifyError(f"mirror {mirror.name!r}: no batch merged yet; nothing to compare")
-    merged = [
-        json.loads(h["userMetadata"])["eventplane"]["batch_id"]
+    # A rebuild's merge holds batches first_batch..batch_id.
+    notes = [
+        json.loads(h["userMetadata"])["eventplane"]
         for h in table.history()
         if h.get("operation") == "MERGE" and "userMetadata" in h
     ]
+    merged = [int(n.get("first_batch", n["batch_id"])) for n in notes]
     # A log cleaned up to a checkpoint lists the merges since: the log is then
     # folded from its start (a mirror that started at the head differs).
     whole = any(h.get("version") == 0 for h in table.history())
