@@ -856,6 +856,7 @@ class MirrorTable:
             "collection": self.mirror.collection,
             "buckets": self.mirror.buckets,
             "strict": self.mirror.strict,
+            "history": self.mirror.history,
             "last_batch_id": self.last_batch_id,
             "last_commit": self.last_commit,
             "last_compaction": self.last_compaction,

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -23,6 +24,7 @@ from daemon.cli import cdc
 from daemon.config import CdcMirror
 from daemon.metrics import Metrics
 from daemon.spark.executor import SparkExecutor
+from daemon.table import mirrorrebuild
 from daemon.table.crash import ENV_CRASH_AT, MIRROR_REBUILD_CRASH_POINTS
 from daemon.table.errors import CdcLayoutError
 from daemon.table.mirror import MirrorTable
@@ -56,7 +58,10 @@ async def test_a_rebuild_killed_before_its_switch_leaves_the_old_mirror_and_the_
     4. One SIGKILLed at ``after_switch``: the new table is in place.
     5. One more runs to the end (it starts over): the mirror has 8 buckets,
        opens with the new config, holds the fold (verify: equal), and the
-       rebuild's folder is gone."""
+       rebuild's folder is gone.
+    6. A rebuild into a history mirror, in several merges: verify finds it equal."""
+    from deltalake import DeltaTable
+
     cfg = make_config(tmp_path, stream_options={"format": "delta"})
     old = CdcMirror("orders", "orders", tmp_path / "orders", COLUMNS, buckets=4)
     cfg = dataclasses.replace(cfg, cdc=dataclasses.replace(cfg.cdc, mirrors=(old,)))
@@ -136,3 +141,15 @@ buckets = 8
         cdc_command="mirror", mirror_command="verify", mirror="orders", limit=10
     )
     assert cdc.main(args, new, out=text) == 0, text.getvalue()
+
+    # Step 6. In this process, in chunks of about 40 rows: into a history mirror.
+    history = dataclasses.replace(mirror, history=True)
+    with_history = dataclasses.replace(new, cdc=dataclasses.replace(new.cdc, mirrors=(history,)))
+    with mock.patch.object(mirrorrebuild, "CHUNK_ROWS", 40):
+        done = mirrorrebuild.rebuild(with_history, history)
+    assert done.last_batch == 8 and done.events == 174
+    merges = DeltaTable(str(tmp_path / "orders")).history()
+    assert sum(h.get("operation") == "MERGE" for h in merges) >= 4
+    text = io.StringIO()
+    assert cdc.main(args, with_history, out=text) == 0, text.getvalue()
+    assert text.getvalue().startswith("mirror 'orders' and the fold of stream 'all', batches 1-8")

@@ -136,6 +136,17 @@ def test_after_every_batch_a_history_mirror_holds_every_version_of_the_fold(
     run()
 
 
+def test_history_is_a_mirror_key_and_its_columns_are_the_mirrors_own() -> None:
+    from daemon import config as configmod
+    from daemon.errors import ConfigError
+
+    entry = {"name": "o", "collection": "orders", "path": "m", "history": True}
+    (mirror,) = configmod.parse({"cdc": {"mirrors": [entry]}}).cdc.mirrors
+    assert mirror.history is True
+    with pytest.raises(ConfigError, match=r"columns.is_current: a mirror's own column"):
+        configmod.parse({"cdc": {"mirrors": [{**entry, "columns": {"is_current": "boolean"}}]}})
+
+
 def test_a_current_state_table_refuses_to_open_as_a_history_mirror(tmp_path: Path) -> None:
     m = MirrorTable(mirror_config(tmp_path / "m"), wal_id=WAL_ID, cores=CORES)
     m.open()
