@@ -39,7 +39,13 @@ from daemon.table.delta import app_id as stream_app_id
 from daemon.table.durable import fsync_dir
 from daemon.table.layout import META_DIR
 from daemon.table.mirror import MirrorTable, app_id
-from daemon.table.mirrorverify import LOG_COLUMNS, VerifyError, log_stream
+from daemon.table.mirrorverify import (
+    LOG_COLUMNS,
+    VerifyError,
+    check_holds,
+    first_batch,
+    log_stream,
+)
 from wal import lockfile
 
 # Rows of the log one merge of a rebuild takes (batches are not split): a
@@ -141,9 +147,12 @@ def rebuild(
         shutil.rmtree(fresh, ignore_errors=True)
         wal_id = _wal_id(mirror, stream)
         try:
-            old = DeltaTable(str(path)).transaction_version(app_id(wal_id, mirror.name))
+            before = DeltaTable(str(path))
+            old, first = before.transaction_version(app_id(wal_id, mirror.name)), 1
+            if old is not None:
+                first = first_batch(before)
         except TableNotFoundError:
-            old = None
+            old, first = None, 1
         log = DeltaTable(stream.location, storage_options=_options(stream))
         last = int(log.transaction_version(stream_app_id(wal_id, stream.name)) or 0)
         if old is not None and last < int(old):
@@ -153,6 +162,8 @@ def rebuild(
             )
         # Step 2. Fold into the new table.
         dataset = log.to_pyarrow_dataset()
+        if old is not None:  # the log must hold what the old mirror holds
+            check_holds(stream, dataset, first)
         mine = pc.field("collection") == mirror.collection
         ids = dataset.to_table(columns=["batch_id"], filter=mine & (pc.field("batch_id") <= last))
         counts = {

@@ -80,18 +80,38 @@ def _mirror_snapshot(mirror: CdcMirror) -> tuple[list[dict[str, Any]], str, int,
     last = table.transaction_version(app_id(wal_id, mirror.name))
     if last is None:
         raise VerifyError(f"mirror {mirror.name!r}: no batch merged yet; nothing to compare")
-    # A rebuild's merge holds batches first_batch..batch_id.
+    first = first_batch(table)
+    return table.to_pyarrow_table().to_pylist(), wal_id, first, int(last)
+
+
+def first_batch(table: Any) -> int:
+    """The first batch the mirror's delta-rs ``table`` holds: its first merge's
+    (a rebuild's merge holds batches ``first_batch..batch_id``). A log cleaned
+    up to a checkpoint lists only the merges since: then 1 (the log is folded
+    from its start, and a mirror that started at the head differs)."""
+    history = table.history()
     notes = [
         json.loads(h["userMetadata"])["eventplane"]
-        for h in table.history()
+        for h in history
         if h.get("operation") == "MERGE" and "userMetadata" in h
     ]
     merged = [int(n.get("first_batch", n["batch_id"])) for n in notes]
-    # A log cleaned up to a checkpoint lists the merges since: the log is then
-    # folded from its start (a mirror that started at the head differs).
-    whole = any(h.get("version") == 0 for h in table.history())
-    first = min(merged) if merged and whole else 1
-    return table.to_pyarrow_table().to_pylist(), wal_id, first, int(last)
+    whole = any(h.get("version") == 0 for h in history)
+    return min(merged) if merged and whole else 1
+
+
+def check_holds(stream: CdcStream, dataset: Any, first: int) -> None:
+    """Refuse a log whose oldest batch is after ``first`` (a stream that started
+    later, or whose retention removed the oldest partitions)."""
+    import pyarrow.compute as pc
+
+    oldest = pc.min(dataset.to_table(columns=["batch_id"]).column("batch_id")).as_py()
+    if oldest is not None and oldest > first:
+        raise VerifyError(
+            f"stream {stream.name!r} starts at batch {oldest}, after the mirror's first "
+            f"({first}): it does not hold the mirror's whole change log (a later start, or "
+            f"its retention removed the oldest partitions)"
+        )
 
 
 def log_stream(cfg: Config, mirror: CdcMirror) -> CdcStream:
@@ -107,7 +127,7 @@ def log_stream(cfg: Config, mirror: CdcMirror) -> CdcStream:
     )
 
 
-def _log_rows(stream: CdcStream, wal_id: str, first: int, last: int) -> Any:
+def _log_rows(stream: CdcStream, wal_id: str, collection: str, first: int, last: int) -> Any:
     """Step 2: the stream's rows of batches ``first..last``, as an Arrow table."""
     import pyarrow.compute as pc
     from deltalake import DeltaTable
@@ -121,19 +141,10 @@ def _log_rows(stream: CdcStream, wal_id: str, first: int, last: int) -> Any:
             f"the log is behind the mirror (is the stream paused?); verify once it caught up"
         )
     dataset = table.to_pyarrow_dataset()
-    rows = dataset.to_table(
-        columns=[*LOG_COLUMNS, "batch_id"],
-        filter=(pc.field("batch_id") >= first) & (pc.field("batch_id") <= last),
-    )
-    if rows.num_rows:
-        oldest = dataset.to_table(columns=["batch_id"]).column("batch_id")
-        started = pc.min(oldest).as_py()
-        if started > first:
-            raise VerifyError(
-                f"stream {stream.name!r} starts at batch {started}, after the mirror's first "
-                f"({first}): it does not hold the mirror's whole change log"
-            )
-    return rows.select(list(LOG_COLUMNS))
+    check_holds(stream, dataset, first)
+    mine = pc.field("collection") == collection
+    batches = (pc.field("batch_id") >= first) & (pc.field("batch_id") <= last)
+    return dataset.to_table(columns=list(LOG_COLUMNS), filter=mine & batches)
 
 
 def _identity(mirror: CdcMirror, row: dict[str, Any]) -> tuple[str, int]:
@@ -172,7 +183,7 @@ def verify(cfg: Config, mirror: CdcMirror, *, limit: int = 10) -> Verdict:
     """Steps 1-4; at most ``limit`` differences kept."""
     got, wal_id, first, last = _mirror_snapshot(mirror)  # Step 1.
     stream = log_stream(cfg, mirror)
-    log = _log_rows(stream, wal_id, first, last)  # Step 2.
+    log = _log_rows(stream, wal_id, mirror.collection, first, last)  # Step 2.
     reduced = reduce(mirror, log)  # Step 3.
     want = [r for r in reduced.rows if mirror.history or r["op"] != "delete"]
     differences = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from daemon.cli import cdc
 from daemon.config import CdcMirror, Config
 from daemon.metrics import Metrics
 from daemon.spark.executor import SparkExecutor
+from tests.s3.server import S3Server
 from tests.spark.support import make_config
 from tests.table.history_worker import events
 from tests.table.test_mirror import COLUMNS, make_batch
@@ -31,22 +33,34 @@ def run_verify(cfg: Config, name: str) -> tuple[int, str]:
 
 
 async def test_verify_passes_an_untouched_mirror_and_names_the_key_of_a_row_changed_by_hand(
-    spark: Any, tmp_path: Path, metrics: Metrics
+    spark: Any, tmp_path: Path, metrics: Metrics, s3_server: S3Server
 ) -> None:
     """1. Eight batches of inserts, updates and deletes over 12 keys (a key
        changes several times in a batch) go to the stream ``all`` and to the
-       mirrors ``orders`` and ``orders_history``.
-    2. Verify: both equal the fold, exit 0, a one-line summary.
+       mirrors ``orders``, ``orders_history`` and ``orders_s3`` (in a bucket).
+    2. Verify: each equals the fold, exit 0, a one-line summary.
     3. A delta-rs update changes ``amount`` of one key in each mirror: verify
        exits 1 and names that key and column, the mirror's and the log's value.
     4. A mirror with no log (no stream takes its collection) exits 2."""
     from deltalake import DeltaTable
 
     cfg = make_config(tmp_path, stream_options={"format": "delta"})
-    mirrors = tuple(
-        CdcMirror(name, "orders", tmp_path / name, COLUMNS, buckets=4, history=history)
-        for name, history in (("orders", False), ("orders_history", True))
+    uri = f"s3://{s3_server.bucket}/v-{uuid.uuid4().hex[:8]}/orders"
+    s3 = CdcMirror(
+        "orders_s3", "orders", tmp_path / "s3", COLUMNS, 4, uri=uri, s3=s3_server.config()
     )
+    mirrors = (
+        CdcMirror("orders", "orders", tmp_path / "orders", COLUMNS, buckets=4),
+        CdcMirror(
+            "orders_history", "orders", tmp_path / "orders_history", COLUMNS, 4, history=True
+        ),
+        s3,
+    )
+    where = {
+        "orders": (str(tmp_path / "orders"), None),
+        "orders_history": (str(tmp_path / "orders_history"), None),
+        "orders_s3": (uri, s3_server.storage_options()),
+    }
     cfg = dataclasses.replace(cfg, cdc=dataclasses.replace(cfg.cdc, mirrors=mirrors))
     ex = SparkExecutor(cfg, metrics, wal_id="wal-1", session=spark)
     await ex.start()
@@ -56,14 +70,14 @@ async def test_verify_passes_an_untouched_mirror_and_names_the_key_of_a_row_chan
     finally:
         await ex.stop()
 
-    for name in ("orders", "orders_history"):  # Step 2.
+    for name in where:  # Step 2.
         rc, text = run_verify(cfg, name)
         assert rc == 0, text
         assert text.startswith(f"mirror {name!r} and the fold of stream 'all', batches 1-8: equal,")
         assert len(text.splitlines()) == 1
 
-    for name in ("orders", "orders_history"):  # Step 3.
-        table = DeltaTable(str(tmp_path / name))
+    for name, (location, options) in where.items():  # Step 3.
+        table = DeltaTable(location, storage_options=options)
         rows = table.to_pyarrow_table().to_pylist()
         current = [r for r in rows if r.get("is_current", True)]
         victim = min(current, key=lambda r: r["key"])
