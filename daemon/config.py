@@ -67,6 +67,7 @@ __all__ = [
     "ALLOW_DUPLICATE_KEYS",
     "ENV_CONFIG",
     "ENV_CREDENTIALS",
+    "HISTORY_COLUMNS",
     "MAX_EVENT_BYTES",
     "MAX_JSON_DEPTH",
     "MIRROR_COLUMNS",
@@ -622,6 +623,8 @@ _STREAM_KEYS = ("quarantine_max_rows", "format", "variant", "vacuum_retain_hours
 
 # A mirror's own columns, before its typed ones (docs/cdc.md, "Mirror tables").
 MIRROR_COLUMNS = ("key", "bucket", "lsn", "op", "updated_at", "producer", "doc")
+# A history mirror's columns after those (docs/cdc.md, "History").
+HISTORY_COLUMNS = ("valid_from_lsn", "valid_to_lsn", "valid_from", "valid_to", "is_current")
 _DECIMAL = re.compile(r"^decimal\((\d+),\s*(\d+)\)$")
 
 
@@ -645,8 +648,9 @@ def _mirror_columns(value: Any, path: str, errors: list[str]) -> Any:
     out: list[tuple[str, str]] = []
     for name, kind in value.items():
         typed = _mirror_type(kind)
-        if name in MIRROR_COLUMNS:
-            errors.append(f"{path}.{name}: a mirror's own column ({', '.join(MIRROR_COLUMNS)})")
+        if name in MIRROR_COLUMNS + HISTORY_COLUMNS:
+            own = ", ".join(MIRROR_COLUMNS + HISTORY_COLUMNS)
+            errors.append(f"{path}.{name}: a mirror's own column ({own})")
         elif not name.isidentifier():
             errors.append(f"{path}.{name}: expected a column name of letters, digits and _")
         elif typed is None:
@@ -665,6 +669,7 @@ _MIRROR: dict[str, Checker] = {
     "columns": _mirror_columns,
     "strict": _bool,
     "buckets": _int(1, 10_000),
+    "history": _bool,
 }
 
 
@@ -703,6 +708,7 @@ def _parse_mirrors(raw: Any, errors: list[str]) -> list[CdcMirror]:
                 got.get("strict", False),
                 got.get("buckets", 16),
                 uri=uri,
+                history=got.get("history", False),
             )
         )
     return out

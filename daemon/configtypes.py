@@ -340,6 +340,9 @@ class CdcMirror:
     buckets: int = 16
     uri: str = ""  # "s3://bucket/prefix" when on S3
     s3: S3Config | None = None
+    # SCD type 2: a row per version of a key (valid_from_lsn .. valid_to_lsn),
+    # not one per key; fixed when the table is made.
+    history: bool = False
 
     @property
     def location(self) -> str:

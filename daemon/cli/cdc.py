@@ -7,6 +7,10 @@
 (:mod:`daemon.snapshot`), for readers that must not race a compaction's swap.
 ``eventplane cdc lease STREAM [--break [--yes]]``: the writer's lease of a
 table on S3 (``daemon.table.lease``), broken by hand with ``--break``.
+``eventplane cdc mirror verify NAME``: a mirror compared with a fold of its
+change log (:mod:`daemon.table.mirrorverify`), exit 1 when they differ;
+``eventplane cdc mirror rebuild NAME``: folded anew and switched to
+(:mod:`daemon.table.mirrorrebuild`).
 
 ``show`` reads only what a plain reader would see (published files), newest
 batches first, using the stream's ledger to open just enough files for
@@ -238,6 +242,8 @@ def main(
 
         admin = access.from_args(args, access.ENV_ADMIN_TOKEN_FILE)
         return compact.main(args, cfg, session=session, out=out, access=admin)
+    if args.cdc_command == "mirror":
+        return mirror_main(args, cfg, out)
     if args.cdc_command == "quarantine":
         from daemon.cli import quarantine
 
@@ -480,3 +486,88 @@ def retention_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
         file=out,
     )
     return 0
+
+
+def mirror_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
+    """``cdc mirror verify``: 0 when the mirror is the fold of its log, 1 when
+    it differs (the first differences printed), 2 when it cannot be compared.
+    ``cdc mirror rebuild``: 0 once switched, 2 when it cannot run."""
+    from daemon.table.mirrorverify import VerifyError, verify
+
+    mirror = next((m for m in cfg.cdc.mirrors if m.name == args.mirror), None)
+    if mirror is None:
+        known = ", ".join(m.name for m in cfg.cdc.mirrors) or "none configured"
+        print(
+            f"eventplane cdc mirror: no mirror named {args.mirror!r} (mirrors: {known})",
+            file=sys.stderr,
+        )
+        return 2
+    if args.mirror_command == "rebuild":
+        return _rebuild(cfg, mirror, out)
+    try:
+        verdict = verify(cfg, mirror, limit=max(args.limit, 1))
+    except VerifyError as exc:
+        print(f"eventplane cdc mirror verify: {exc}", file=sys.stderr)
+        return 2
+    where = (
+        f"mirror {verdict.mirror!r} and the fold of stream {verdict.stream!r}, "
+        f"batches {verdict.first_batch}-{verdict.last_batch}"
+    )
+    if not verdict.differences:
+        print(f"{where}: equal, {verdict.rows} rows compared", file=out)
+        return 0
+    print(f"{where}: differ (first {len(verdict.differences)} differences)", file=out)
+    for d in verdict.differences:
+        if d.column:
+            what = f"column {d.column}: mirror {_cell(d.mirror)}, log {_cell(d.log)}"
+        else:
+            what = f"the row is {d.mirror} in the mirror, {d.log} in the log"
+        print(f"  key {d.row}: {what}", file=out)
+    return 1
+
+
+def _cell(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_CELL else text[: MAX_CELL - 3] + "..."
+
+
+def _rebuild(cfg: Config, mirror: Any, out: TextIO) -> int:
+    from daemon.table.mirrorrebuild import rebuild
+    from daemon.table.mirrorverify import VerifyError
+
+    bar = _Bar(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        done = rebuild(cfg, mirror, progress=bar)
+    except VerifyError as exc:
+        print(f"eventplane cdc mirror rebuild: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.end()
+    print(
+        f"mirror {done.mirror!r} rebuilt from stream {done.stream!r} up to batch "
+        f"{done.last_batch}: {done.events} events folded, {done.rows} rows, "
+        f"{done.seconds:.1f} s",
+        file=out,
+    )
+    return 0
+
+
+class _Bar:
+    """A one-line progress bar on a terminal, in batches folded."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def __call__(self, done: int, total: int) -> None:
+        width, share = 30, done / max(total, 1)
+        filled = int(width * share)
+        self.stream.write(
+            f"\rrebuild [{'#' * filled}{'.' * (width - filled)}] {100 * share:3.0f}% "
+            f"batch {done} of {total}"
+        )
+        self.stream.flush()
+
+    def end(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()

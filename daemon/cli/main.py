@@ -236,6 +236,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--url", help="admin base URL (default: from config admin.listen)")
     _add_admin_access(q)
+    q = cdc_sub.add_parser("mirror", help="check a mirror table against its change log")
+    m_sub = q.add_subparsers(dest="mirror_command", required=True, metavar="ACTION")
+    r = m_sub.add_parser(
+        "verify",
+        help="compare a mirror with a fold of its change log; exit 1 if they differ",
+        description="Fold the change log (a Delta CDC stream that takes the mirror's "
+        "collection) up to the mirror's last batch and compare it with the mirror, row by "
+        "row and column by column (docs/cdc.md, 'Mirror tables'). Prints the first "
+        "differences and exits 1, or a one-line summary and exits 0; 2 when there is no "
+        "log to compare with. Read-only: works while the daemon runs.",
+    )
+    _add_config(r)
+    r.add_argument("mirror")
+    r.add_argument("--limit", type=int, default=10, help="differences shown (10)")
+    r = m_sub.add_parser(
+        "rebuild",
+        help="fold a mirror anew from its change log into a new table, then switch to it",
+        description="Fold the change log (a Delta CDC stream that takes the mirror's "
+        "collection) into a new table as the config says (buckets, columns, history), "
+        "then swap it for the old one in one step (docs/cdc.md, 'Mirror tables'). Takes "
+        "the mirror's lock: stop the daemon first. Killed, it leaves the old mirror in "
+        "place; run it again.",
+    )
+    _add_config(r)
+    r.add_argument("mirror")
     q = cdc_sub.add_parser(
         "compact",
         help="merge a CDC stream's small files now (through the daemon when it runs)",

@@ -72,6 +72,13 @@ MIRROR_CRASH_POINTS = (
     "mirror.after_commit",  # merged with its txn, the stage's progress not recorded
     "executor.after_commit",  # every sink and stage done, execute() not returned
 )
+# `eventplane cdc mirror rebuild` (daemon/table/mirrorrebuild.py): the old
+# mirror in place and serving before the switch, the new one after it.
+MIRROR_REBUILD_CRASH_POINTS = (
+    "mirror.rebuild.mid_fold",  # a chunk merged into <path>.rebuild, more to fold
+    "mirror.rebuild.before_switch",  # the new table complete and durable, not switched
+    "mirror.rebuild.after_switch",  # switched, the old table not yet removed
+)
 # `eventplane restore` (daemon/restore.py): a kill at any of them leaves no WAL
 # in the data_dir (run refuses, a new restore starts over).
 RESTORE_CRASH_POINTS = (
@@ -88,6 +95,7 @@ CRASH_POINTS = tuple(
         + DELTA_CRASH_POINTS
         + S3_CRASH_POINTS
         + MIRROR_CRASH_POINTS
+        + MIRROR_REBUILD_CRASH_POINTS
         + RESTORE_CRASH_POINTS
     )
 )

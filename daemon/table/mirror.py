@@ -51,7 +51,7 @@ from typing import Any
 
 import structlog
 
-from daemon.config import MIRROR_COLUMNS, CdcMirror
+from daemon.config import HISTORY_COLUMNS, MIRROR_COLUMNS, CdcMirror
 from daemon.errors import IdentityMismatchError
 from daemon.plane.batch import MicroBatch
 from daemon.table.crash import crash_point
@@ -217,6 +217,14 @@ def arrow_type(kind: str) -> Any:
     return pa.decimal128(p, s)
 
 
+def _nullable(schema: Any) -> Any:
+    """``schema`` with every field nullable (a history merge's closing rows
+    carry only the key and the closing event)."""
+    import pyarrow as pa
+
+    return pa.schema([f.with_nullable(True) for f in schema])
+
+
 def arrow_schema(mirror: CdcMirror) -> Any:
     """The mirror table's columns (docs/cdc.md, "Mirror tables")."""
     import pyarrow as pa
@@ -231,6 +239,16 @@ def arrow_schema(mirror: CdcMirror) -> Any:
         pa.field("doc", pa.string()),
     ]
     assert [f.name for f in fixed] == list(MIRROR_COLUMNS)
+    if mirror.history:
+        ts = pa.timestamp("us", tz="UTC")
+        fixed += [
+            pa.field("valid_from_lsn", pa.int64()),
+            pa.field("valid_to_lsn", pa.int64()),  # null while current
+            pa.field("valid_from", ts),
+            pa.field("valid_to", ts),
+            pa.field("is_current", pa.bool_()),
+        ]
+        assert [f.name for f in fixed[len(MIRROR_COLUMNS) :]] == list(HISTORY_COLUMNS)
     return pa.schema(fixed + [pa.field(n, arrow_type(k)) for n, k in mirror.columns])
 
 
@@ -241,23 +259,81 @@ def arrow_schema(mirror: CdcMirror) -> Any:
 class Reduced:
     """A batch's rows of a mirror's collection, reduced (commit step 1)."""
 
-    rows: list[dict[str, Any]]  # one per key: the highest LSN's
+    # Current state: one per key, the highest LSN's. History: one per insert
+    # or update (a version), in LSN order per key.
+    rows: list[dict[str, Any]]
     events: int  # the collection's events in the batch
     cast_failures: dict[str, int] = field(default_factory=dict)  # column -> values nulled
     # A strict mirror's events that do not fit (an emit action's: ingest
     # refuses a producer's), set aside before the reduction.
     set_aside: list[dict[str, Any]] = field(default_factory=list)
+    # History: per key of the batch, its first event, which closes the
+    # version the table holds as current (``valid_to_lsn``, ``valid_to``).
+    closes: list[dict[str, Any]] = field(default_factory=list)
 
 
 def reduce(mirror: CdcMirror, table: Any) -> Reduced:
     """``table`` (a batch's rows as ``daemon.spark.frame.batch_table`` makes them)
-    reduced to the mirror's rows: its collection's, the highest LSN per key,
-    typed columns cast (a value that does not fit: null, counted per column;
-    a strict mirror sets the event aside instead)."""
+    reduced to the mirror's rows: its collection's, the highest LSN per key
+    (history: every version, :func:`versions`), typed columns cast (a value
+    that does not fit: null, counted per column; a strict mirror sets the
+    event aside instead)."""
+    evs, set_aside, count = _events(mirror, table)
+    if mirror.history:
+        return versions(mirror, evs, count, set_aside)
+    latest: dict[str, dict[str, Any]] = {}
+    for ev in evs:
+        held = latest.get(ev["key"])
+        if held is None or held["lsn"] < ev["lsn"]:
+            latest[ev["key"]] = ev
+    failures: dict[str, int] = {}
+    rows = [_row(mirror, ev, failures) for ev in latest.values()]
+    return Reduced(rows, count, failures, set_aside)
+
+
+def versions(
+    mirror: CdcMirror, evs: list[dict[str, Any]], count: int, set_aside: list[dict[str, Any]]
+) -> Reduced:
+    """A history mirror's rows of the events ``evs``: per key, in LSN order,
+    each insert or update opens a version that the key's next event (any op)
+    closes; the last one opened stays current. The key's first event closes
+    the version the table holds (:attr:`Reduced.closes`)."""
+    per_key: dict[str, list[dict[str, Any]]] = {}
+    for ev in sorted(evs, key=lambda e: e["lsn"]):
+        per_key.setdefault(ev["key"], []).append(ev)
+    failures: dict[str, int] = {}
+    rows: list[dict[str, Any]] = []
+    closes: list[dict[str, Any]] = []
+    for key, seq in per_key.items():
+        first = seq[0]
+        closes.append({"key": key, "bucket": bucket_of(key, mirror.buckets), **_closing(first)})
+        for ev, nxt in zip(seq, [*seq[1:], None], strict=True):
+            if ev["op"] == "delete":
+                continue
+            row = _row(mirror, ev, failures)
+            row["valid_from_lsn"], row["valid_from"] = ev["lsn"], ev["ts"]
+            row.update(_closing(nxt))
+            rows.append(row)
+    return Reduced(rows, count, failures, set_aside, closes)
+
+
+def _closing(ev: dict[str, Any] | None) -> dict[str, Any]:
+    """The history columns a version gets from the event that closes it (None: current)."""
+    if ev is None:
+        return {"valid_to_lsn": None, "valid_to": None, "is_current": True}
+    return {"valid_to_lsn": ev["lsn"], "valid_to": ev["ts"], "is_current": False}
+
+
+def _events(
+    mirror: CdcMirror, table: Any
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """The mirror's events of ``table`` (``lsn``, ``op``, ``key``, ``doc``,
+    ``ts``, ``p``), a strict mirror's that do not fit set aside (in LSN
+    order), and how many events of the collection there were."""
     import pyarrow.compute as pc
 
     mine = table.filter(pc.equal(table["collection"], mirror.collection))
-    latest: dict[str, dict[str, Any]] = {}
+    out: list[dict[str, Any]] = []
     set_aside: list[dict[str, Any]] = []
     cols = ("lsn", "op", "key", "new_json", "ingest_ts", "producer")
     for lsn, op, key, new, ts, producer in zip(*(mine[c].to_pylist() for c in cols), strict=True):
@@ -276,32 +352,32 @@ def reduce(mirror: CdcMirror, table: Any) -> Reduced:
                     }
                 )
                 continue
-        held = latest.get(key)
-        if held is None or held["lsn"] < lsn:
-            latest[key] = {"lsn": lsn, "op": op, "key": key, "doc": new, "ts": ts, "p": producer}
-    failures: dict[str, int] = {}
-    rows = []
-    for key, ev in latest.items():
-        row: dict[str, Any] = {
-            "key": key,
-            "bucket": bucket_of(key, mirror.buckets),
-            "lsn": ev["lsn"],
-            "op": ev["op"],
-            "updated_at": ev["ts"],
-            "producer": ev["p"],
-            "doc": None if ev["op"] == "delete" else ev["doc"],
-        }
-        doc = parse_doc(ev["doc"]) if row["doc"] is not None else None
-        for name, kind in mirror.columns:
-            value = doc.get(name) if isinstance(doc, dict) else None
-            try:
-                row[name] = cast(value, kind)
-            except NoFit:
-                row[name] = None
-                failures[name] = failures.get(name, 0) + 1
-        rows.append(row)
+        out.append({"lsn": lsn, "op": op, "key": key, "doc": new, "ts": ts, "p": producer})
     set_aside.sort(key=lambda e: e["lsn"])  # the batch is in core order
-    return Reduced(rows, mine.num_rows, failures, set_aside)
+    return out, set_aside, mine.num_rows
+
+
+def _row(mirror: CdcMirror, ev: dict[str, Any], failures: dict[str, int]) -> dict[str, Any]:
+    """The table's row of event ``ev``, typed columns cast (``failures`` counts
+    the values that do not fit, per column)."""
+    row: dict[str, Any] = {
+        "key": ev["key"],
+        "bucket": bucket_of(ev["key"], mirror.buckets),
+        "lsn": ev["lsn"],
+        "op": ev["op"],
+        "updated_at": ev["ts"],
+        "producer": ev["p"],
+        "doc": None if ev["op"] == "delete" else ev["doc"],
+    }
+    doc = parse_doc(ev["doc"]) if row["doc"] is not None else None
+    for name, kind in mirror.columns:
+        value = doc.get(name) if isinstance(doc, dict) else None
+        try:
+            row[name] = cast(value, kind)
+        except NoFit:
+            row[name] = None
+            failures[name] = failures.get(name, 0) + 1
+    return row
 
 
 def fold(mirror: CdcMirror, state: dict[str, dict[str, Any]], reduced: Reduced) -> None:
@@ -507,8 +583,10 @@ class MirrorTable:
                     f"path at a new folder, or move the old one away."
                 )
         rebuild = (
-            "a mirror's buckets and columns are fixed when its table is made; to change them, "
-            'rebuild the mirror: point its path at a new folder (docs/cdc.md, "Mirror tables")'
+            "a mirror's buckets, columns and history are fixed when its table is made; to "
+            f"change them, rebuild the mirror: stop the daemon, run `eventplane cdc mirror "
+            f"rebuild {self.name}` (on S3: point its path at a new prefix) "
+            '(docs/cdc.md, "Mirror tables")'
         )
         if props.get("eventplane.buckets") != ours["eventplane.buckets"]:
             raise CdcLayoutError(
@@ -542,9 +620,12 @@ class MirrorTable:
         version = table.transaction_version(self.app_id)
         return version is not None and int(version) >= batch_id
 
-    def commit(self, table: Any, batch: MicroBatch) -> MirrorResult:
+    def commit(
+        self, table: Any, batch: MicroBatch, *, note: Mapping[str, Any] | None = None
+    ) -> MirrorResult:
         """Merge the mirror's rows of ``batch`` (its rows as an Arrow table,
-        ``daemon.spark.frame.batch_table``) exactly once (module docstring)."""
+        ``daemon.spark.frame.batch_table``) exactly once (module docstring).
+        ``note``: more of the commit's ``userMetadata`` (a rebuild's ``first_batch``)."""
         started = time.monotonic()
         bid = batch.batch_id
         if self.done(bid):  # Step 0.
@@ -552,10 +633,10 @@ class MirrorTable:
         reduced = reduce(self.mirror, table)  # Step 1.
         if reduced.set_aside:
             self._set_aside(bid, reduced.set_aside)
-        if not reduced.rows:
+        if not reduced.rows and not reduced.closes:
             return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
         crash_point("mirror.before_commit")
-        metrics = self._merge(reduced, batch)  # Step 2.
+        metrics = self._merge(reduced, batch, note or {})  # Step 2.
         crash_point("mirror.after_commit")
         self.last_batch_id = bid
         self.commits_since_compaction += 1
@@ -597,7 +678,9 @@ class MirrorTable:
         self.quarantined += len(rows) - had
         log.warning("mirror_events_set_aside", mirror=self.name, batch_id=bid, events=len(rows))
 
-    def _merge(self, reduced: Reduced, batch: MicroBatch) -> dict[str, Any]:
+    def _merge(
+        self, reduced: Reduced, batch: MicroBatch, note: Mapping[str, Any]
+    ) -> dict[str, Any]:
         """Commit step 2; on S3 fenced (module docstring):
 
         a. The log, then the lease: every commit since this writer's last is
@@ -612,17 +695,32 @@ class MirrorTable:
 
         table = self._table(create=True)
         schema = arrow_schema(self.mirror)
-        source = pa.Table.from_pylist(reduced.rows, schema=schema)
-        buckets = ", ".join(str(b) for b in sorted({r["bucket"] for r in reduced.rows}))
-        # A literal list of the target's buckets: delta-rs prunes the others.
-        predicate = f"t.bucket IN ({buckets}) AND t.bucket = s.bucket AND t.key = s.key"
         values = {name: f"s.{name}" for name in schema.names}
+        touched = {r["bucket"] for r in reduced.rows + reduced.closes}
+        # A literal list of the target's buckets: delta-rs prunes the others.
+        buckets = ", ".join(str(b) for b in sorted(touched))
+        predicate = f"t.bucket IN ({buckets}) AND t.bucket = s.bucket AND t.key = s.key"
+        if self.mirror.history:
+            # One source row per key closes the table's current version (it is
+            # the only kind that matches); one per version inserts it.
+            source = pa.Table.from_pylist(
+                [{**r, "_kind": "open"} for r in reduced.rows]
+                + [
+                    {**r, "lsn": r["valid_to_lsn"], "op": "close", "_kind": "close"}
+                    for r in reduced.closes
+                ],
+                schema=_nullable(schema).append(pa.field("_kind", pa.string())),
+            )
+            predicate += " AND s._kind = 'close' AND t.is_current"
+        else:
+            source = pa.Table.from_pylist(reduced.rows, schema=schema)
         meta = {
             "eventplane": {
                 "batch_id": batch.batch_id,
                 "ranges": {str(c): [a, b] for c, (a, b) in sorted(batch.ranges().items())},
                 "events": reduced.events,
                 "keys": len(reduced.rows),
+                **note,
             }
         }
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
@@ -640,22 +738,30 @@ class MirrorTable:
                 ],
             )
             try:
-                metrics: dict[str, Any] = (
-                    table.merge(
-                        source,
-                        predicate,
-                        source_alias="s",
-                        target_alias="t",
-                        commit_properties=properties,
-                        post_commithook_properties=PostCommitHookProperties(
-                            cleanup_expired_logs=False
-                        ),
-                    )
-                    .when_matched_delete(predicate="s.op = 'delete' AND t.lsn < s.lsn")
-                    .when_matched_update(values, predicate="s.op <> 'delete' AND t.lsn < s.lsn")
-                    .when_not_matched_insert(values, predicate="s.op <> 'delete'")
-                    .execute()
+                merger = table.merge(
+                    source,
+                    predicate,
+                    source_alias="s",
+                    target_alias="t",
+                    commit_properties=properties,
+                    post_commithook_properties=PostCommitHookProperties(cleanup_expired_logs=False),
                 )
+                if self.mirror.history:
+                    close = {
+                        "valid_to_lsn": "s.valid_to_lsn",
+                        "valid_to": "s.valid_to",
+                        "is_current": "false",
+                    }
+                    merger = merger.when_matched_update(
+                        close, predicate="t.valid_from_lsn < s.valid_to_lsn"
+                    ).when_not_matched_insert(values, predicate="s._kind = 'open'")
+                else:
+                    merger = (
+                        merger.when_matched_delete(predicate="s.op = 'delete' AND t.lsn < s.lsn")
+                        .when_matched_update(values, predicate="s.op <> 'delete' AND t.lsn < s.lsn")
+                        .when_not_matched_insert(values, predicate="s.op <> 'delete'")
+                    )
+                metrics: dict[str, Any] = merger.execute()
             except CommitFailedError as exc:
                 if self.fence is None or attempt == COMMIT_ATTEMPTS:
                     raise
@@ -750,6 +856,7 @@ class MirrorTable:
             "collection": self.mirror.collection,
             "buckets": self.mirror.buckets,
             "strict": self.mirror.strict,
+            "history": self.mirror.history,
             "last_batch_id": self.last_batch_id,
             "last_commit": self.last_commit,
             "last_compaction": self.last_compaction,
