@@ -12,18 +12,12 @@ the version after the one it read, or fails:
    a maintenance commit rebased onto it conflicts with its ``metaData``.
 2. **Check.** Before each commit (:meth:`Fence.check`): every commit since the
    last checked version is this writer's; another's means the table was taken
-            if self.name and info.get(NAME_KEY) != self.name:
-                continue  # another daemon's commit to the shared table
-            if info.get(WRITER_KEY) == self.writer:
-                continue
-            if self.seen < 0 and "add" not in actions and "metaData" in actions:
-                # No table at this writer's open, so no fence then; another
-                # process of this WAL created it since (a paused writer's create
-                # landing after a takeover): empty, so fence it now, as at an open.
-                log.warning(f"{self.event}_table_fenced_late", **self.fields, version=version)
-                self.commit(table)
-                return
-            self.taken_over(version, info)
+   over (:meth:`Fence.taken_over`): the writer stops for good. In a shared
+   table (``name``, the daemon's) only the commits of that name count: the
+   other daemons' are theirs to make; one of this name by another process is
+   a takeover (a standby of the same WAL). One exception: a writer that found
+   no table at its open (so it fenced nothing) and then finds only another's
+   table creation, no data, fences it then.
 
 docs/cdc.md, "Tables on S3", says what a user sees.
 """
