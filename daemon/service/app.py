@@ -430,8 +430,9 @@ class Daemon:
         2. A last poll of the archive into the copy in ``follow/``.
         3. The restore (daemon/restore.py) from that copy: the next epoch and its
            fences (the old primary's next upload fails), the watermarks from the
-           S3 tables. Refused (the old primary renewed first, a damaged object):
-           this daemon stays a standby and health says why.
+           S3 tables. Refused (the old primary renewed first, a damaged object)
+           or failed (the store failing again part-way): this daemon stays a
+           standby, health says why, and the next tick tries again.
         4. The standby's listeners, watch and copy stop; the primary's start runs
            (``startup``): the WAL, the archive (its released manifest taken at
            once), the plane, Spark, the listeners.
@@ -459,10 +460,15 @@ class Daemon:
         # Step 3. The restore
         try:
             summary = await asyncio.to_thread(restore, cfg, fetch=follower.fetch)
-        except RestoreRefused as exc:
-            if self.takeover_error != str(exc):
-                log.error("standby.takeover_refused", error=str(exc))
-            self.takeover_error = str(exc)
+        except Exception as exc:
+            # Refused (the old primary renewed first, a damaged object), or the
+            # store failing again part-way (a store just back may read before it
+            # writes): nothing of the restore stays, so the next tick tries again.
+            why = str(exc) if isinstance(exc, RestoreRefused) else f"{type(exc).__name__}: {exc}"
+            if self.takeover_error != why:
+                event = "refused" if isinstance(exc, RestoreRefused) else "failed"
+                log.error(f"standby.takeover_{event}", error=why, retry_s=TICK_S)
+            self.takeover_error = why
             follower.start()
             return False
         self.takeover_error = None

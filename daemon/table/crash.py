@@ -120,8 +120,8 @@ def crash_point(name: str) -> None:
     _, _, nth = spec.partition("@")
     with _crash_lock:
         _crash_hits[name] = hits = _crash_hits.get(name, 0) + 1
-    if hits < (int(nth) if nth.isdigit() else 1):
-        return
+    if hits != (int(nth) if nth.isdigit() else 1):
+        return  # only the n-th arrival: a pause fires once, not at every later one
     if spec is not wanted:
         os.write(2, f"eventplane: pause point {name} reached (hit {hits}); SIGSTOP\n".encode())
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -7,8 +7,9 @@ SeaweedFS (tests/s3/server.py), real SIGKILL and SIGSTOP.
    once, no failover retry stored twice.
 2. The primary SIGSTOPped past its lease (``ack = "local"``): the standby takes
    over; SIGCONT: the old primary acknowledges nothing more, and says why.
-3. The store down when the takeover is due: the standby waits, says why, and
-   takes over once it is back; retried requests answer their original LSNs.
+3. The store down when the takeover is due, or gone part-way through it: the
+   standby waits (or tries again), says why, and takes over once it is back;
+   retried requests answer their original LSNs.
 4. A standby whose clock runs ahead takes over early: nothing acknowledged is
    lost or stored twice.
 """
@@ -411,6 +412,83 @@ def test_a_takeover_waits_out_a_store_outage_and_keeps_every_acknowledged_reques
         code, health = healthz(standby)
         assert code == 503 and health["role"] == "standby", health
         assert "wal archive" in json.dumps(health), health
+        # Step 3
+        weed.start()
+        wait_for("the standby takes over", lambda: _readyz(standby) == 200, 60, standby)
+        for n in range(3):
+            code, body = _keyed(standby.ingest_url, f"req-{n}", 10 * n)
+            assert code == 200 and body.get("replayed") is True, body
+            assert (body["first_lsn"], body["last_lsn"]) == acked[f"req-{n}"], body
+        code, body = _keyed(standby.ingest_url, "req-new", 100)
+        assert code == 200 and body["first_lsn"] == 31, body
+        assert standby.stop() == 0
+    finally:
+        primary.stop()
+        standby.stop()
+        weed.stop()
+
+
+def test_a_takeover_the_store_cuts_short_is_tried_again_and_keeps_every_acknowledged_request(
+    tmp_path: Path,
+) -> None:
+    """1. A primary (``ack = "archived"``) acknowledges three keyed requests; the
+       standby stops itself (``EVENTPLANE_PAUSE_AT``) in its takeover's restore,
+       after the first object.
+    2. SIGKILL the primary, delete the standby's copy of the archive (its
+       restore must read the store), take the store away, SIGCONT: the restore
+       fails part-way; the daemon stays a standby, and health says why.
+    3. The store returns: the takeover is tried again and succeeds; a retry of
+       each request answers its original LSNs, a new one the next LSN."""
+    from daemon.follow import DIRNAME
+    from daemon.table.crash import ENV_PAUSE_AT
+
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    server = weed.server
+
+    def config(name: str, role: str) -> Path:
+        (tmp_path / name).mkdir()
+        text = _archive(server, "archived").replace("poll_ms", f'role = "{role}"\npoll_ms')
+        return write_config(tmp_path / name, text)
+
+    primary = DaemonProcess.production(config("a", "primary"))
+    standby = DaemonProcess.production(
+        config("b", "standby"), ready_path="/healthz", env={ENV_PAUSE_AT: "restore.mid_download"}
+    )
+    try:
+        # Step 1
+        primary.start(timeout_s=60)
+        standby.start(timeout_s=60)
+        acked = {}
+        for n in range(3):
+            code, body = _keyed(primary.ingest_url, f"req-{n}", 10 * n)
+            assert code == 200 and body["ack"] == "archived", body
+            acked[f"req-{n}"] = (body["first_lsn"], body["last_lsn"])
+        wait_for(
+            "the standby's copy holds every acknowledged event",
+            lambda: standby.status()["standby"]["follow"]["followed_lsn"] >= 30,
+            30,
+            standby,
+        )
+        # Step 2
+        primary.kill()
+        wait_for(
+            "the standby pauses in its restore",
+            lambda: "pause point restore.mid_download" in standby.tail(200),
+            TTL_S + SKEW_S + 30,
+            standby,
+        )
+        for pack in (tmp_path / "b" / "data" / DIRNAME).iterdir():
+            pack.unlink()
+        weed.stop()
+        standby.signal(signal.SIGCONT)
+        wait_for(
+            "health names the failed takeover",
+            lambda: "cannot take over" in json.dumps(healthz(standby)[1]),
+            30,
+            standby,
+        )
+        assert _readyz(standby) == 503
         # Step 3
         weed.start()
         wait_for("the standby takes over", lambda: _readyz(standby) == 200, 60, standby)

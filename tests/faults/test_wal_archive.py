@@ -311,9 +311,10 @@ async def _take_over(server: S3Server, data_dir: Path) -> dict[str, int]:
 
 def test_local_mode_acks_through_an_outage_until_max_unarchived_bytes(tmp_path: Path) -> None:
     """``ack = "local"``: the store goes away, acks go on (``"ack": "local"``)
-    and stages keep committing, while the manifest's lease lasts (12 s here:
-    past ``lease_ttl_s - lease_skew_s`` a standby may take over and this
-    daemon answers ``not_primary``), until ``max_unarchived_bytes``: then 503 +
+    and stages keep committing, while the manifest's lease lasts (29 s here, so
+    a loaded machine fills the cap first: past ``lease_ttl_s - lease_skew_s`` a
+    standby may take over and this daemon answers ``not_primary``), until
+    ``max_unarchived_bytes``: then 503 +
     Retry-After; when the store returns everything acknowledged is archived
     (nothing was dropped) and ingest takes events again."""
     (tmp_path / "weed").mkdir()
@@ -322,7 +323,7 @@ def test_local_mode_acks_through_an_outage_until_max_unarchived_bytes(tmp_path: 
     text = (
         daemon.config.read_text()
         .replace("flush_ms = 50\n", "flush_ms = 50\nmax_unarchived_bytes = 1048576\n")
-        .replace(f"lease_ttl_s = {TTL_S}\n", "lease_ttl_s = 13.0\n")
+        .replace(f"lease_ttl_s = {TTL_S}\n", "lease_ttl_s = 30.0\n")
     )
     daemon.config.write_text(text)
     acked: set[int] = set()
