@@ -25,6 +25,14 @@ per request).
   moves the request to the next endpoint at once,
   with the same key; once every endpoint failed in a row the ordinary wait
   comes first. Requests go to the endpoint that last answered.
+- ``route="key"`` (default ``"order"``, the failover above): each event goes to
+  the endpoint its (collection, key) picks by rendezvous hashing
+  (:func:`key_endpoint`), so one key's events always reach one daemon. A
+  request is split into one sub-request per endpoint, each key's events in
+  their order, under the key ``<key>/<8 hex of the endpoint's URL>``; the
+  sub-requests go at once, side by side, each retried at its own endpoint only
+  (never another: that would break the key's order). The call returns
+  :class:`RoutedAck`, one :class:`EndpointAck` per endpoint that got events.
 - ``token``: sent as ``Authorization: Bearer`` (docs/security.md);
   ``ssl_context``: for an ``https://`` URL, e.g.
   ``daemon.security.client_context(ca_file, cert, key)`` for a private CA and
@@ -43,7 +51,9 @@ per request).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import email.utils
+import hashlib
 import http.client
 import itertools
 import random
@@ -53,7 +63,19 @@ import select
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Generic,
+    Literal,
+    NamedTuple,
+    Self,
+    TypedDict,
+    TypeVar,
+    Unpack,
+    cast,
+    overload,
+)
 
 import msgspec
 
@@ -86,6 +108,13 @@ NOT_PRIMARY = "not_primary"
 # Keys are 1..255 visible ASCII characters (ingest.max_idempotency_key_bytes); a
 # prefix leaves room for the request number.
 MAX_KEY_PREFIX = 200
+# The daemon's default ingest.max_idempotency_key_bytes.
+MAX_KEY = 255
+# route="key": a sub-request's key is the request's, "/" and this many hex digits
+# of its endpoint's events URL.
+KEY_TAG_HEX = 8
+ROUTES = ("order", "key")
+Route = Literal["order", "key"]
 _VISIBLE_ASCII = re.compile(r"[!-~]+")
 
 _encode = msgspec.json.Encoder().encode
@@ -98,6 +127,30 @@ class Ack(NamedTuple):
     # The daemon had stored this request already (an earlier attempt): these are
     # the LSNs it got then, and nothing was stored now.
     replayed: bool = False
+
+
+class EndpointAck(NamedTuple):
+    """``route="key"``: one endpoint's sub-request, acknowledged. Its LSNs are that
+    daemon's own: they order the events of the keys routed to it, nothing else."""
+
+    endpoint: str  # the events URL
+    key: str  # the sub-request's Idempotency-Key
+    accepted: int
+    first_lsn: int
+    last_lsn: int
+    replayed: bool = False
+
+
+class RoutedAck(NamedTuple):
+    """``route="key"``: a request acknowledged at every endpoint it went to.
+    ``acks`` has one entry per endpoint that got events, in the client's
+    endpoint order."""
+
+    acks: tuple[EndpointAck, ...]
+
+    @property
+    def accepted(self) -> int:
+        return sum(a.accepted for a in self.acks)
 
 
 class Retry(NamedTuple):
@@ -142,6 +195,10 @@ class IngestError(DaemonError):
         self.maybe_stored = False
         # The error was retriable, but the retry budget ran out.
         self.gave_up = False
+        # route="key": the endpoint whose sub-request failed, and the sub-requests of
+        # the same request that other endpoints acknowledged.
+        self.endpoint: str | None = None
+        self.acked: tuple[EndpointAck, ...] = ()
 
 
 class BadRequestError(IngestError):
@@ -216,6 +273,16 @@ class InsufficientStorageError(IngestError):
     """507: the WAL's volume is full; nothing was stored; retry after ``retry_after``."""
 
     retriable = True
+
+
+class UnroutableError(IngestError):
+    """``route="key"``: a line of the request has no collection or key to route it by
+    (``line``: 1-based, ``index``: the event's 0-based index); nothing was sent."""
+
+    def __init__(self, message: str, *, line: int | None = None, index: int | None = None) -> None:
+        super().__init__(message, body={"line": line, "index": index})
+        self.line = line
+        self.index = index
 
 
 class IngestConnectionError(IngestError):
@@ -332,6 +399,154 @@ def _endpoint_urls(url: str | None, endpoints: Sequence[str] | None) -> tuple[st
     return tuple(_events_url(u) for u in endpoints)
 
 
+def route_weight(collection: str, key: str, url: str) -> int:
+    """The rendezvous weight of ``url`` for (collection, key): 64 bits of BLAKE2b
+    of ``collection\0key\0url``, the same in every process and run."""
+    data = f"{collection}\0{key}\0{url}".encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def pick_endpoint(collection: str, key: str, urls: Sequence[str]) -> int:
+    """The index of the URL with the highest weight for (collection, key): adding a
+    URL moves only the keys it now wins (about 1/N), removing one only its own."""
+    return max(range(len(urls)), key=lambda i: (route_weight(collection, key, urls[i]), urls[i]))
+
+
+def key_endpoint(collection: str, key: str, endpoints: Sequence[str]) -> str:
+    """The events URL that ``route="key"`` sends (collection, key) to."""
+    urls = _endpoint_urls(None, endpoints)
+    return urls[pick_endpoint(collection, key, urls)]
+
+
+def sub_key(key: str, url: str) -> str:
+    """``route="key"``: the Idempotency-Key of a request's sub-request to ``url``."""
+    tag = hashlib.blake2b(url.encode(), digest_size=KEY_TAG_HEX // 2).hexdigest()
+    return f"{key}/{tag}"
+
+
+class _Routing(msgspec.Struct):
+    collection: str
+    key: str
+
+
+_decode_routing = msgspec.json.Decoder(_Routing).decode
+
+
+class _Part:
+    """One endpoint's sub-request: its lines, and each one's line number and
+    event index in the whole request (to translate the daemon's answers back)."""
+
+    __slots__ = ("indices", "linenos", "lines")
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+        self.linenos: list[int] = []
+        self.indices: list[int] = []
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.lines)
+
+    def remap(self, exc: IngestError) -> None:
+        """Line numbers and event indices in ``exc.body`` as the whole request's."""
+        body = dict(exc.body)
+        body["line"] = self._at(body.get("line"), self.linenos, 1)
+        if body["line"] is None:
+            del body["line"]
+        errors = body.get("errors")
+        if isinstance(errors, list):
+            remapped: list[Any] = []
+            for item in errors:
+                if isinstance(item, dict):
+                    item = dict(item)
+                    for field, table, base in (
+                        ("line", self.linenos, 1),
+                        ("index", self.indices, 0),
+                    ):
+                        if field in item:
+                            item[field] = self._at(item[field], table, base)
+                remapped.append(item)
+            body["errors"] = remapped
+        exc.body = body
+
+    @staticmethod
+    def _at(value: Any, table: list[int], base: int) -> Any:
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and 0 <= value - base < len(table)
+        ):
+            return table[value - base]
+        return value
+
+
+def split_by_key(body: bytes, urls: Sequence[str]) -> dict[int, _Part]:
+    """``route="key"``: the body's events by endpoint index, each key's in order."""
+    parts: dict[int, _Part] = {}
+    index = 0
+    for lineno, line in enumerate(body.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            event = _decode_routing(line)
+        except msgspec.MsgspecError as exc:
+            raise UnroutableError(
+                f'route "key" sends each event by its collection and key, and line {lineno} '
+                f"(event {index}) has none to route by: {exc}; nothing was sent",
+                line=lineno,
+                index=index,
+            ) from None
+        at = pick_endpoint(event.collection, event.key, urls)
+        part = parts.get(at)
+        if part is None:
+            part = parts[at] = _Part()
+        part.lines.append(line + b"\n")
+        part.linenos.append(lineno)
+        part.indices.append(index)
+        index += 1
+    if not parts:
+        raise UnroutableError("the request holds no events; nothing was sent")
+    return dict(sorted(parts.items()))
+
+
+def _routed_key(key: str) -> str:
+    if len(key) + 1 + KEY_TAG_HEX > MAX_KEY:
+        raise ValueError(
+            f'route "key" sends a request under "<key>/<{KEY_TAG_HEX} hex digits>": a key '
+            f"is at most {MAX_KEY - 1 - KEY_TAG_HEX} characters, got {len(key)}"
+        )
+    return key
+
+
+def _merge(
+    key: str, urls: Sequence[str], parts: dict[int, _Part], results: Sequence[object]
+) -> RoutedAck:
+    """The acks of a request's sub-requests; else raises the first failure (in
+    endpoint order), carrying the acks of the others (``acked``)."""
+    acks: list[EndpointAck] = []
+    errors: list[IngestError] = []
+    for (at, part), result in zip(parts.items(), results, strict=True):
+        if isinstance(result, IngestError):
+            part.remap(result)
+            result.endpoint = urls[at]
+            errors.append(result)
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            ack = cast(Ack, result)
+            acks.append(EndpointAck(urls[at], sub_key(key, urls[at]), *ack))
+    if not errors:
+        return RoutedAck(tuple(acks))
+    first = errors[0]
+    first.acked = tuple(acks)
+    first.key = key
+    first.maybe_stored = any(e.maybe_stored for e in errors)
+    others = [f"{e.endpoint}: {e.message}" for e in errors[1:]]
+    if others:
+        first.args = (f"{first.args[0]} (also failed: {'; '.join(others)})",)
+    raise first
+
+
 class _Endpoints:
     """A client's endpoints in order, and the one its requests go to now: the
     last that answered, so after a failover requests stay on the new one."""
@@ -387,16 +602,20 @@ class _Attempts:
         "endpoints",
         "in_round",
         "key",
+        "name_endpoint",
         "policy",
         "retries",
         "spent",
         "unanswered_at",
     )
 
-    def __init__(self, policy: _RetryPolicy, key: str, endpoints: _Endpoints) -> None:
+    def __init__(
+        self, policy: _RetryPolicy, key: str, endpoints: _Endpoints, name_endpoint: bool = False
+    ) -> None:
         self.policy = policy
         self.key = key
         self.endpoints = endpoints
+        self.name_endpoint = name_endpoint  # the message says where the last attempt went
         # The endpoint of this request's next attempt; the client's current one
         # moves with it (the request fails over) unless another request moved it.
         self.at = endpoints.current
@@ -461,6 +680,7 @@ class _Attempts:
 
     def _annotate(self, exc: IngestError) -> None:
         exc.key = self.key
+        exc.endpoint = self.url
         exc.attempts = self.count
         exc.elapsed_s = self.spent
         # A definite refusal settles an earlier attempt at the same endpoint that
@@ -476,6 +696,8 @@ class _Attempts:
         note = f"gave up after {self.count} attempts in {self.spent:.1f} s"
         if len(self.endpoints) > 1:
             note += f" at {len(self.endpoints)} endpoints"
+        elif self.name_endpoint:
+            note += f" at {self.url}"
         if exc.maybe_stored:
             note += (
                 f"; an attempt got no answer, so the request may have been stored: "
@@ -487,7 +709,34 @@ class _Attempts:
         exc.args = (f"{exc.message} ({note})",)
 
 
-class IngestClient:
+# What a send returns: Ack (route "order") or RoutedAck (route "key").
+R = TypeVar("R", bound=Ack | RoutedAck)
+
+
+class _Options(TypedDict, total=False):
+    """The constructor arguments both clients share, past ``url``, ``endpoints`` and ``route``."""
+
+    timeout_s: float
+    retry_for_s: float
+    max_retries: int | None
+    max_wait_s: float
+    key_prefix: str | None
+    on_retry: Callable[[Retry], Any] | None
+    sleep: Callable[[float], Any]
+    token: str | None
+    ssl_context: ssl.SSLContext | None
+
+
+def _check_route(route: str, urls: tuple[str, ...]) -> bool:
+    """Whether ``route`` is "key" (else "order")."""
+    if route not in ROUTES:
+        raise ValueError(f"route is one of {', '.join(map(repr, ROUTES))}, got {route!r}")
+    if route == "key" and len(set(urls)) != len(urls):
+        raise ValueError(f'route "key" needs distinct endpoints, got {list(urls)}')
+    return route == "key"
+
+
+class IngestClient(Generic[R]):
     """Asyncio producer client. Use ``async with IngestClient(url) as c: await c.send(...)``.
 
     ``endpoints`` (instead of ``url``): the daemons to try in order, failing over
@@ -499,11 +748,32 @@ class IngestClient:
     before each wait and each failover (``wait_s`` 0, ``endpoint`` the next).
     """
 
+    @overload
+    def __init__(
+        self: IngestClient[Ack],
+        url: str | None = None,
+        *,
+        endpoints: Sequence[str] | None = None,
+        route: Literal["order"] = "order",
+        **options: Unpack[_Options],
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: IngestClient[RoutedAck],
+        url: str | None = None,
+        *,
+        endpoints: Sequence[str] | None = None,
+        route: Literal["key"],
+        **options: Unpack[_Options],
+    ) -> None: ...
+
     def __init__(
         self,
         url: str | None = None,
         *,
         endpoints: Sequence[str] | None = None,
+        route: Route = "order",
         timeout_s: float = TIMEOUT_S,
         retry_for_s: float = RETRY_FOR_S,
         max_retries: int | None = None,
@@ -517,6 +787,28 @@ class IngestClient:
         import aiohttp  # only the async client needs it
 
         self._endpoints = _Endpoints(_endpoint_urls(url, endpoints))
+        self.route: Route = route
+        self._name_endpoint = False
+        # route="key": one single-endpoint client per endpoint, which retries there only.
+        self._routes: tuple[IngestClient[Ack], ...] | None = None
+        if _check_route(route, self._endpoints.urls):
+            self._routes = tuple(
+                IngestClient(
+                    u,
+                    timeout_s=timeout_s,
+                    retry_for_s=retry_for_s,
+                    max_retries=max_retries,
+                    max_wait_s=max_wait_s,
+                    key_prefix=key_prefix,
+                    on_retry=on_retry,
+                    sleep=sleep,
+                    token=token,
+                    ssl_context=ssl_context,
+                )
+                for u in self._endpoints.urls
+            )
+            for child in self._routes:
+                child._name_endpoint = True
         self._headers = _auth_headers(token)
         self._ssl: ssl.SSLContext | bool = True if ssl_context is None else ssl_context
         self.key_prefix = check_key_prefix(key_prefix or new_key_prefix())
@@ -536,13 +828,15 @@ class IngestClient:
     def endpoints(self) -> tuple[str, ...]:
         return self._endpoints.urls
 
-    async def __aenter__(self) -> IngestClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
+        for child in self._routes or ():
+            await child.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -551,14 +845,32 @@ class IngestClient:
         """The key of this client's next request: ``<key_prefix>-<n>``."""
         return f"{self.key_prefix}-{next(self._numbers)}"
 
-    async def send(self, events: Iterable[Mapping[str, Any]], *, key: str | None = None) -> Ack:
-        """Post events as one atomic request."""
+    async def send(self, events: Iterable[Mapping[str, Any]], *, key: str | None = None) -> R:
+        """Post events as one atomic request (``route="key"``: one per endpoint)."""
         return await self.send_ndjson(encode_events(events), key=key)
 
-    async def send_ndjson(self, body: bytes, *, key: str | None = None) -> Ack:
+    async def send_ndjson(self, body: bytes, *, key: str | None = None) -> R:
         """Post an NDJSON body as one atomic request; every attempt carries ``key``
-        (default :meth:`next_key`)."""
-        attempts = _Attempts(self._retry, key or self.next_key(), self._endpoints)
+        (default :meth:`next_key`). ``route="key"``: one sub-request per endpoint,
+        side by side; :class:`RoutedAck` once every one is acknowledged."""
+        if self._routes is None:
+            return cast(R, await self._send_one(body, key))
+        key = _routed_key(key or self.next_key())
+        urls = self._endpoints.urls
+        parts = split_by_key(body, urls)
+        results = await asyncio.gather(
+            *(
+                self._routes[at].send_ndjson(part.body, key=sub_key(key, urls[at]))
+                for at, part in parts.items()
+            ),
+            return_exceptions=True,
+        )
+        return cast(R, _merge(key, urls, parts, results))
+
+    async def _send_one(self, body: bytes, key: str | None) -> Ack:
+        attempts = _Attempts(
+            self._retry, key or self.next_key(), self._endpoints, self._name_endpoint
+        )
         loop = asyncio.get_running_loop()
         while True:
             attempts.count += 1
@@ -599,18 +911,42 @@ class IngestClient:
             ) from exc
 
 
-class SyncIngestClient:
+class SyncIngestClient(Generic[R]):
     """Blocking producer client on one kept-alive connection (not thread-safe).
 
     The same parameters as :class:`IngestClient`; ``timeout_s`` bounds each
-    socket operation of an attempt (connect, send, each read).
+    socket operation of an attempt (connect, send, each read). ``route="key"``:
+    a connection per endpoint, and the sub-requests of a request go side by
+    side on threads of the client's own (``on_retry`` and ``sleep`` are called
+    on them).
     """
+
+    @overload
+    def __init__(
+        self: SyncIngestClient[Ack],
+        url: str | None = None,
+        *,
+        endpoints: Sequence[str] | None = None,
+        route: Literal["order"] = "order",
+        **options: Unpack[_Options],
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: SyncIngestClient[RoutedAck],
+        url: str | None = None,
+        *,
+        endpoints: Sequence[str] | None = None,
+        route: Literal["key"],
+        **options: Unpack[_Options],
+    ) -> None: ...
 
     def __init__(
         self,
         url: str | None = None,
         *,
         endpoints: Sequence[str] | None = None,
+        route: Route = "order",
         timeout_s: float = TIMEOUT_S,
         retry_for_s: float = RETRY_FOR_S,
         max_retries: int | None = None,
@@ -622,6 +958,28 @@ class SyncIngestClient:
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._endpoints = _Endpoints(_endpoint_urls(url, endpoints))
+        self.route: Route = route
+        self._name_endpoint = False
+        self._routes: tuple[SyncIngestClient[Ack], ...] | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        if _check_route(route, self._endpoints.urls):
+            self._routes = tuple(
+                SyncIngestClient(
+                    u,
+                    timeout_s=timeout_s,
+                    retry_for_s=retry_for_s,
+                    max_retries=max_retries,
+                    max_wait_s=max_wait_s,
+                    key_prefix=key_prefix,
+                    on_retry=on_retry,
+                    sleep=sleep,
+                    token=token,
+                    ssl_context=ssl_context,
+                )
+                for u in self._endpoints.urls
+            )
+            for child in self._routes:
+                child._name_endpoint = True
         self._headers = _auth_headers(token)
         self._ssl = ssl_context
         # Per endpoint: (https, host, port, path).
@@ -651,13 +1009,18 @@ class SyncIngestClient:
     def endpoints(self) -> tuple[str, ...]:
         return self._endpoints.urls
 
-    def __enter__(self) -> SyncIngestClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        for child in self._routes or ():
+            child.close()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -666,11 +1029,38 @@ class SyncIngestClient:
         """The key of this client's next request: ``<key_prefix>-<n>``."""
         return f"{self.key_prefix}-{next(self._numbers)}"
 
-    def send(self, events: Iterable[Mapping[str, Any]], *, key: str | None = None) -> Ack:
+    def send(self, events: Iterable[Mapping[str, Any]], *, key: str | None = None) -> R:
         return self.send_ndjson(encode_events(events), key=key)
 
-    def send_ndjson(self, body: bytes, *, key: str | None = None) -> Ack:
-        attempts = _Attempts(self._retry, key or self.next_key(), self._endpoints)
+    def send_ndjson(self, body: bytes, *, key: str | None = None) -> R:
+        if self._routes is None:
+            return cast(R, self._send_one(body, key))
+        key = _routed_key(key or self.next_key())
+        urls = self._endpoints.urls
+        parts = split_by_key(body, urls)
+        routes = self._routes
+
+        def one(at: int, part: _Part) -> object:
+            try:
+                return routes[at].send_ndjson(part.body, key=sub_key(key, urls[at]))
+            except IngestError as exc:
+                return exc
+
+        if len(parts) == 1:
+            results = [one(*next(iter(parts.items())))]
+        else:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    len(urls), thread_name_prefix="eventplane-route"
+                )
+            futures = [self._pool.submit(one, at, part) for at, part in parts.items()]
+            results = [f.result() for f in futures]
+        return cast(R, _merge(key, urls, parts, results))
+
+    def _send_one(self, body: bytes, key: str | None) -> Ack:
+        attempts = _Attempts(
+            self._retry, key or self.next_key(), self._endpoints, self._name_endpoint
+        )
         while True:
             attempts.count += 1
             began = time.monotonic()
