@@ -279,10 +279,18 @@ class UnroutableError(IngestError):
     """``route="key"``: a line of the request has no collection or key to route it by
     (``line``: 1-based, ``index``: the event's 0-based index); nothing was sent."""
 
-    def __init__(self, message: str, *, line: int | None = None, index: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        line: int | None = None,
+        index: int | None = None,
+        reason: str = "",
+    ) -> None:
         super().__init__(message, body={"line": line, "index": index})
         self.line = line
         self.index = index
+        self.reason = reason  # why the line has no collection and key (the decoder's words)
 
 
 class IngestConnectionError(IngestError):
@@ -495,6 +503,7 @@ def split_by_key(body: bytes, urls: Sequence[str]) -> dict[int, _Part]:
                 f"(event {index}) has none to route by: {exc}; nothing was sent",
                 line=lineno,
                 index=index,
+                reason=str(exc),
             ) from None
         at = pick_endpoint(event.collection, event.key, urls)
         part = parts.get(at)
@@ -713,7 +722,7 @@ class _Attempts:
 R = TypeVar("R", bound=Ack | RoutedAck)
 
 
-class _Options(TypedDict, total=False):
+class ClientOptions(TypedDict, total=False):
     """The constructor arguments both clients share, past ``url``, ``endpoints`` and ``route``."""
 
     timeout_s: float
@@ -755,7 +764,7 @@ class IngestClient(Generic[R]):
         *,
         endpoints: Sequence[str] | None = None,
         route: Literal["order"] = "order",
-        **options: Unpack[_Options],
+        **options: Unpack[ClientOptions],
     ) -> None: ...
 
     @overload
@@ -765,7 +774,7 @@ class IngestClient(Generic[R]):
         *,
         endpoints: Sequence[str] | None = None,
         route: Literal["key"],
-        **options: Unpack[_Options],
+        **options: Unpack[ClientOptions],
     ) -> None: ...
 
     def __init__(
@@ -928,7 +937,7 @@ class SyncIngestClient(Generic[R]):
         *,
         endpoints: Sequence[str] | None = None,
         route: Literal["order"] = "order",
-        **options: Unpack[_Options],
+        **options: Unpack[ClientOptions],
     ) -> None: ...
 
     @overload
@@ -938,7 +947,7 @@ class SyncIngestClient(Generic[R]):
         *,
         endpoints: Sequence[str] | None = None,
         route: Literal["key"],
-        **options: Unpack[_Options],
+        **options: Unpack[ClientOptions],
     ) -> None: ...
 
     def __init__(

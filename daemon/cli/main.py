@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="ingest base URL (default: from config ingest.listen); repeat it for a primary "
         "and its standby: each request fails over in order, with the same Idempotency-Key",
     )
+    p.add_argument(
+        "--route",
+        choices=("order", "key"),
+        default="order",
+        help="order: every request to the first --url that takes it (failover, the default); "
+        "key: each event to the --url its collection and key pick, always the same one",
+    )
     p.add_argument("--batch", type=int, default=1000, help="events per request (default 1000)")
     p.add_argument(
         "--retry-for",

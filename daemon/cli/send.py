@@ -14,7 +14,10 @@ daemon's de-duplication window (a replay) instead of being stored twice.
 
 With ``--url`` given more than once (a primary and its standby), a request that
 cannot connect or gets a ``standby`` answer goes to the next URL at once, with
-the same key (docs/ingest.md, "Clients and retries").
+the same key (docs/ingest.md, "Clients and retries"). With ``--route key`` each
+event goes instead to the URL its collection and key pick (rendezvous hashing),
+always the same one: a batch is split into one request per URL, sent side by
+side, each retried at its own URL only, under ``<key>/<8 hex of the URL>``.
 
 On a refusal it stops at once and exits 1 with the server's message, the
 stdin line numbers it refers to, and what was acknowledged before it, so the
@@ -36,10 +39,15 @@ from typing import Any, BinaryIO, TextIO
 from daemon.client import (
     RETRY_FOR_S,
     TIMEOUT_S,
+    Ack,
+    ClientOptions,
+    EndpointAck,
     IngestConnectionError,
     IngestError,
     Retry,
+    RoutedAck,
     SyncIngestClient,
+    UnroutableError,
     check_key_prefix,
     new_key_prefix,
 )
@@ -139,17 +147,41 @@ class Progress:
         self.replayed = 0  # requests the daemon answered from an earlier attempt
         self.first_lsn: int | None = None
         self.last_lsn: int | None = None
+        # --route key: the first and last LSN acknowledged by each endpoint.
+        self.ranges: dict[str, tuple[int, int]] = {}
 
     def acked(
         self, accepted: int, first_lsn: int, last_lsn: int, *, retried: bool, replayed: bool
     ) -> None:
+        if self.first_lsn is None:
+            self.first_lsn = first_lsn
+        self.last_lsn = last_lsn
+        self._count(accepted, retried=retried, replayed=replayed)
+
+    def routed(self, ack: RoutedAck, *, retried: bool) -> None:
+        """A --route key request, acknowledged at every endpoint it went to."""
+        self.add_ranges(ack.acks)
+        replayed = bool(ack.acks) and all(a.replayed for a in ack.acks)
+        self._count(ack.accepted, retried=retried, replayed=replayed)
+
+    def add_ranges(self, acks: Sequence[EndpointAck]) -> None:
+        for a in acks:
+            first = self.ranges.get(a.endpoint, (a.first_lsn, 0))[0]
+            self.ranges[a.endpoint] = (first, a.last_lsn)
+
+    def lsns(self) -> str:
+        """``LSN a..b``, or per endpoint with --route key; "" before any ack."""
+        if self.ranges:
+            return "LSN " + ", ".join(f"{a}..{b} at {url}" for url, (a, b) in self.ranges.items())
+        if self.first_lsn is None:
+            return ""
+        return f"LSN {self.first_lsn}..{self.last_lsn}"
+
+    def _count(self, accepted: int, *, retried: bool, replayed: bool) -> None:
         self.events += accepted
         self.requests += 1
         self.retried += retried
         self.replayed += replayed
-        if self.first_lsn is None:
-            self.first_lsn = first_lsn
-        self.last_lsn = last_lsn
         now = time.monotonic()
         if self.enabled and now - self._drawn >= PROGRESS_EVERY_S:
             self._drawn = now
@@ -196,7 +228,7 @@ class Progress:
 
     def summary(self) -> str:
         elapsed = time.monotonic() - self.started
-        lsns = f", LSN {self.first_lsn}..{self.last_lsn}" if self.first_lsn is not None else ""
+        lsns = f", {self.lsns()}" if self.lsns() else ""
         return (
             f"sent {self.events} events in {self.requests} requests{self.counts()}{lsns}, "
             f"{elapsed:.2f} s ({self.events / max(elapsed, 1e-9):,.0f} events/s)"
@@ -209,13 +241,25 @@ def what_failed(exc: IngestError) -> str:
     return f"HTTP {exc.status}" + (f" {exc.error}" if exc.error else "") + f": {exc.message}"
 
 
-def describe_failure(exc: IngestError, batch: Batch, number: int) -> list[str]:
-    """The first lines to print for a refused (or unanswered) batch."""
+def describe_failure(
+    exc: IngestError, batch: Batch, number: int, *, routed: bool = False
+) -> list[str]:
+    """The first lines to print for a refused (or unanswered) batch; ``routed``
+    (--route key): they name the endpoint of the failed part of it."""
     lines: list[str] = []
+    if isinstance(exc, UnroutableError):
+        where = batch.stdin_line(exc.line)
+        line = f"stdin line {where}" if where is not None else "it"
+        lines.append(
+            f"request {number} ({batch.span()}) not sent: --route key sends each event by "
+            f"its collection and key, and {line} has none to route by: {exc.reason or exc.message}"
+        )
+        return lines
+    endpoint = f" at {exc.endpoint}" if routed and exc.endpoint else ""
     if exc.gave_up:
         lines.append(
             f"request {number} ({batch.span()}): gave up after {exc.attempts} attempts in "
-            f"{exc.elapsed_s:.1f} s; the last: {what_failed(exc)}"
+            f"{exc.elapsed_s:.1f} s{endpoint}; the last: {what_failed(exc)}"
         )
         return lines
     if isinstance(exc, IngestConnectionError):
@@ -224,7 +268,9 @@ def describe_failure(exc: IngestError, batch: Batch, number: int) -> list[str]:
     status = f"HTTP {exc.status}" + (f" {exc.error}" if exc.error else "")
     where = batch.stdin_line(exc.body.get("line"))
     at = f" at stdin line {where}" if where is not None else ""
-    lines.append(f"request {number} ({batch.span()}) refused, {status}{at}: {exc.message}")
+    lines.append(
+        f"request {number} ({batch.span()}) refused{endpoint}, {status}{at}: {exc.message}"
+    )
     errors = exc.body.get("errors")
     if isinstance(errors, list):
         for item in errors[:SHOWN_ERRORS]:
@@ -252,6 +298,8 @@ def resend_command(args: argparse.Namespace, prefix: str, size: int, line: int) 
     for flag in ("token_file", "ca_file", "cert", "key"):
         if getattr(args, flag, None):
             argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if getattr(args, "route", None) == "key":
+        argv += ["--route", "key"]
     if size != DEFAULT_BATCH:
         argv += ["--batch", str(size)]
     argv += ["--key-prefix", prefix, "--from-line", str(line)]
@@ -296,8 +344,9 @@ def main(
 
     producer = access.from_args(args, access.ENV_TOKEN_FILE)
     urls = ingest_urls(cfg, getattr(args, "url", None))
+    routed = getattr(args, "route", None) == "key"
     progress = Progress(
-        stderr, enabled=stderr.isatty(), retry_for=retry_for, failover=len(urls) > 1
+        stderr, enabled=stderr.isatty(), retry_for=retry_for, failover=len(urls) > 1 or routed
     )
     number = 0
     batch = Batch()
@@ -308,15 +357,20 @@ def main(
         retries += 1
         progress.retrying(batch, number, retry, first=retry.attempt == 1)
 
-    with SyncIngestClient(
-        endpoints=urls,
-        timeout_s=timeout,
-        retry_for_s=retry_for,
-        key_prefix=prefix,
-        on_retry=on_retry,
-        token=producer.token,
-        ssl_context=producer.context,
-    ) as client:
+    options: ClientOptions = {
+        "timeout_s": timeout,
+        "retry_for_s": retry_for,
+        "key_prefix": prefix,
+        "on_retry": on_retry,
+        "token": producer.token,
+        "ssl_context": producer.context,
+    }
+    client: SyncIngestClient[Ack] | SyncIngestClient[RoutedAck] = (
+        SyncIngestClient(endpoints=urls, route="key", **options)
+        if routed
+        else SyncIngestClient(endpoints=urls, **options)
+    )
+    with client:
         for batch in batches(stdin, size, cfg.ingest.max_body_bytes, from_line):
             number += 1
             retries = 0
@@ -325,14 +379,30 @@ def main(
             except IngestError as exc:
                 progress.clear()
                 print(
-                    "eventplane send: " + "\n".join(describe_failure(exc, batch, number)),
+                    "eventplane send: "
+                    + "\n".join(describe_failure(exc, batch, number, routed=routed)),
                     file=stderr,
                 )
                 acked = f"acknowledged before it: {progress.events} events"
-                if progress.last_lsn is not None:
-                    acked += f" (LSN {progress.first_lsn}..{progress.last_lsn})"
+                if progress.lsns():
+                    acked += f" ({progress.lsns()})"
                 first = batch.linenos[0]
-                if exc.maybe_stored:
+                if exc.acked:
+                    # Part of the batch is stored at other endpoints: only a resend
+                    # under the same keys stores it once.
+                    parts = ", ".join(f"{a.accepted} at {a.endpoint}" for a in exc.acked)
+                    print(
+                        f"  {acked}; of {batch.span()}, {parts} were acknowledged, the rest "
+                        "was not" + (" or may have been" if exc.maybe_stored else "") + "; "
+                        "nothing after them was sent\n"
+                        "  to send the rest, feed the same input to the command below: its "
+                        "requests carry the same Idempotency-Keys, so nothing is stored twice "
+                        "within the daemon's de-duplication window "
+                        "(ingest.idempotency_window_s, 900 s by default)\n"
+                        f"    {resend_command(args, prefix, size, first)}",
+                        file=stderr,
+                    )
+                elif exc.maybe_stored:
                     print(
                         f"  {acked}; {batch.span()} may or may not have been stored; "
                         "nothing after them was sent\n"
@@ -348,13 +418,16 @@ def main(
                         acked += f"; {batch.span()} were not stored"
                     print(f"  {acked}; to send the rest: tail -n +{first}", file=stderr)
                 return EXIT_FAILED
-            progress.acked(
-                ack.accepted,
-                ack.first_lsn,
-                ack.last_lsn,
-                retried=retries > 0,
-                replayed=ack.replayed,
-            )
+            if isinstance(ack, RoutedAck):
+                progress.routed(ack, retried=retries > 0)
+            else:
+                progress.acked(
+                    ack.accepted,
+                    ack.first_lsn,
+                    ack.last_lsn,
+                    retried=retries > 0,
+                    replayed=ack.replayed,
+                )
     progress.clear()
     print(progress.summary(), file=stdout)
     return EXIT_OK
