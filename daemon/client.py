@@ -755,6 +755,9 @@ class IngestClient(Generic[R]):
     number of retries after a wait too; ``max_wait_s`` each wait. ``key_prefix``
     names this client's requests (default random); ``on_retry`` is called
     before each wait and each failover (``wait_s`` 0, ``endpoint`` the next).
+    ``route="key"``: each event to the endpoint its collection and key pick; a
+    send returns :class:`RoutedAck` (module doc); ``on_retry`` sees each
+    sub-request's own key, and ``url`` is the first endpoint's.
     """
 
     @overload
