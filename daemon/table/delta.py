@@ -43,7 +43,9 @@ roll-forward reads its own app id's commits only, and each commit is retried
 onto the others' (no automatic rebase: the fence is re-checked each time,
 ``SHARED_COMMIT_ATTEMPTS``). On disk its state is ``_eventplane/writers/<name>/``;
 on S3 its lease is ``_eventplane/writers/<name>/lease.json`` and its fence
-counts only the commits of its name (:mod:`daemon.table.fence`).
+counts only the commits of its name (:mod:`daemon.table.fence`). Its
+compaction, VACUUM and retention run in one daemon at a time, the holder of
+``_eventplane/maintainer.json`` (:mod:`daemon.table.maintainer`).
 """
 
 from __future__ import annotations
@@ -62,12 +64,12 @@ import structlog
 from daemon.config import CdcStream
 from daemon.errors import IdentityMismatchError
 from daemon.plane.batch import MicroBatch
-from daemon.table import deltacommit, fence, quarantine, s3
+from daemon.table import deltacommit, fence, maintainer, quarantine, s3
 from daemon.table.crash import crash_point
 from daemon.table.durable import atomic_write_json, fsync_file
 from daemon.table.errors import CdcLayoutError, CdcStreamLockedError
 from daemon.table.layout import META_DIR, TABLE_COLUMNS
-from daemon.table.lease import Holder, Keeper, Lease, LeaseError, S3Store
+from daemon.table.lease import Holder, Keeper, Lease, LeaseError, LocalStore, S3Store, Store
 from daemon.table.ledger import (
     KEEP_BATCHES,
     Ledger,
@@ -185,6 +187,8 @@ class DeltaSink(CdcSink):
         self.files = table_files(stream)
         self.location = stream.location
         self.keeper: Keeper | None = None
+        # A shared table: its maintenance lease (None: this daemon maintains it).
+        self.maintainer: maintainer.Maintainer | None = None
         self._created = False  # the Delta table exists (checked on the first commit)
         self.commits_since_optimize = 0
         # The batch step 1 writes: (batch, rows written, rows set aside).
@@ -221,6 +225,7 @@ class DeltaSink(CdcSink):
         self._lock()
         try:
             self._take_lease()
+            self.maintainer = self._maintainer()
             created = read_ledger(self.path, self.meta) is None
             self._ledger = self._load_or_create_ledger()
             self._check_table_identity(created)
@@ -285,6 +290,31 @@ class DeltaSink(CdcSink):
         self.keeper.start()
         self.fence.keeper = self.keeper
 
+    def _maintainer(self) -> maintainer.Maintainer | None:
+        """A shared table opened by a daemon (a WAL): its maintenance lease,
+        ``_eventplane/maintainer.json``, taken at the first maintenance tick."""
+        if not self.shared or not self.wal_id:
+            return None
+        files = self.files
+        store: Store
+        if isinstance(files, S3Files):
+            store = S3Store(files.client, files.where.bucket)
+            key = files.where.key(f"{META_DIR}/{maintainer.KEY}")
+            ttl_s, skew_s = files.cfg.lease_ttl_s, files.cfg.lease_skew_s
+        else:
+            store, key = LocalStore(self.path / META_DIR), maintainer.KEY
+            ttl_s, skew_s = maintainer.LOCAL_TTL_S, maintainer.LOCAL_SKEW_S
+        holder = Holder.this_process(str(self.data_dir or self.path), self.wal_id, self.name)
+        lease = maintainer.MaintainerLease(
+            store, key, holder, ttl_s=ttl_s, skew_s=skew_s, name=self.daemon_name
+        )
+        return maintainer.Maintainer(lease, f"stream {self.name!r} ({self.location})")
+
+    def _maintains(self) -> bool:
+        """Before compaction, VACUUM or retention: this daemon maintains the
+        table (always, unless shared: then while it holds the maintenance lease)."""
+        return self.maintainer is None or self.maintainer.tick()
+
     def _fence(self) -> bool:
         """A takeover's first act on a table on S3, before any orphan goes:
         the fencing commit (:meth:`daemon.table.fence.Fence.commit`). A stale
@@ -307,13 +337,21 @@ class DeltaSink(CdcSink):
         self.fence.check(table, advance=advance)
 
     def close(self) -> None:
+        kept, self.maintainer = self.maintainer, None
+        if kept is not None:
+            kept.stop()
         keeper, self.keeper = self.keeper, None
         if keeper is not None:
             keeper.stop()
         super().close()
 
     def table_status(self) -> dict[str, Any]:
-        return {"lease": self.keeper.status()} if self.keeper is not None else {}
+        status: dict[str, Any] = {}
+        if self.keeper is not None:
+            status["lease"] = self.keeper.status()
+        if self.maintainer is not None:
+            status["maintenance"] = self.maintainer.status()
+        return status
 
     def _check_layout(self, ledger: Ledger) -> None:
         wanted = list(self.stream.partition_by)
@@ -895,9 +933,12 @@ class DeltaSink(CdcSink):
         (which delta-rs cannot open) takes Spark's.
         Due once ``compact_min_files`` batches committed since the last one
         (``full``: now). Returns the :class:`~daemon.table.compactplan.Progress`
-        shown in status, or None when not due."""
+        shown in status, or None when not due, or when another daemon
+        maintains the shared table (:meth:`_maintains`)."""
         from daemon.table.compactplan import Progress
 
+        if not self._maintains():
+            return None
         if not full and self.commits_since_optimize < self.stream.compact_min_files:
             return None
         progress = Progress(self.name, "*", "optimize", 0, 0, 1, 0, self.ledger.last_batch_id)
@@ -952,6 +993,9 @@ class DeltaSink(CdcSink):
         s = self.stream
         assert s.retention_s is not None
         started = time.monotonic()
+        if not self._maintains():
+            assert self.maintainer is not None
+            return RunResult(self.name, [], None, 0.0, maintainer=self.maintainer.maintainer)
         cutoff = (time.time() if now is None else now) - s.retention_s
         day = time.strftime("%Y-%m-%d", time.gmtime(cutoff))
         where = f"date < '{day}'"

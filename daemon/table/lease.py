@@ -28,11 +28,14 @@ the wall-clock time it expires. Protocol:
 The store is an object with ``get(key)`` -> ``(body, etag)`` or None,
 ``put(key, body, if_none_match=False, if_match=None)`` -> etag (raising
 :class:`PreconditionFailed` on a lost race) and ``delete(key)``:
-:class:`S3Store` over boto3, or any test double.
+:class:`S3Store` over boto3, :class:`LocalStore` over a folder on disk (a
+shared table's maintenance lease, daemon/table/maintainer.py), or any test double.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import socket
@@ -41,6 +44,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
@@ -290,6 +294,98 @@ class S3Store:
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=key)
+
+
+class LocalStore:
+    """:class:`Store` over a folder on disk (a shared table's ``_eventplane/``,
+    maybe on NFS), with S3's conditional writes:
+
+    - each key is one file, ``<key>``: its first line its ETag, the rest its body;
+    - every call holds an exclusive flock on ``<key>.lock`` (never removed), so
+      a read, compare and write is atomic among the daemons sharing the folder;
+    - create-only (``if_none_match``): the file is written aside, fsynced and
+      ``os.link``-ed to its name, which fails with EEXIST if it exists (even
+      against a writer that does not lock): :class:`PreconditionFailed`;
+    - ``if_match``: the current ETag is compared, then the file written aside
+      replaces it (``os.replace``); a missing key fails as on S3;
+    - an ETag is ``<counter>-<random>``: the counter goes up with each write of
+      the key, the random part keeps a key deleted and created again from
+      matching an ETag of before it.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def _locked(self, key: str) -> int:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _read(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            raw = self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        etag, _, body = raw.partition(b"\n")
+        return body, etag.decode()
+
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        fd = self._locked(key)
+        try:
+            return self._read(key)
+        finally:
+            os.close(fd)
+
+    def put(
+        self, key: str, body: bytes, *, if_none_match: bool = False, if_match: str | None = None
+    ) -> str:
+        from daemon.table.durable import fsync_dir
+
+        fd = self._locked(key)
+        try:
+            current = self._read(key)
+            if if_match is not None and (current is None or current[1] != if_match):
+                raise PreconditionFailed(f"{self._path(key)}: its ETag is not {if_match}")
+            counter = int(current[1].split("-", 1)[0]) + 1 if current is not None else 1
+            etag = f"{counter}-{uuid.uuid4().hex[:12]}"
+            path = self._path(key)
+            aside = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+            with open(aside, "wb") as f:
+                f.write(etag.encode() + b"\n" + body)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                if if_none_match:
+                    try:
+                        os.link(aside, path)
+                    except OSError as exc:
+                        if exc.errno == errno.EEXIST:
+                            raise PreconditionFailed(f"{path}: it exists") from None
+                        raise
+                else:
+                    os.replace(aside, path)
+            finally:
+                aside.unlink(missing_ok=True)
+            fsync_dir(path.parent)
+            return etag
+        finally:
+            os.close(fd)
+
+    def delete(self, key: str) -> None:
+        fd = self._locked(key)
+        try:
+            self._path(key).unlink(missing_ok=True)
+        finally:
+            os.close(fd)
 
 
 class Keeper:

@@ -251,6 +251,8 @@ class RunResult:
     oldest_kept: str | None
     seconds: float
     deferred: list[str] = field(default_factory=list)  # claimed by a compaction
+    # A shared table another daemon maintains: its name (this run removed nothing).
+    maintainer: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -263,6 +265,7 @@ class RunResult:
             "rows": sum(r.get("rows") or 0 for r in self.removed),
             "oldest_kept": self.oldest_kept,
             "seconds": self.seconds,
+            **({"skipped": f"maintained by {self.maintainer}"} if self.maintainer else {}),
         }
 
 
