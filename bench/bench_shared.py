@@ -221,7 +221,7 @@ def one_run(n: int, args: argparse.Namespace, root: Path, weed: Any) -> dict[str
             f'[s3]\nendpoint = "http://127.0.0.1:{proxy.port}"\npath_style = true\n'
             f'access_key_id = "{server.access_key}"\nsecret_access_key = "{server.secret_key}"\n'
         )
-        table, options = f'uri = "{uri}"', server.storage_options()
+        table, options = f'path = "{uri}"', server.storage_options()
     else:
         uri, s3, options = str(base / "table"), "", None
         table = f'path = "{uri}"'
