@@ -85,6 +85,11 @@ class CountingProxy:
             w.close()
 
 
+def table_setting(uri: str) -> str:
+    """The stream's location line: a folder or an ``s3://`` URI, both ``path``."""
+    return f'path = "{uri}"'
+
+
 class Daemon:
     def __init__(self, root: Path, n: int, table: str, s3: str) -> None:
         self.name = f"ep-{n}"
@@ -221,10 +226,10 @@ def one_run(n: int, args: argparse.Namespace, root: Path, weed: Any) -> dict[str
             f'[s3]\nendpoint = "http://127.0.0.1:{proxy.port}"\npath_style = true\n'
             f'access_key_id = "{server.access_key}"\nsecret_access_key = "{server.secret_key}"\n'
         )
-        table, options = f'path = "{uri}"', server.storage_options()
+        options = server.storage_options()
     else:
         uri, s3, options = str(base / "table"), "", None
-        table = f'path = "{uri}"'
+    table = table_setting(uri)
     daemons = [Daemon(base, i + 1, table, s3) for i in range(n)]
     try:
         for d in daemons:
