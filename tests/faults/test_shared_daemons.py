@@ -39,7 +39,7 @@ from daemon.table import delta
 from daemon.table.deltacommit import NAME_KEY
 from daemon.table.location import S3Files
 from tests import requires
-from tests.integration.harness import DaemonProcess, write_config
+from tests.integration.harness import DaemonProcess, Loader, write_config
 from tests.s3.server import S3Server
 
 pytestmark = [pytest.mark.spark, pytest.mark.crash, pytest.mark.timeout(900)]
@@ -93,19 +93,16 @@ path = "{disk}"
     return config
 
 
-class Producers(threading.Thread):
+class Producers(Loader):
     """Keyed producers through the client a user would run; every
     acknowledged (writer, lsn), the writer named by the endpoint it went to."""
 
     def __init__(self, daemons: dict[str, DaemonProcess], producers: int = 2) -> None:
-        super().__init__(daemon=True)
+        super().__init__("", producers=producers)
         self.writer = {d.ingest_url + "/v1/events": name for name, d in daemons.items()}
         self.urls = [d.ingest_url for d in daemons.values()]
-        self.producers = producers
-        self.acked: list[Row] = []
+        self.rows: list[Row] = []
         self.failed: list[str] = []
-        self._lock = threading.Lock()
-        self._halt = threading.Event()
 
     def _produce(self, pid: int) -> None:
         rng = random.Random(pid)
@@ -135,30 +132,15 @@ class Producers(threading.Thread):
                     for lsn in range(a.first_lsn, a.last_lsn + 1)
                 ]
                 with self._lock:
-                    self.acked += rows
+                    self.rows += rows
                 n += PER_REQUEST
                 self._halt.wait(0.02)
         finally:
             client.close()
 
-    def run(self) -> None:
-        threads = [
-            threading.Thread(target=self._produce, args=(p,), daemon=True)
-            for p in range(self.producers)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-
     def count(self) -> int:
         with self._lock:
-            return len(self.acked)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=300)
-        assert not self.is_alive(), "a producer still waits for an acknowledgement"
+            return len(self.rows)
 
 
 def snapshot_rows(uri: str, options: dict[str, str] | None) -> Counter[Row] | None:
@@ -330,9 +312,10 @@ def test_three_daemons_sigkilled_in_turn_keep_every_acknowledged_row_once_in_bot
             time.sleep(rng.uniform(0, 4))
             kill(rng.choice(NAMES))
         producers.stop()
+        assert not producers.is_alive(), "a producer still waits for an acknowledgement"
         timeline.append(f"{time.monotonic() - t0:.0f}s producers stopped")
         assert not producers.failed, producers.failed[:3]
-        acked = Counter(producers.acked)
+        acked = Counter(producers.rows)
         assert len(acked) > 3000, "the load was too light to prove anything"
         assert max(acked.values()) == 1  # one (writer, lsn) per acknowledged event
         for name, (where, options) in tables.items():
