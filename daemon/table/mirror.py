@@ -462,6 +462,15 @@ def fold(mirror: CdcMirror, state: dict[str, dict[str, Any]], reduced: Reduced) 
 # -- the table ------------------------------------------------------------------
 
 
+def table_wal_id(mirror: CdcMirror) -> str | None:
+    """The WAL id the mirror's table names (``eventplane.wal_id``), None when
+    there is no table yet (a command that opens a mirror without the daemon)."""
+    table = MirrorTable(mirror, wal_id="", cores=0)._table(create=False)
+    if table is None:
+        return None
+    return dict(table.metadata().configuration).get("eventplane.wal_id")
+
+
 @dataclass(frozen=True, slots=True)
 class MirrorResult:
     mirror: str
