@@ -198,3 +198,26 @@ def test_a_replay_killed_at_each_step_lands_exactly_once(
     ]
     assert len(replays) == 1
     assert table.transaction_version(m.replay_app_id) == 1
+
+
+def test_a_rebuilds_set_aside_events_from_the_logs_rows_replay_with_their_time_and_producer(
+    tmp_path: Path,
+) -> None:
+    """A rebuild's batches are the log's rows (no WAL records): the events
+    it sets aside are stored again from their columns, and a replay writes
+    them as the log has them."""
+    from daemon.plane.batch import MicroBatch
+    from daemon.spark import frame
+
+    path = tmp_path / "m"
+    batch = make_batch(3, [(9, "orders", "insert", "k", {"n": "nine"})])
+    m = opened(path, strict=True)
+    m.commit(frame.batch_table(batch), MicroBatch(3, {}))  # as mirrorrebuild.rebuild does
+    assert m.quarantined == 1
+    m.close()
+    m = opened(path)
+    assert m.replay_quarantine()["lsns"] == [9]
+    m.close()
+    row = read_rows(path)["k"]
+    assert (row["lsn"], row["producer"], row["n"]) == (9, "p1", None)
+    assert row["updated_at"].timestamp() == pytest.approx(9e-6)  # ingest_ts_ns 9000
