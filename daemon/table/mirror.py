@@ -87,6 +87,8 @@ REPLAY_APP = "/replay"
 # In the quarantine: the set-aside events a newer event of their key merged
 # since supersedes (LSN -> that event's LSN), which a replay must not write.
 SUPERSEDED_FILE = "superseded.json"
+# What a quarantine file of the earlier layout (``events``) is renamed with.
+EARLIER_LAYOUT = ".earlier-layout"
 _INT64 = (-(2**63), 2**63 - 1)
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 # Wide enough for any decimal(38, s) and for telling a value that does not fit.
@@ -556,6 +558,7 @@ class MirrorTable:
                 if self.fence is not None:
                     self.fence.check(table)  # its first version is this writer's
             self._complete_replays()
+            self._set_aside_earlier_layout()
             purged = quarantine.purged_lsns(self.meta)
             if purged:  # a purge that logged its rows and stopped before removing them
                 quarantine.drop(self.meta, purged)
@@ -763,6 +766,25 @@ class MirrorTable:
         quarantine.write_batch(self.meta, self.name, bid, rows, kind="mirror")
         self._load_quarantine()
         log.warning("mirror_events_set_aside", mirror=self.name, batch_id=bid, events=len(rows))
+
+    def _set_aside_earlier_layout(self) -> None:
+        """A quarantine file of the layout before the streams' (``events``:
+        no stored event, so no replay) is renamed out of the way, and said."""
+        for path in sorted(quarantine.directory(self.meta).glob("b*.json")):
+            raw = json.loads(path.read_bytes())
+            if "rows" in raw or "events" not in raw:
+                continue
+            kept = path.with_name(path.name + EARLIER_LAYOUT)
+            path.rename(kept)
+            fsync_dir(path.parent)
+            log.warning(
+                "mirror_quarantine_earlier_layout",
+                mirror=self.name,
+                file=str(kept),
+                events=len(raw["events"]),
+                message="a quarantine file of an earlier eventplane holds these events without "
+                "the event as stored: they cannot be replayed; it is kept, renamed",
+            )
 
     def _load_quarantine(self) -> None:
         """The quarantine's count, its superseded events and the others' keys."""

@@ -221,3 +221,17 @@ def test_a_rebuilds_set_aside_events_from_the_logs_rows_replay_with_their_time_a
     row = read_rows(path)["k"]
     assert (row["lsn"], row["producer"], row["n"]) == (9, "p1", None)
     assert row["updated_at"].timestamp() == pytest.approx(9e-6)  # ingest_ts_ns 9000
+
+
+def test_a_quarantine_file_of_the_earlier_layout_is_kept_aside_and_the_mirror_opens(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "m"
+    folder = path / META_DIR / "quarantine"
+    folder.mkdir(parents=True)
+    old = {"mirror": "orders", "batch_id": 2, "events": [{"lsn": 3, "key": "a", "op": "insert"}]}
+    (folder / "b000000000002.json").write_text(json.dumps(old))
+    m = opened(path, strict=True)
+    assert m.quarantined == 0
+    m.close()
+    assert [p.name for p in folder.iterdir()] == ["b000000000002.json.earlier-layout"]
