@@ -412,6 +412,16 @@ def held_rows(
     return out
 
 
+def newest_per_key(reduced: Reduced) -> dict[str, int]:
+    """The highest LSN a merge of ``reduced`` writes per key (a delete's too)."""
+    newest: dict[str, int] = {}
+    for key, lsn in [(r["key"], r["lsn"]) for r in reduced.rows] + [
+        (r["key"], r["valid_to_lsn"]) for r in reduced.closes
+    ]:
+        newest[key] = max(newest.get(key, lsn), lsn)
+    return newest
+
+
 def event_of(row: quarantine.QuarantinedRow) -> dict[str, Any]:
     """A quarantine row's event as :func:`_events` makes them (a replay's input)."""
     ev = decode_stored(row.payload)
@@ -805,14 +815,13 @@ class MirrorTable:
         A replay must not write them (a delete leaves no row to compare LSNs
         with). Marked before the merge lands: the batch's events are the
         fold's whether this attempt or its re-run commits them."""
-        if not self._held:
-            return
-        newest: dict[str, int] = {}
-        for key, lsn in [(r["key"], r["lsn"]) for r in reduced.rows] + [
-            (r["key"], r["valid_to_lsn"]) for r in reduced.closes
-        ]:
-            if key in self._held:
-                newest[key] = max(newest.get(key, lsn), lsn)
+        if self._held:
+            self._mark(newest_per_key(reduced))
+
+    def _mark(self, newest: Mapping[str, int]) -> None:
+        """The quarantine's events of the keys of ``newest`` below its LSN are
+        superseded (:meth:`_supersede`)."""
+        newest = {key: top for key, top in newest.items() if key in self._held}
         marks = {lsn: top for key, top in newest.items() for lsn in self._held[key] if lsn < top}
         if not marks:
             return
@@ -845,7 +854,8 @@ class MirrorTable:
            each key: a row never goes back), its ``txn`` ``<app id>/replay``
            at the replay's id (``mirror.replay_after_intent`` before it,
            ``mirror.replay_after_commit`` after it).
-        4. The events leave the quarantine, then the intent goes.
+        4. The older events of their keys left in the quarantine are
+           superseded now (:meth:`_mark`); the events leave it; the intent goes.
 
         Recovery (:meth:`_complete_replays`): an intent whose id the table's
         replay txn holds rolls forward (step 4), else it is removed and the
@@ -881,18 +891,20 @@ class MirrorTable:
             table = self._table(create=True)
             self._guard(table)
             replay_id = int(table.transaction_version(self.replay_app_id) or 0) + 1
+            reduced = fold_events(self.mirror, events, len(events))
+            newest = newest_per_key(reduced)
             intent = quarantine.replay_file(self.meta, replay_id)
             atomic_write_json(  # Step 2.
-                intent, {"mirror": self.name, "lsns": gone, "replay_id": replay_id}
+                intent,
+                {"mirror": self.name, "lsns": gone, "replay_id": replay_id, "newest": newest},
             )
             crash_point("mirror.replay_after_intent")
-            reduced = fold_events(self.mirror, events, len(events))
             meta = {"replay_id": replay_id, "lsns": written, "events": len(events)}
             self._merge(reduced, (self.replay_app_id, replay_id), meta)  # Step 3.
             crash_point("mirror.replay_after_commit")
             for column, n in reduced.cast_failures.items():
                 self.cast_failures[column] = self.cast_failures.get(column, 0) + n
-            quarantine.drop(self.meta, gone)  # Step 4.
+            self._finish_replay(gone, newest)  # Step 4.
             intent.unlink(missing_ok=True)
         elif skipped:
             quarantine.drop(self.meta, skipped)
@@ -924,7 +936,8 @@ class MirrorTable:
             raw = json.loads(path.read_bytes())
             committed = replay_id <= done
             if committed:
-                quarantine.drop(self.meta, [int(x) for x in raw["lsns"]])
+                self._load_quarantine()
+                self._finish_replay([int(x) for x in raw["lsns"]], raw["newest"])
             log.warning(
                 "mirror_quarantine_replay_recovered",
                 mirror=self.name,
@@ -933,6 +946,11 @@ class MirrorTable:
                 outcome="rolled forward" if committed else "rolled back",
             )
             path.unlink()
+
+    def _finish_replay(self, lsns: list[int], newest: Mapping[str, int]) -> None:
+        """A replay's step 4 (its events merged): what they supersede, then out."""
+        self._mark({key: int(top) for key, top in newest.items()})
+        quarantine.drop(self.meta, lsns)
 
     def purge_quarantine(self, lsns: set[int] | None, by: str | None = None) -> int:
         """Remove quarantined events for good (logged with who and when: quarantine.purge)."""

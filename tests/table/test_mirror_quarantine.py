@@ -235,3 +235,39 @@ def test_a_quarantine_file_of_the_earlier_layout_is_kept_aside_and_the_mirror_op
     assert m.quarantined == 0
     m.close()
     assert [p.name for p in folder.iterdir()] == ["b000000000002.json.earlier-layout"]
+
+
+@pytest.mark.parametrize("history", [False, True], ids=["current", "history"])
+def test_a_replayed_event_supersedes_the_older_ones_of_its_key_left_in_the_quarantine(
+    tmp_path: Path, history: bool
+) -> None:
+    """a@5 replayed first: a@3, replayed after it, is not written over it (a
+    history mirror would have two current versions of ``a``)."""
+    from deltalake import DeltaTable
+
+    path = tmp_path / "m"
+    m = opened(path, strict=True, history=history)
+    commit(m, make_batch(1, [(1, "orders", "insert", "a", {"n": 1})]))
+    commit(
+        m,
+        make_batch(
+            2,
+            [
+                (3, "orders", "update", "a", {"n": "three"}),
+                (5, "orders", "update", "a", {"n": "five"}),
+            ],
+        ),
+    )
+    m.close()
+    m = opened(path, history=history)
+    assert m.replay_quarantine({5})["lsns"] == [5]
+    later = m.replay_quarantine({3})
+    m.close()
+    assert later["lsns"] == []
+    if history:
+        assert [r["lsn"] for r in later["still_refused"]] == [3]
+    else:
+        assert later["superseded"] == [3]
+    rows = DeltaTable(str(path)).to_pyarrow_table().to_pylist()
+    current = [r["lsn"] for r in rows if r.get("is_current", True)]
+    assert current == [5]
