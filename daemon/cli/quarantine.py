@@ -138,6 +138,12 @@ def _checked(
 
 def list_rows(target: Target, *, as_json: bool, out: TextIO) -> int:
     rows = [r.shown() for r in quarantine.load(target.meta)]
+    if target.kind == "mirror":  # which a replay does not write (a newer event of the key)
+        from daemon.table.mirror import superseded_marks
+
+        marks = superseded_marks(target.meta)
+        for r in rows:
+            r["superseded_by"] = marks.get(r["lsn"])
     if as_json:
         print(json.dumps(rows), file=out)
         return 0
@@ -150,6 +156,8 @@ def list_rows(target: Target, *, as_json: bool, out: TextIO) -> int:
         error = r["error"]
         if len(error) > MAX_ERROR_CHARS:
             error = error[: MAX_ERROR_CHARS - 3] + "..."
+        if r.get("superseded_by") is not None:
+            error += f" (superseded by LSN {r['superseded_by']})"
         print(f"{r['lsn']}\t{r['batch_id']}\t{r['collection']}\t{r['key']}\t{error}", file=out)
     return 0
 

@@ -15,7 +15,10 @@ Commit protocol for batch B of mirror M (:meth:`MirrorTable.commit`):
 0. **Idempotency.** The table's ``txn`` of ``eventplane/<WAL id>/mirror/<M>``
    is at or above B: the batch is in the table, nothing is written.
 1. **Reduce.** The batch's rows of the collection, the highest LSN per key;
-   the typed columns cast from ``new`` (:func:`cast`).
+   the typed columns cast from ``new`` (:func:`cast`). A strict mirror's
+   events that do not fit go to the quarantine first (a stream's rows,
+   :mod:`daemon.table.quarantine`), and the quarantine's events of the keys
+   the merge writes at a higher LSN are marked superseded.
 2. **Merge.** One delta-rs MERGE of those rows into the buckets they touch
    (a literal ``bucket IN (...)`` prunes the rest), with the ``txn``
    (app id, B) in its own commit: an insert or update upserts, a delete
@@ -33,7 +36,10 @@ A crash anywhere before step 2's commit leaves the table as it was; after
 it, the re-run stops at step 0. A merge that changes nothing (deletes of
 unknown keys only) commits nothing, which is the same table.
 Compaction (OPTIMIZE, then VACUUM) runs after a commit in the same thread,
-never beside a merge (delta-rs fails a merge that an OPTIMIZE overtook).
+never beside a merge (delta-rs fails a merge that an OPTIMIZE overtook), and
+so do a quarantine's replay and purge (:meth:`MirrorTable.replay_quarantine`:
+one merge of the events, exactly once by its own ``txn``, never of a
+superseded one: a delete leaves no row whose LSN a merge could compare).
 """
 
 from __future__ import annotations
@@ -474,6 +480,15 @@ def fold(mirror: CdcMirror, state: dict[str, dict[str, Any]], reduced: Reduced) 
 # -- the table ------------------------------------------------------------------
 
 
+def superseded_marks(meta: Path) -> dict[int, int]:
+    """The quarantine's events marked superseded (LSN -> the newer event's
+    LSN); may name events no longer in it. Read-only: works beside the daemon."""
+    path = quarantine.directory(meta) / SUPERSEDED_FILE
+    if not path.exists():
+        return {}
+    return {int(a): int(b) for a, b in json.loads(path.read_bytes())["lsns"].items()}
+
+
 def table_wal_id(mirror: CdcMirror) -> str | None:
     """The WAL id the mirror's table names (``eventplane.wal_id``), None when
     there is no table yet (a command that opens a mirror without the daemon)."""
@@ -799,10 +814,9 @@ class MirrorTable:
     def _load_quarantine(self) -> None:
         """The quarantine's count, its superseded events and the others' keys."""
         rows = quarantine.load(self.meta)
-        path = quarantine.directory(self.meta) / SUPERSEDED_FILE
-        marks = json.loads(path.read_bytes())["lsns"] if path.exists() else {}
         lsns = {r.lsn for r in rows}
-        self._superseded = {int(a): int(b) for a, b in marks.items() if int(a) in lsns}
+        marks = superseded_marks(self.meta)
+        self._superseded = {a: b for a, b in marks.items() if a in lsns}
         self._held = {}
         for r in rows:
             if r.lsn not in self._superseded:

@@ -18,7 +18,7 @@ import pytest
 from daemon.table import quarantine
 from daemon.table.crash import ENV_CRASH_AT, MIRROR_REPLAY_CRASH_POINTS
 from daemon.table.layout import META_DIR
-from daemon.table.mirror import MirrorTable
+from daemon.table.mirror import MirrorTable, superseded_marks
 from tests.table.mirror_quarantine_worker import WAL_ID, mirror_config
 from tests.table.test_mirror import CORES, commit, make_batch, read_rows
 
@@ -78,6 +78,7 @@ def test_a_replay_merges_what_fits_now_and_never_writes_over_a_newer_event_or_a_
     path = tmp_path / "m"
     quarantined_history(path)
     assert {k: r["lsn"] for k, r in read_rows(path).items()} == {"a": 1, "b": 5}
+    assert superseded_marks(path / META_DIR) == {2: 5, 3: 6}
     m = opened(path)  # no longer strict: n that does not fit is null
     first = m.replay_quarantine({4})
     assert (first["lsns"], first["superseded"], first["quarantined"]) == ([4], [], 3)
@@ -271,3 +272,30 @@ def test_a_replayed_event_supersedes_the_older_ones_of_its_key_left_in_the_quara
     rows = DeltaTable(str(path)).to_pyarrow_table().to_pylist()
     current = [r["lsn"] for r in rows if r.get("is_current", True)]
     assert current == [5]
+
+
+def test_list_names_the_events_a_replay_will_not_write_and_the_newer_event_of_their_key(
+    tmp_path: Path,
+) -> None:
+    import io
+
+    from daemon import config as configmod
+    from daemon.cli import cdc as cdccmd
+    from daemon.cli.main import build_parser
+
+    path = tmp_path / "m"
+    quarantined_history(path)
+    entry = {"name": "orders", "collection": "orders", "path": str(path), "strict": True}
+    cfg = configmod.parse({"cdc": {"mirrors": [entry]}})
+
+    def cli(*argv: str) -> str:
+        out = io.StringIO()
+        args = build_parser().parse_args(["cdc", "mirror", "quarantine", *argv])
+        assert cdccmd.main(args, cfg, out=out) == 0
+        return out.getvalue()
+
+    shown = {r["lsn"]: r["superseded_by"] for r in json.loads(cli("list", "orders", "--json"))}
+    assert shown == {2: 5, 3: 6, 4: None, 7: None}
+    text = cli("list", "orders")
+    assert "mirror 'orders': 4 row(s) in the quarantine" in text
+    assert "(superseded by LSN 6)" in text.splitlines()[3]
