@@ -64,7 +64,7 @@ from daemon.events import decode as decode_stored
 from daemon.plane.batch import MicroBatch
 from daemon.table import quarantine
 from daemon.table.crash import crash_point
-from daemon.table.durable import atomic_write_json, fsync_dir, fsync_file
+from daemon.table.durable import append_line, atomic_write_json, fsync_dir, fsync_file
 from daemon.table.errors import CdcLayoutError, CdcStreamLockedError
 from daemon.table.fence import Fence
 from daemon.table.layout import META_DIR
@@ -93,6 +93,8 @@ REPLAY_APP = "/replay"
 # In the quarantine: the set-aside events a newer event of their key merged
 # since supersedes (LSN -> that event's LSN), which a replay must not write.
 SUPERSEDED_FILE = "superseded.json"
+# In the quarantine: the LSNs each replay took out (written or superseded).
+REPLAY_LOG = "replayed.jsonl"
 # What a quarantine file of the earlier layout (``events``) is renamed with.
 EARLIER_LAYOUT = ".earlier-layout"
 _INT64 = (-(2**63), 2**63 - 1)
@@ -480,6 +482,20 @@ def fold(mirror: CdcMirror, state: dict[str, dict[str, Any]], reduced: Reduced) 
 # -- the table ------------------------------------------------------------------
 
 
+def replayed_lsns(meta: Path) -> set[int]:
+    """The LSNs the replay log names (a torn last line: that replay never finished)."""
+    path = quarantine.directory(meta) / REPLAY_LOG
+    if not path.exists():
+        return set()
+    out: set[int] = set()
+    for line in path.read_bytes().splitlines():
+        try:
+            out.update(int(x) for x in json.loads(line)["lsns"])
+        except ValueError:
+            continue
+    return out
+
+
 def superseded_marks(meta: Path) -> dict[int, int]:
     """The quarantine's events marked superseded (LSN -> the newer event's
     LSN); may name events no longer in it. Read-only: works beside the daemon."""
@@ -787,7 +803,12 @@ class MirrorTable:
         or in ``_eventplane/quarantine/b<batch>.json``, never both. The rows
         are a stream's quarantine rows (:mod:`daemon.table.quarantine`)."""
         bid = batch.batch_id
-        rows = held_rows(self.mirror, batch, events)
+        # A re-run of a batch whose progress a crash lost: the events a replay
+        # or a purge took out meanwhile stay out.
+        out = quarantine.purged_lsns(self.meta) | replayed_lsns(self.meta)
+        rows = [r for r in held_rows(self.mirror, batch, events) if r.lsn not in out]
+        if not rows:
+            return
         quarantine.write_batch(self.meta, self.name, bid, rows, kind="mirror")
         self._load_quarantine()
         log.warning("mirror_events_set_aside", mirror=self.name, batch_id=bid, events=len(rows))
@@ -869,7 +890,9 @@ class MirrorTable:
            at the replay's id (``mirror.replay_after_intent`` before it,
            ``mirror.replay_after_commit`` after it).
         4. The older events of their keys left in the quarantine are
-           superseded now (:meth:`_mark`); the events leave it; the intent goes.
+           superseded now (:meth:`_mark`); the LSNs go to the replay log
+           (which a re-run of their batch heeds), then leave the quarantine;
+           the intent goes.
 
         Recovery (:meth:`_complete_replays`): an intent whose id the table's
         replay txn holds rolls forward (step 4), else it is removed and the
@@ -918,10 +941,10 @@ class MirrorTable:
             crash_point("mirror.replay_after_commit")
             for column, n in reduced.cast_failures.items():
                 self.cast_failures[column] = self.cast_failures.get(column, 0) + n
-            self._finish_replay(gone, newest)  # Step 4.
+            self._finish_replay(replay_id, gone, newest)  # Step 4.
             intent.unlink(missing_ok=True)
         elif skipped:
-            quarantine.drop(self.meta, skipped)
+            self._finish_replay(0, skipped, {})
         self._load_quarantine()
         if gone:
             log.info(
@@ -951,7 +974,7 @@ class MirrorTable:
             committed = replay_id <= done
             if committed:
                 self._load_quarantine()
-                self._finish_replay([int(x) for x in raw["lsns"]], raw["newest"])
+                self._finish_replay(replay_id, [int(x) for x in raw["lsns"]], raw["newest"])
             log.warning(
                 "mirror_quarantine_replay_recovered",
                 mirror=self.name,
@@ -961,9 +984,14 @@ class MirrorTable:
             )
             path.unlink()
 
-    def _finish_replay(self, lsns: list[int], newest: Mapping[str, int]) -> None:
-        """A replay's step 4 (its events merged): what they supersede, then out."""
+    def _finish_replay(self, replay_id: int, lsns: list[int], newest: Mapping[str, int]) -> None:
+        """A replay's step 4 (its events merged): what they supersede, the
+        replay log (``quarantine/replayed.jsonl``), then out."""
         self._mark({key: int(top) for key, top in newest.items()})
+        append_line(
+            quarantine.directory(self.meta) / REPLAY_LOG,
+            {"mirror": self.name, "replay_id": replay_id, "at": time.time(), "lsns": lsns},
+        )
         quarantine.drop(self.meta, lsns)
 
     def purge_quarantine(self, lsns: set[int] | None, by: str | None = None) -> int:

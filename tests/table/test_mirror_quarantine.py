@@ -299,3 +299,35 @@ def test_list_names_the_events_a_replay_will_not_write_and_the_newer_event_of_th
     text = cli("list", "orders")
     assert "mirror 'orders': 4 row(s) in the quarantine" in text
     assert "(superseded by LSN 6)" in text.splitlines()[3]
+
+
+def test_a_rerun_of_a_batch_whose_events_a_replay_or_a_purge_took_out_does_not_set_them_aside_again(
+    tmp_path: Path,
+) -> None:
+    """A batch that only set events aside leaves no txn: after a crash that
+    lost its progress it runs again, and must not bring back what a replay
+    wrote (a history mirror would get the version twice) or a purge removed."""
+    path = tmp_path / "m"
+    m = opened(path, strict=True, history=True)
+    batch = make_batch(
+        3,
+        [(8, "orders", "insert", "x", {"n": "eight"}), (9, "orders", "insert", "y", {"n": 9.5})],
+    )
+    commit(m, batch)
+    assert m.quarantined == 2
+    assert m.purge_quarantine({9}, "ops") == 1
+    m.close()
+    m = opened(path, history=True)
+    assert m.replay_quarantine()["lsns"] == [8]
+    m.close()
+    m = opened(path, strict=True, history=True)
+    commit(m, batch)  # the re-run
+    assert m.quarantined == 0
+    m.close()
+    assert [r["lsn"] for r in read_history(path)] == [8]
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    from deltalake import DeltaTable
+
+    return DeltaTable(str(path)).to_pyarrow_table().to_pylist()
