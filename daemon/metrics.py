@@ -514,6 +514,14 @@ class Metrics:
             ["mirror", "column"],
             registry=r,
         )
+        self.mirror_quarantined_rows = Gauge(
+            p + "mirror_quarantine_rows",
+            "Events in a strict mirror's quarantine: events that did not fit its typed "
+            'columns, set aside (docs/cdc.md, "Mirror tables"). Not 0: see eventplane cdc '
+            "mirror quarantine list.",
+            ["mirror"],
+            registry=r,
+        )
         self.cdc_quarantined = Counter(
             p + "cdc_quarantined_rows_total",
             "Rows a CDC stream set aside in its quarantine since the daemon started.",

@@ -10,7 +10,9 @@ table on S3 (``daemon.table.lease``), broken by hand with ``--break``.
 ``eventplane cdc mirror verify NAME``: a mirror compared with a fold of its
 change log (:mod:`daemon.table.mirrorverify`), exit 1 when they differ;
 ``eventplane cdc mirror rebuild NAME``: folded anew and switched to
-(:mod:`daemon.table.mirrorrebuild`).
+(:mod:`daemon.table.mirrorrebuild`); ``eventplane cdc mirror quarantine
+list|replay|purge NAME``: a strict mirror's set-aside events
+(:mod:`daemon.cli.quarantine`).
 
 ``show`` reads only what a plain reader would see (published files), newest
 batches first, using the stream's ledger to open just enough files for
@@ -504,6 +506,10 @@ def mirror_main(args: argparse.Namespace, cfg: Config, out: TextIO) -> int:
         return 2
     if args.mirror_command == "rebuild":
         return _rebuild(cfg, mirror, out)
+    if args.mirror_command == "quarantine":
+        from daemon.cli import quarantine
+
+        return quarantine.mirror_main(args, cfg, mirror, out)
     try:
         verdict = verify(cfg, mirror, limit=max(args.limit, 1))
     except VerifyError as exc:

@@ -213,26 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "quarantine",
         help="list, replay or purge the rows a CDC stream set aside (docs/cdc.md, 'Quarantine')",
     )
-    q_sub = q.add_subparsers(dest="quarantine_command", required=True, metavar="ACTION")
-    r = q_sub.add_parser("list", help="the rows in the stream's quarantine, with their errors")
-    _add_config(r)
-    r.add_argument("stream")
-    r.add_argument("--json", action="store_true", help="a JSON array of rows")
-    for name, text in (
-        ("replay", "write quarantined rows into the table once the cause is fixed"),
-        ("purge", "remove quarantined rows for good (recorded in quarantine/purged.jsonl)"),
-    ):
-        r = q_sub.add_parser(name, help=text)
-        _add_config(r)
-        r.add_argument("stream")
-        r.add_argument(
-            "--lsn", type=int, action="append", help="only this row (repeatable; default: all)"
-        )
-        r.add_argument("--url", help="admin base URL (default: from config admin.listen)")
-        _add_admin_access(r)
-        if name == "purge":
-            r.add_argument("--all", action="store_true", help="every row of the quarantine")
-            r.add_argument("--yes", action="store_true", help="do not ask for a confirmation")
+    _add_quarantine(q, "stream")
     q = cdc_sub.add_parser(
         "retention", help="preview (or --apply) removing a CDC stream's expired partitions"
     )
@@ -243,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--url", help="admin base URL (default: from config admin.listen)")
     _add_admin_access(q)
-    q = cdc_sub.add_parser("mirror", help="check a mirror table against its change log")
+    q = cdc_sub.add_parser(
+        "mirror", help="check, rebuild or look at the quarantine of a mirror table"
+    )
     m_sub = q.add_subparsers(dest="mirror_command", required=True, metavar="ACTION")
     r = m_sub.add_parser(
         "verify",
@@ -268,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config(r)
     r.add_argument("mirror")
+    r = m_sub.add_parser(
+        "quarantine",
+        help="list, replay or purge the events a strict mirror set aside (docs/cdc.md, "
+        "'Mirror tables')",
+    )
+    _add_quarantine(r, "mirror")
     q = cdc_sub.add_parser(
         "compact",
         help="merge a CDC stream's small files now (through the daemon when it runs)",
@@ -281,6 +270,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_admin_access(q)
     return parser
+
+
+def _add_quarantine(q: argparse.ArgumentParser, owner: str) -> None:
+    """``list``, ``replay`` and ``purge`` of a ``stream``'s or a ``mirror``'s quarantine."""
+    q_sub = q.add_subparsers(dest="quarantine_command", required=True, metavar="ACTION")
+    r = q_sub.add_parser("list", help=f"the rows in the {owner}'s quarantine, with their errors")
+    _add_config(r)
+    r.add_argument(owner)
+    r.add_argument("--json", action="store_true", help="a JSON array of rows")
+    into = "the table" if owner == "stream" else "the mirror"
+    for name, text in (
+        ("replay", f"write quarantined rows into {into} once the cause is fixed"),
+        ("purge", "remove quarantined rows for good (recorded in quarantine/purged.jsonl)"),
+    ):
+        r = q_sub.add_parser(name, help=text)
+        _add_config(r)
+        r.add_argument(owner)
+        r.add_argument(
+            "--lsn", type=int, action="append", help="only this row (repeatable; default: all)"
+        )
+        r.add_argument("--url", help="admin base URL (default: from config admin.listen)")
+        _add_admin_access(r)
+        if name == "purge":
+            r.add_argument("--all", action="store_true", help="every row of the quarantine")
+            r.add_argument("--yes", action="store_true", help="do not ask for a confirmation")
 
 
 def _load(args: argparse.Namespace) -> configmod.Config:

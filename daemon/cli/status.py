@@ -223,6 +223,12 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
             f"mirror {name:<4} batch {_int(m.get('last_batch_id'))}  "
             f"{_count(failed)} values that did not fit their column"
         )
+        held = m.get("quarantined")
+        if isinstance(held, int) and held:
+            lines.append(
+                f"mirror {name:<4} {_count(held)} events in quarantine "
+                f"(eventplane cdc mirror quarantine list {name})"
+            )
 
     stages = doc.get("stages")
     if isinstance(stages, list) and stages:

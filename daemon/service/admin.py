@@ -31,6 +31,8 @@ never delays a health check, and so the two can bind different interfaces.
 - ``POST /v1/cdc/{stream}/quarantine/{replay|purge}``, JSON body ``{"lsns":
   [..] | null, "by": "..."}``: ``eventplane cdc quarantine replay|purge``
   while the daemon runs (docs/cdc.md, "Quarantine").
+- ``POST /v1/cdc/mirror/{mirror}/quarantine/{replay|purge}``, the same body:
+  ``eventplane cdc mirror quarantine replay|purge`` (docs/cdc.md, "Mirror tables").
 
 With ``[admin] token_sha256`` set, every ``/v1/*`` request needs
 ``Authorization: Bearer <token>`` (or a client certificate, when
@@ -114,6 +116,7 @@ class AdminServer:
         compaction: Any = None,
         retention: Callable[[str], Awaitable[dict[str, Any]]] | None = None,
         quarantine: Callable[..., Awaitable[dict[str, Any]]] | None = None,
+        mirror_quarantine: Callable[..., Awaitable[dict[str, Any]]] | None = None,
         tls: ServerTls | None = None,
         role: str = "primary",
     ) -> None:
@@ -133,6 +136,7 @@ class AdminServer:
         self._compaction = compaction  # daemon.table.compact.CompactionService
         self._retention = retention  # SparkExecutor.run_retention
         self._quarantine = quarantine  # SparkExecutor.quarantine_action
+        self._mirror_quarantine = mirror_quarantine  # MirrorQuarantine.mirror_quarantine_action
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -186,6 +190,10 @@ class AdminServer:
         app.router.add_post("/v1/cdc/{stream}/retention", self._post_retention)
         app.router.add_post(
             "/v1/cdc/{stream}/quarantine/{action:replay|purge}", self._post_quarantine
+        )
+        app.router.add_post(
+            "/v1/cdc/mirror/{mirror}/quarantine/{action:replay|purge}",
+            self._post_mirror_quarantine,
         )
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=30.0)
         await runner.setup()
@@ -424,35 +432,56 @@ class AdminServer:
 
     async def _post_quarantine(self, request: web.Request) -> web.StreamResponse:
         """Replay or purge a stream's quarantined rows (``eventplane cdc quarantine``)."""
-        stream, action = request.match_info["stream"], request.match_info["action"]
-        if self._quarantine is None:
-            return _json(503, {"error": "not_running", "message": "this daemon runs no CDC"})
-        if request.content_length and request.content_length > MAX_QUARANTINE_BODY_BYTES:
-            return _json(413, {"error": "too_large", "message": "list at most ~100k LSNs"})
-        try:
-            body = msgspec.json.decode(await request.read() or b"{}")
-            lsns = body.get("lsns")
-            by = body.get("by")
-            if lsns is not None:
-                lsns = {int(x) for x in lsns}
-            if by is not None and not isinstance(by, str):
-                raise TypeError("by: expected a string")
-        except (msgspec.DecodeError, ValueError, TypeError, AttributeError) as exc:
-            msg = f'expected {{"lsns": [integers] | null, "by": "who"}}: {exc}'
-            return _json(400, {"error": "bad_request", "message": msg})
-        try:
-            result = await self._quarantine(stream, action, lsns, by)
-        except UnknownStreamError as exc:
-            return _json(404, {"error": "no_stream", "message": str(exc)})
-        except DaemonError as exc:  # Spark not ready: retry
-            return _json(503, {"error": "refused", "message": str(exc)})
-        return _json(200, result)
+        stream = request.match_info["stream"]
+        return await _quarantine_action(
+            request, self._quarantine, stream, "this daemon runs no CDC"
+        )
+
+    async def _post_mirror_quarantine(self, request: web.Request) -> web.StreamResponse:
+        """Replay or purge a mirror's quarantined events (``eventplane cdc mirror quarantine``)."""
+        mirror = request.match_info["mirror"]
+        return await _quarantine_action(
+            request, self._mirror_quarantine, mirror, "this daemon runs no mirror"
+        )
 
     async def _get_compaction(self, request: web.Request) -> web.StreamResponse:
         svc, stream, missing = self._compaction_for(request)
         if missing is not None:
             return missing
         return _json(200, svc.status(stream))
+
+
+async def _quarantine_action(
+    request: web.Request,
+    act: Callable[..., Awaitable[dict[str, Any]]] | None,
+    name: str,
+    not_running: str,
+) -> web.StreamResponse:
+    """A quarantine replay or purge of stream or mirror ``name`` by ``act``
+    (the executor's), its body ``{"lsns": [..] | null, "by": "..."}``."""
+    action = request.match_info["action"]
+    if act is None:
+        return _json(503, {"error": "not_running", "message": not_running})
+    if request.content_length and request.content_length > MAX_QUARANTINE_BODY_BYTES:
+        return _json(413, {"error": "too_large", "message": "list at most ~100k LSNs"})
+    try:
+        body = msgspec.json.decode(await request.read() or b"{}")
+        lsns = body.get("lsns")
+        by = body.get("by")
+        if lsns is not None:
+            lsns = {int(x) for x in lsns}
+        if by is not None and not isinstance(by, str):
+            raise TypeError("by: expected a string")
+    except (msgspec.DecodeError, ValueError, TypeError, AttributeError) as exc:
+        msg = f'expected {{"lsns": [integers] | null, "by": "who"}}: {exc}'
+        return _json(400, {"error": "bad_request", "message": msg})
+    try:
+        result = await act(name, action, lsns, by)
+    except UnknownStreamError as exc:
+        return _json(404, {"error": "no_stream", "message": str(exc)})
+    except DaemonError as exc:  # Spark not ready: retry
+        return _json(503, {"error": "refused", "message": str(exc)})
+    return _json(200, result)
 
 
 async def _pause_body(request: web.Request) -> dict[str, str] | web.Response:

@@ -294,6 +294,7 @@ class Daemon:
             compaction=getattr(self.executor, "compaction", None),
             retention=getattr(self.executor, "run_retention", None),
             quarantine=getattr(self.executor, "quarantine_action", None),
+            mirror_quarantine=getattr(self.executor, "mirror_quarantine_action", None),
             tls=admin_tls,
             role=self.role,
         )
@@ -797,13 +798,27 @@ class Daemon:
         return bool(check()) if callable(check) else False
 
     def notices(self) -> list[dict[str, Any]]:
-        """What health names while the daemon stays healthy: CDC streams that
-        hold rows in their quarantine (docs/cdc.md, "Quarantine")."""
+        """What health names while the daemon stays healthy: CDC streams and
+        mirrors that hold rows in their quarantine (docs/cdc.md, "Quarantine",
+        "Mirror tables")."""
         status = getattr(self.executor, "status", None)
         if not callable(status):
             return []
         out = []
-        for name, stream in (status().get("streams") or {}).items():
+        doc = status()
+        for name, mirror in (doc.get("mirrors") or {}).items():
+            held = mirror.get("quarantined") or 0
+            if held:
+                from daemon.spark.mirrors import quarantine_notice
+
+                out.append(
+                    {
+                        "part": f"mirror {name}",
+                        "quarantined": held,
+                        "message": quarantine_notice(name, held),
+                    }
+                )
+        for name, stream in (doc.get("streams") or {}).items():
             held = stream.get("quarantined") or 0
             if held:
                 out.append(

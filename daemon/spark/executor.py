@@ -58,7 +58,13 @@ from daemon.spark import session as sparkmod
 from daemon.spark.lanes import Lanes, hand_back, outlives
 from daemon.spark.lifecycle import SessionLife, State, _Status
 from daemon.spark.maintenance import StreamMaintenance
-from daemon.spark.mirrors import close_mirrors, commit_mirrors, mirror_stage, open_mirrors
+from daemon.spark.mirrors import (
+    MirrorQuarantine,
+    close_mirrors,
+    commit_mirrors,
+    mirror_stage,
+    open_mirrors,
+)
 from daemon.table import sparkio
 from daemon.table.compact import CompactionService
 from daemon.table.crash import crash_point
@@ -173,7 +179,7 @@ def handler_stage(ref: str) -> str:
     return f"handler:{ref}"
 
 
-class SparkExecutor(SessionLife, StreamMaintenance):
+class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
     """Runs micro-batches on Spark; see the module docstring for the flow."""
 
     def __init__(
@@ -323,7 +329,7 @@ class SparkExecutor(SessionLife, StreamMaintenance):
         self._sinks = await loop.run_in_executor(self._pool, self._open_sinks)
         try:
             self._mirrors = await loop.run_in_executor(
-                self._pool, open_mirrors, self.cfg, self.wal_id
+                self._pool, open_mirrors, self.cfg, self.wal_id, self.metrics
             )
         except BaseException:
             await loop.run_in_executor(self._pool, self._close_in_thread)

@@ -7,7 +7,9 @@ mirror stages after the CDC streams (step 4b of :mod:`daemon.spark.executor`);
 a daemon whose only work is mirrors runs them in :class:`MirrorExecutor`,
 which starts no JVM. Either way each mirror merges (and compacts) in its own
 lane (:mod:`daemon.spark.lanes`), waited for as a CDC stream's commit is: a
-mirror whose store hangs holds back only itself (invariant 6).
+mirror whose store hangs holds back only itself (invariant 6). A strict
+mirror's quarantine is replayed or purged in that lane too
+(:class:`MirrorQuarantine`, both executors'), never beside a merge.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import structlog
 
 from daemon.config import Config
-from daemon.errors import ExecutorError, error_text
+from daemon.errors import ExecutorError, UnknownStreamError, error_text
 from daemon.metrics import Metrics
 from daemon.plane.batch import InFlight, MicroBatch
 from daemon.spark import frame
@@ -38,19 +40,37 @@ def mirror_stage(mirror: MirrorTable) -> str:
     return f"mirror:{mirror.name}"
 
 
-def open_mirrors(cfg: Config, wal_id: str) -> list[MirrorTable]:
-    """Each ``[[cdc.mirrors]]`` table, locked and checked (blocking)."""
+def open_mirrors(cfg: Config, wal_id: str, metrics: Metrics | None = None) -> list[MirrorTable]:
+    """Each ``[[cdc.mirrors]]`` table, locked and checked (blocking); a
+    quarantine that is not empty is logged (and its gauge set)."""
     mirrors: list[MirrorTable] = []
     try:
         for m in cfg.cdc.mirrors:
             mirror = MirrorTable(m, wal_id=wal_id, cores=cfg.daemon.cores)
             mirror.open()
             mirrors.append(mirror)
+            if metrics is not None:
+                metrics.mirror_quarantined_rows.labels(mirror.name).set(mirror.quarantined)
+            if mirror.quarantined:
+                log.warning(
+                    "mirror_quarantine_not_empty",
+                    mirror=mirror.name,
+                    events=mirror.quarantined,
+                    message=quarantine_notice(mirror.name, mirror.quarantined),
+                )
     except BaseException:
         for mirror in mirrors:
             mirror.close()
         raise
     return mirrors
+
+
+def quarantine_notice(name: str, held: int) -> str:
+    """What health and the log say of a mirror's quarantine that is not empty."""
+    return (
+        f"mirror {name} holds {held} event(s) that did not fit its columns in its "
+        f"quarantine: eventplane cdc mirror quarantine list {name}"
+    )
 
 
 def commit_mirrors(
@@ -102,6 +122,8 @@ def _merge(mirror: MirrorTable, rows: Any, batch: MicroBatch, metrics: Metrics) 
     result = mirror.commit(rows, batch)
     for column, n in result.cast_failures.items():
         metrics.mirror_cast_failures.labels(mirror.name, column).inc(n)
+    if mirror.mirror.strict:
+        metrics.mirror_quarantined_rows.labels(mirror.name).set(mirror.quarantined)
 
 
 def _landed(
@@ -128,7 +150,38 @@ def close_mirrors(mirrors: Sequence[MirrorTable], lanes: Lanes) -> None:
         mirror.close()
 
 
-class MirrorExecutor:
+class MirrorQuarantine:
+    """Quarantine actions on a strict mirror (``eventplane cdc mirror
+    quarantine``, the admin API's ``/v1/cdc/mirror/<name>/quarantine/...``);
+    part of both executors, whose ``__init__`` sets the state below."""
+
+    metrics: Metrics
+    _mirrors: list[MirrorTable]
+    _lanes: Lanes
+
+    async def mirror_quarantine_action(
+        self, name: str, action: str, lsns: set[int] | None, by: str | None = None
+    ) -> dict[str, Any]:
+        """``replay`` or ``purge`` the quarantined events of mirror ``name``
+        (all, or ``lsns``) in the mirror's lane, after the merges queued there."""
+        mirror = next((m for m in self._mirrors if m.name == name), None)
+        if mirror is None:
+            raise UnknownStreamError(f"no mirror {name!r}")
+        if action == "purge":
+            what = f"a quarantine purge of {mirror.mirror.location}"
+            call: Callable[[], Any] = functools.partial(mirror.purge_quarantine, lsns, by)
+        elif action == "replay":
+            what = f"a quarantine replay into {mirror.mirror.location}"
+            call = functools.partial(mirror.replay_quarantine, lsns)
+        else:
+            raise ExecutorError(f"unknown quarantine action {action!r}")
+        done = await asyncio.wrap_future(self._lanes.submit(mirror_stage(mirror), what, call))
+        result: dict[str, Any] = {"mirror": name, "purged": done} if action == "purge" else done
+        self.metrics.mirror_quarantined_rows.labels(name).set(mirror.quarantined)
+        return {**result, "quarantined": mirror.quarantined}
+
+
+class MirrorExecutor(MirrorQuarantine):
     """The executor of a daemon whose only stages are mirrors: no Spark.
 
     Implements ``daemon.plane.batch.Executor``; batches run one at a time in
@@ -152,7 +205,9 @@ class MirrorExecutor:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._mirrors = await loop.run_in_executor(self._pool, open_mirrors, self.cfg, self.wal_id)
+        self._mirrors = await loop.run_in_executor(
+            self._pool, open_mirrors, self.cfg, self.wal_id, self.metrics
+        )
         # pyarrow's compute kernels load on the first decode (seconds on a busy
         # machine): loaded now, in the batches' thread, ahead of the first one.
         self._pool.submit(frame.batch_table, MicroBatch(0, {}))

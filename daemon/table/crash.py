@@ -72,6 +72,12 @@ MIRROR_CRASH_POINTS = (
     "mirror.after_commit",  # merged with its txn, the stage's progress not recorded
     "executor.after_commit",  # every sink and stage done, execute() not returned
 )
+# A replay of a mirror's quarantine (MirrorTable.replay_quarantine): rolled
+# back before its merge commits, forward after it.
+MIRROR_REPLAY_CRASH_POINTS = (
+    "mirror.replay_after_intent",  # the intent durable, nothing merged
+    "mirror.replay_after_commit",  # merged with its replay txn, still in the quarantine
+)
 # `eventplane cdc mirror rebuild` (daemon/table/mirrorrebuild.py): the old
 # mirror in place and serving before the switch, the new one after it.
 MIRROR_REBUILD_CRASH_POINTS = (
@@ -95,6 +101,7 @@ CRASH_POINTS = tuple(
         + DELTA_CRASH_POINTS
         + S3_CRASH_POINTS
         + MIRROR_CRASH_POINTS
+        + MIRROR_REPLAY_CRASH_POINTS
         + MIRROR_REBUILD_CRASH_POINTS
         + RESTORE_CRASH_POINTS
     )

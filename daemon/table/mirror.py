@@ -15,7 +15,10 @@ Commit protocol for batch B of mirror M (:meth:`MirrorTable.commit`):
 0. **Idempotency.** The table's ``txn`` of ``eventplane/<WAL id>/mirror/<M>``
    is at or above B: the batch is in the table, nothing is written.
 1. **Reduce.** The batch's rows of the collection, the highest LSN per key;
-   the typed columns cast from ``new`` (:func:`cast`).
+   the typed columns cast from ``new`` (:func:`cast`). A strict mirror's
+   events that do not fit go to the quarantine first (a stream's rows,
+   :mod:`daemon.table.quarantine`), and the quarantine's events of the keys
+   the merge writes at a higher LSN are marked superseded.
 2. **Merge.** One delta-rs MERGE of those rows into the buckets they touch
    (a literal ``bucket IN (...)`` prunes the rest), with the ``txn``
    (app id, B) in its own commit: an insert or update upserts, a delete
@@ -33,7 +36,10 @@ A crash anywhere before step 2's commit leaves the table as it was; after
 it, the re-run stops at step 0. A merge that changes nothing (deletes of
 unknown keys only) commits nothing, which is the same table.
 Compaction (OPTIMIZE, then VACUUM) runs after a commit in the same thread,
-never beside a merge (delta-rs fails a merge that an OPTIMIZE overtook).
+never beside a merge (delta-rs fails a merge that an OPTIMIZE overtook), and
+so do a quarantine's replay and purge (:meth:`MirrorTable.replay_quarantine`:
+one merge of the events, exactly once by its own ``txn``, never of a
+superseded one: a delete leaves no row whose LSN a merge could compare).
 """
 
 from __future__ import annotations
@@ -53,9 +59,12 @@ import structlog
 
 from daemon.config import HISTORY_COLUMNS, MIRROR_COLUMNS, CdcMirror
 from daemon.errors import IdentityMismatchError
+from daemon.events import StoredEvent, encode
+from daemon.events import decode as decode_stored
 from daemon.plane.batch import MicroBatch
+from daemon.table import quarantine
 from daemon.table.crash import crash_point
-from daemon.table.durable import atomic_write_json, fsync_dir, fsync_file
+from daemon.table.durable import append_line, atomic_write_json, fsync_dir, fsync_file
 from daemon.table.errors import CdcLayoutError, CdcStreamLockedError
 from daemon.table.fence import Fence
 from daemon.table.layout import META_DIR
@@ -79,6 +88,15 @@ VACUUM_RETAIN_HOURS = 168
 # writer took (the store client's retry of a PUT whose answer was lost: the
 # next attempt finds the merge in the log).
 COMMIT_ATTEMPTS = 8
+# The txn app id, under the mirror's, of quarantine replays (its version: the replay's id).
+REPLAY_APP = "/replay"
+# In the quarantine: the set-aside events a newer event of their key merged
+# since supersedes (LSN -> that event's LSN), which a replay must not write.
+SUPERSEDED_FILE = "superseded.json"
+# In the quarantine: the LSNs each replay took out (written or superseded).
+REPLAY_LOG = "replayed.jsonl"
+# What a quarantine file of the earlier layout (``events``) is renamed with.
+EARLIER_LAYOUT = ".earlier-layout"
 _INT64 = (-(2**63), 2**63 - 1)
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 # Wide enough for any decimal(38, s) and for telling a value that does not fit.
@@ -279,6 +297,18 @@ def reduce(mirror: CdcMirror, table: Any) -> Reduced:
     that does not fit: null, counted per column; a strict mirror sets the
     event aside instead)."""
     evs, set_aside, count = _events(mirror, table)
+    return fold_events(mirror, evs, count, set_aside)
+
+
+def fold_events(
+    mirror: CdcMirror,
+    evs: list[dict[str, Any]],
+    count: int,
+    set_aside: list[dict[str, Any]] | None = None,
+) -> Reduced:
+    """:func:`reduce`'s second half: the events ``evs`` (as :func:`_events`
+    makes them) folded into the mirror's rows."""
+    set_aside = set_aside or []
     if mirror.history:
         return versions(mirror, evs, count, set_aside)
     latest: dict[str, dict[str, Any]] = {}
@@ -337,24 +367,80 @@ def _events(
     set_aside: list[dict[str, Any]] = []
     cols = ("lsn", "op", "key", "new_json", "ingest_ts", "producer")
     for lsn, op, key, new, ts, producer in zip(*(mine[c].to_pylist() for c in cols), strict=True):
-        if mirror.strict and op != "delete" and new is not None:
-            bad = check_new(parse_doc(new), mirror.columns)
-            if bad is not None:
-                field_name, value_type, column_type = bad
-                set_aside.append(
-                    {
-                        "lsn": lsn,
-                        "key": key,
-                        "op": op,
-                        "new": new,
-                        "error": f'field "new.{field_name}": a {value_type} does not fit '
-                        f"the {column_type} column",
-                    }
-                )
-                continue
-        out.append({"lsn": lsn, "op": op, "key": key, "doc": new, "ts": ts, "p": producer})
+        ev = {"lsn": lsn, "op": op, "key": key, "doc": new, "ts": ts, "p": producer}
+        error = misfit(mirror, ev)
+        if error is not None:
+            set_aside.append({**ev, "error": error})
+            continue
+        out.append(ev)
     set_aside.sort(key=lambda e: e["lsn"])  # the batch is in core order
     return out, set_aside, mine.num_rows
+
+
+def misfit(mirror: CdcMirror, ev: dict[str, Any]) -> str | None:
+    """Why a strict mirror sets the event ``ev`` aside (its first typed column
+    that ``new`` does not fit), or None: it takes it."""
+    if not mirror.strict or ev["op"] == "delete" or ev["doc"] is None:
+        return None
+    bad = check_new(parse_doc(ev["doc"]), mirror.columns)
+    if bad is None:
+        return None
+    field_name, value_type, column_type = bad
+    return f'field "new.{field_name}": a {value_type} does not fit the {column_type} column'
+
+
+def held_rows(
+    mirror: CdcMirror, batch: MicroBatch, events: list[dict[str, Any]]
+) -> list[quarantine.QuarantinedRow]:
+    """The set-aside ``events`` of ``batch`` as quarantine rows: the records as
+    the WAL stored them when the batch has them; a rebuild's batch is the
+    log's rows (no records), whose events are stored again from their columns."""
+    if batch.slices:
+        return quarantine.rows_of(batch, [(e["lsn"], e["error"]) for e in events])
+    now = time.time()
+    out = []
+    for e in events:
+        new = e["doc"].encode() if isinstance(e["doc"], str) else e["doc"]
+        ts_ns = (e["ts"] - _EPOCH) // dt.timedelta(microseconds=1) * 1000
+        event = StoredEvent(mirror.collection, e["op"], e["key"], new, None, ts_ns, producer=e["p"])
+        out.append(
+            quarantine.QuarantinedRow(
+                e["lsn"],
+                0,
+                0,
+                batch.batch_id,
+                mirror.collection,
+                e["op"],
+                e["key"],
+                e["error"],
+                encode(event),
+                now,
+            )
+        )
+    return out
+
+
+def newest_per_key(reduced: Reduced) -> dict[str, int]:
+    """The highest LSN a merge of ``reduced`` writes per key (a delete's too)."""
+    newest: dict[str, int] = {}
+    for key, lsn in [(r["key"], r["lsn"]) for r in reduced.rows] + [
+        (r["key"], r["valid_to_lsn"]) for r in reduced.closes
+    ]:
+        newest[key] = max(newest.get(key, lsn), lsn)
+    return newest
+
+
+def event_of(row: quarantine.QuarantinedRow) -> dict[str, Any]:
+    """A quarantine row's event as :func:`_events` makes them (a replay's input)."""
+    ev = decode_stored(row.payload)
+    return {
+        "lsn": row.lsn,
+        "op": ev.op,
+        "key": ev.key,
+        "doc": None if ev.new is None else ev.new.decode("utf-8"),
+        "ts": _EPOCH + dt.timedelta(microseconds=ev.ingest_ts_ns // 1000),
+        "p": ev.producer,
+    }
 
 
 def _row(mirror: CdcMirror, ev: dict[str, Any], failures: dict[str, int]) -> dict[str, Any]:
@@ -396,6 +482,38 @@ def fold(mirror: CdcMirror, state: dict[str, dict[str, Any]], reduced: Reduced) 
 # -- the table ------------------------------------------------------------------
 
 
+def replayed_lsns(meta: Path) -> set[int]:
+    """The LSNs the replay log names (a torn last line: that replay never finished)."""
+    path = quarantine.directory(meta) / REPLAY_LOG
+    if not path.exists():
+        return set()
+    out: set[int] = set()
+    for line in path.read_bytes().splitlines():
+        try:
+            out.update(int(x) for x in json.loads(line)["lsns"])
+        except ValueError:
+            continue
+    return out
+
+
+def superseded_marks(meta: Path) -> dict[int, int]:
+    """The quarantine's events marked superseded (LSN -> the newer event's
+    LSN); may name events no longer in it. Read-only: works beside the daemon."""
+    path = quarantine.directory(meta) / SUPERSEDED_FILE
+    if not path.exists():
+        return {}
+    return {int(a): int(b) for a, b in json.loads(path.read_bytes())["lsns"].items()}
+
+
+def table_wal_id(mirror: CdcMirror) -> str | None:
+    """The WAL id the mirror's table names (``eventplane.wal_id``), None when
+    there is no table yet (a command that opens a mirror without the daemon)."""
+    table = MirrorTable(mirror, wal_id="", cores=0)._table(create=False)
+    if table is None:
+        return None
+    return dict(table.metadata().configuration).get("eventplane.wal_id")
+
+
 @dataclass(frozen=True, slots=True)
 class MirrorResult:
     mirror: str
@@ -416,6 +534,7 @@ class MirrorTable:
         self.wal_id = wal_id
         self.cores = cores
         self.app_id = app_id(wal_id, mirror.name)
+        self.replay_app_id = self.app_id + REPLAY_APP
         self.path = Path(mirror.path)
         self.meta = self.path / META_DIR
         self.uri = mirror.uri or str(self.path)
@@ -439,6 +558,10 @@ class MirrorTable:
         self.last_compaction: dict[str, Any] | None = None
         self.cast_failures: dict[str, int] = {}
         self.quarantined = 0  # events a strict mirror set aside (_eventplane/quarantine/)
+        # The quarantine's events a newer one of their key supersedes (LSN ->
+        # its LSN), and the others' LSNs by key (what a merge may supersede).
+        self._superseded: dict[int, int] = {}
+        self._held: dict[str, list[int]] = {}
 
     @property
     def name(self) -> str:
@@ -464,9 +587,6 @@ class MirrorTable:
             ) from None
         try:
             self._take_lease()
-            self.quarantined = sum(
-                len(json.loads(f.read_bytes())["events"]) for f in self._quarantine_files()
-            )
             table = self._table(create=False)
             if table is not None:
                 self._check(table)
@@ -478,6 +598,12 @@ class MirrorTable:
                 table = self._table(create=True)
                 if self.fence is not None:
                     self.fence.check(table)  # its first version is this writer's
+            self._complete_replays()
+            self._set_aside_earlier_layout()
+            purged = quarantine.purged_lsns(self.meta)
+            if purged:  # a purge that logged its rows and stopped before removing them
+                quarantine.drop(self.meta, purged)
+            self._load_quarantine()
         except BaseException:
             self.close()
             raise
@@ -632,11 +758,19 @@ class MirrorTable:
             return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
         reduced = reduce(self.mirror, table)  # Step 1.
         if reduced.set_aside:
-            self._set_aside(bid, reduced.set_aside)
+            self._set_aside(batch, reduced.set_aside)
         if not reduced.rows and not reduced.closes:
             return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
+        self._supersede(reduced)
         crash_point("mirror.before_commit")
-        metrics = self._merge(reduced, batch, note or {})  # Step 2.
+        meta = {
+            "batch_id": bid,
+            "ranges": {str(c): [a, b] for c, (a, b) in sorted(batch.ranges().items())},
+            "events": reduced.events,
+            "keys": len(reduced.rows),
+            **(note or {}),
+        }
+        metrics = self._merge(reduced, (self.app_id, bid), meta)  # Step 2.
         crash_point("mirror.after_commit")
         self.last_batch_id = bid
         self.commits_since_compaction += 1
@@ -663,25 +797,216 @@ class MirrorTable:
             metrics,
         )
 
-    def _quarantine_files(self) -> list[Path]:
-        return sorted((self.meta / "quarantine").glob("b*.json"))
-
-    def _set_aside(self, bid: int, rows: list[dict[str, Any]]) -> None:
+    def _set_aside(self, batch: MicroBatch, events: list[dict[str, Any]]) -> None:
         """A strict mirror's events that do not fit, durable before the merge
         (a re-run writes the same file again): each event is then in the table
-        or in ``_eventplane/quarantine/b<batch>.json``, never both."""
-        folder = self.meta / "quarantine"
-        folder.mkdir(exist_ok=True)
-        path = folder / f"b{bid:012d}.json"
-        had = len(json.loads(path.read_bytes())["events"]) if path.exists() else 0
-        atomic_write_json(path, {"mirror": self.name, "batch_id": bid, "events": rows})
-        self.quarantined += len(rows) - had
+        or in ``_eventplane/quarantine/b<batch>.json``, never both. The rows
+        are a stream's quarantine rows (:mod:`daemon.table.quarantine`)."""
+        bid = batch.batch_id
+        # A re-run of a batch whose progress a crash lost: the events a replay
+        # or a purge took out meanwhile stay out.
+        out = quarantine.purged_lsns(self.meta) | replayed_lsns(self.meta)
+        rows = [r for r in held_rows(self.mirror, batch, events) if r.lsn not in out]
+        if not rows:
+            return
+        quarantine.write_batch(self.meta, self.name, bid, rows, kind="mirror")
+        self._load_quarantine()
         log.warning("mirror_events_set_aside", mirror=self.name, batch_id=bid, events=len(rows))
 
+    def _set_aside_earlier_layout(self) -> None:
+        """A quarantine file of the layout before the streams' (``events``:
+        no stored event, so no replay) is renamed out of the way, and said."""
+        for path in sorted(quarantine.directory(self.meta).glob("b*.json")):
+            raw = json.loads(path.read_bytes())
+            if "rows" in raw or "events" not in raw:
+                continue
+            kept = path.with_name(path.name + EARLIER_LAYOUT)
+            path.rename(kept)
+            fsync_dir(path.parent)
+            log.warning(
+                "mirror_quarantine_earlier_layout",
+                mirror=self.name,
+                file=str(kept),
+                events=len(raw["events"]),
+                message="a quarantine file of an earlier eventplane holds these events without "
+                "the event as stored: they cannot be replayed; it is kept, renamed",
+            )
+
+    def _load_quarantine(self) -> None:
+        """The quarantine's count, its superseded events and the others' keys."""
+        rows = quarantine.load(self.meta)
+        lsns = {r.lsn for r in rows}
+        marks = superseded_marks(self.meta)
+        self._superseded = {a: b for a, b in marks.items() if a in lsns}
+        self._held = {}
+        for r in rows:
+            if r.lsn not in self._superseded:
+                self._held.setdefault(r.key, []).append(r.lsn)
+        self.quarantined = len(rows)
+
+    def _supersede(self, reduced: Reduced) -> None:
+        """Before a merge: the quarantine's events of the keys it writes at a
+        higher LSN are superseded, durably (``quarantine/superseded.json``).
+        A replay must not write them (a delete leaves no row to compare LSNs
+        with). Marked before the merge lands: the batch's events are the
+        fold's whether this attempt or its re-run commits them."""
+        if self._held:
+            self._mark(newest_per_key(reduced))
+
+    def _mark(self, newest: Mapping[str, int]) -> None:
+        """The quarantine's events of the keys of ``newest`` below its LSN are
+        superseded (:meth:`_supersede`)."""
+        newest = {key: top for key, top in newest.items() if key in self._held}
+        marks = {lsn: top for key, top in newest.items() for lsn in self._held[key] if lsn < top}
+        if not marks:
+            return
+        self._superseded.update(marks)
+        atomic_write_json(
+            quarantine.directory(self.meta) / SUPERSEDED_FILE,
+            {"mirror": self.name, "lsns": {str(a): b for a, b in sorted(self._superseded.items())}},
+        )
+        for key in newest:
+            left = [lsn for lsn in self._held[key] if lsn not in marks]
+            if left:
+                self._held[key] = left
+            else:
+                del self._held[key]
+
+    # -- the quarantine ----------------------------------------------------------
+
+    def replay_quarantine(self, lsns: set[int] | None = None) -> dict[str, Any]:
+        """Merge quarantined events (all, or those of ``lsns``) into the table
+        as the config takes them now (a strict mirror refuses those that still
+        do not fit: they stay), exactly once:
+
+        1. Each event is checked: superseded (a newer event of its key is in
+           the mirror, or was deleted from it) it is not written; in a history
+           mirror that is refused (a version cannot go before the current one);
+           still not fitting, it stays.
+        2. Intent ``quarantine/r<replay>.json``: the LSNs leaving the
+           quarantine and the replay's id (the last replay's + 1).
+        3. One merge of the events, as a batch's (the table's ``lsn`` guards
+           each key: a row never goes back), its ``txn`` ``<app id>/replay``
+           at the replay's id (``mirror.replay_after_intent`` before it,
+           ``mirror.replay_after_commit`` after it).
+        4. The older events of their keys left in the quarantine are
+           superseded now (:meth:`_mark`); the LSNs go to the replay log
+           (which a re-run of their batch heeds), then leave the quarantine;
+           the intent goes.
+
+        Recovery (:meth:`_complete_replays`): an intent whose id the table's
+        replay txn holds rolls forward (step 4), else it is removed and the
+        events stay quarantined. Runs where the mirror's merges run."""
+        self._complete_replays()
+        held = [r for r in quarantine.load(self.meta) if lsns is None or r.lsn in lsns]
+        events: list[dict[str, Any]] = []
+        skipped: list[int] = []  # superseded: the fold of the log holds a newer event
+        refused: list[dict[str, Any]] = []
+        for row in held:
+            newer = self._superseded.get(row.lsn)
+            if newer is not None and self.mirror.history:
+                refused.append(
+                    {
+                        "lsn": row.lsn,
+                        "error": f"key {row.key!r} has a newer event (LSN {newer}) in the "
+                        f"mirror: a history mirror cannot insert a version before its current "
+                        f"one; `eventplane cdc mirror rebuild {self.name}` folds every version",
+                    }
+                )
+            elif newer is not None:
+                skipped.append(row.lsn)
+            else:
+                ev = event_of(row)
+                error = misfit(self.mirror, ev)
+                if error is None:
+                    events.append(ev)
+                else:
+                    refused.append({"lsn": row.lsn, "error": error})
+        written = [e["lsn"] for e in events]
+        gone = sorted(written + skipped)
+        if events:
+            table = self._table(create=True)
+            self._guard(table)
+            replay_id = int(table.transaction_version(self.replay_app_id) or 0) + 1
+            reduced = fold_events(self.mirror, events, len(events))
+            newest = newest_per_key(reduced)
+            intent = quarantine.replay_file(self.meta, replay_id)
+            atomic_write_json(  # Step 2.
+                intent,
+                {"mirror": self.name, "lsns": gone, "replay_id": replay_id, "newest": newest},
+            )
+            crash_point("mirror.replay_after_intent")
+            meta = {"replay_id": replay_id, "lsns": written, "events": len(events)}
+            self._merge(reduced, (self.replay_app_id, replay_id), meta)  # Step 3.
+            crash_point("mirror.replay_after_commit")
+            for column, n in reduced.cast_failures.items():
+                self.cast_failures[column] = self.cast_failures.get(column, 0) + n
+            self._finish_replay(replay_id, gone, newest)  # Step 4.
+            intent.unlink(missing_ok=True)
+        elif skipped:
+            self._finish_replay(0, skipped, {})
+        self._load_quarantine()
+        if gone:
+            log.info(
+                "mirror_quarantine_replayed",
+                mirror=self.name,
+                events=len(written),
+                superseded=skipped,
+            )
+        return {
+            "mirror": self.name,
+            "replayed": len(written),
+            "lsns": written,
+            "superseded": skipped,
+            "still_refused": refused,
+            "quarantined": self.quarantined,
+        }
+
+    def _complete_replays(self) -> None:
+        """Recovery of replays (step 4 or back): the table's replay txn holds theirs or not."""
+        intents = quarantine.replay_intents(self.meta)
+        if not intents:
+            return
+        table = self._table(create=False)
+        done = 0 if table is None else int(table.transaction_version(self.replay_app_id) or 0)
+        for replay_id, path in intents:
+            raw = json.loads(path.read_bytes())
+            committed = replay_id <= done
+            if committed:
+                self._load_quarantine()
+                self._finish_replay(replay_id, [int(x) for x in raw["lsns"]], raw["newest"])
+            log.warning(
+                "mirror_quarantine_replay_recovered",
+                mirror=self.name,
+                replay_id=replay_id,
+                events=len(raw["lsns"]),
+                outcome="rolled forward" if committed else "rolled back",
+            )
+            path.unlink()
+
+    def _finish_replay(self, replay_id: int, lsns: list[int], newest: Mapping[str, int]) -> None:
+        """A replay's step 4 (its events merged): what they supersede, the
+        replay log (``quarantine/replayed.jsonl``), then out."""
+        self._mark({key: int(top) for key, top in newest.items()})
+        append_line(
+            quarantine.directory(self.meta) / REPLAY_LOG,
+            {"mirror": self.name, "replay_id": replay_id, "at": time.time(), "lsns": lsns},
+        )
+        quarantine.drop(self.meta, lsns)
+
+    def purge_quarantine(self, lsns: set[int] | None, by: str | None = None) -> int:
+        """Remove quarantined events for good (logged with who and when: quarantine.purge)."""
+        n = quarantine.purge(self.meta, self.name, lsns, by, kind="mirror")
+        self._load_quarantine()
+        if n:
+            log.warning("mirror_quarantine_purged", mirror=self.name, events=n, by=by)
+        return n
+
     def _merge(
-        self, reduced: Reduced, batch: MicroBatch, note: Mapping[str, Any]
+        self, reduced: Reduced, txn: tuple[str, int], meta: Mapping[str, Any]
     ) -> dict[str, Any]:
-        """Commit step 2; on S3 fenced (module docstring):
+        """Commit step 2, its ``txn`` (app id, version) and ``userMetadata``'s
+        ``eventplane`` (``meta``) in the commit; on S3 fenced (module docstring):
 
         a. The log, then the lease: every commit since this writer's last is
            its own (:meth:`_guard`); an earlier attempt's merge: done.
@@ -714,28 +1039,19 @@ class MirrorTable:
             predicate += " AND s._kind = 'close' AND t.is_current"
         else:
             source = pa.Table.from_pylist(reduced.rows, schema=schema)
-        meta = {
-            "eventplane": {
-                "batch_id": batch.batch_id,
-                "ranges": {str(c): [a, b] for c, (a, b) in sorted(batch.ranges().items())},
-                "events": reduced.events,
-                "keys": len(reduced.rows),
-                **note,
-            }
-        }
+        app, version = txn
+        user = json.dumps({"eventplane": dict(meta)}, separators=(",", ":"))
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             # Step a. The log and the lease.
             self._guard(table)
             before = int(table.version())
-            if attempt > 1 and int(table.transaction_version(self.app_id) or 0) >= batch.batch_id:
+            if attempt > 1 and int(table.transaction_version(app) or 0) >= version:
                 return {}  # the last attempt's commit landed, its answer did not
             crash_point("mirror.before_merge_commit")
             # Step b. The merge and its commit.
             properties = self._properties_of_commit(
-                custom_metadata={"userMetadata": json.dumps(meta, separators=(",", ":"))},
-                app_transactions=[
-                    Transaction(self.app_id, batch.batch_id, int(time.time() * 1000))
-                ],
+                custom_metadata={"userMetadata": user},
+                app_transactions=[Transaction(app, version, int(time.time() * 1000))],
             )
             try:
                 merger = table.merge(

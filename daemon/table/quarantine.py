@@ -20,6 +20,9 @@ Files, under ``<path>/_eventplane/quarantine/``::
                      rows themselves (appended and fsynced before the rows
                      leave their b<batch>.json)
 
+A strict mirror's quarantine (:mod:`daemon.table.mirror`) has the same files
+and rows, under the mirror's path, and ``superseded.json`` besides.
+
 ``docs/cdc.md``, "Quarantine", is the user's page.
 """
 
@@ -179,12 +182,15 @@ def batch_of(batch_id: int, rows: Sequence[QuarantinedRow]) -> MicroBatch:
     )
 
 
-def write_batch(meta: Path, stream: str, batch_id: int, rows: Sequence[QuarantinedRow]) -> None:
-    """Step 2a of a commit: the batch's set-aside rows, durable."""
+def write_batch(
+    meta: Path, owner: str, batch_id: int, rows: Sequence[QuarantinedRow], *, kind: str = "stream"
+) -> None:
+    """Step 2a of a commit: the batch's set-aside rows, durable (``kind``: a
+    ``stream`` or a ``mirror``, whose name ``owner`` the file records)."""
     directory(meta).mkdir(parents=True, exist_ok=True)
     atomic_write_json(
         batch_file(meta, batch_id),
-        {"stream": stream, "batch_id": batch_id, "rows": [r.to_json() for r in rows]},
+        {kind: owner, "batch_id": batch_id, "rows": [r.to_json() for r in rows]},
     )
 
 
@@ -288,16 +294,19 @@ def purged_lsns(meta: Path) -> set[int]:
     return out
 
 
-def purge(meta: Path, stream: str, lsns: set[int] | None, by: str | None = None) -> int:
+def purge(
+    meta: Path, owner: str, lsns: set[int] | None, by: str | None = None, *, kind: str = "stream"
+) -> int:
     """Remove rows from the quarantine for good (all, or those of ``lsns``),
-    after logging them (who, when, the rows) in the purge log; how many."""
+    after logging them (who, when, the rows) in the purge log; how many.
+    ``kind``: the quarantine's owner is a ``stream`` or a ``mirror``."""
     rows = [r for r in load(meta) if lsns is None or r.lsn in lsns]
     if not rows:
         return 0
     append_line(
         directory(meta) / PURGE_LOG,
         {
-            "stream": stream,
+            kind: owner,
             "at": time.time(),
             "by": by or who(),
             "lsns": [r.lsn for r in rows],

@@ -168,6 +168,34 @@ async def test_a_quarantine_replay_or_purge_is_asked_of_the_daemon_with_its_lsns
     assert asked[:2] == [("all", "purge", {7, 9}, "ops"), ("all", "replay", None, None)]
 
 
+async def test_a_mirror_quarantine_action_reaches_the_mirrors_executor_not_the_streams(
+    start_admin: Any, http: aiohttp.ClientSession
+) -> None:
+    from daemon.errors import UnknownStreamError
+
+    asked: list[tuple[str, str, set[int] | None, str | None]] = []
+
+    async def act(name: str, action: str, lsns: set[int] | None, by: str | None) -> Any:
+        asked.append((name, action, lsns, by))
+        if name == "nope":
+            raise UnknownStreamError(f"no mirror {name!r}")
+        return {"mirror": name, "replayed": 1, "quarantined": 0}
+
+    async def streams(*_: Any) -> Any:
+        raise AssertionError("a mirror's action went to the streams")
+
+    url = "/v1/cdc/mirror/{}/quarantine/{}"
+    admin = await start_admin(quarantine=streams, mirror_quarantine=act)
+    async with http.post(admin.url + url.format("orders", "replay"), json={"lsns": [3]}) as r:
+        assert r.status == 200 and (await r.json())["replayed"] == 1
+    async with http.post(admin.url + url.format("nope", "purge")) as r:
+        assert r.status == 404 and "no mirror 'nope'" in (await r.json())["message"]
+    assert asked == [("orders", "replay", {3}, None), ("nope", "purge", None, None)]
+    without = await start_admin()
+    async with http.post(without.url + url.format("orders", "replay")) as r:
+        assert r.status == 503 and "no mirror" in (await r.json())["message"]
+
+
 async def test_neither_listener_names_its_python_or_aiohttp_version(
     start_admin: Callable[..., Any], start_ingest: Callable[..., Any]
 ) -> None:

@@ -49,6 +49,7 @@ async def guarded(start_admin: Callable[..., Any]) -> AdminServer:
         ("POST", "/v1/cdc/orders/compact"),
         ("POST", "/v1/cdc/orders/retention"),
         ("POST", "/v1/cdc/orders/quarantine/purge"),
+        ("POST", "/v1/cdc/mirror/orders/quarantine/replay"),
     ],
 )
 async def test_every_v1_endpoint_without_the_token_is_401_with_a_challenge(

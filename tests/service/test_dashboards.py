@@ -59,6 +59,7 @@ def exposed_series() -> dict[str, set[str]]:
         m.cdc_quarantined,
     ):
         family.labels(stream="all")
+    m.mirror_quarantined_rows.labels(mirror="orders")
     out: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(m.render().decode()):
         for sample in family.samples:

@@ -396,6 +396,17 @@ def test_a_mirror_has_a_line_with_its_batch_and_cast_failures() -> None:
     }
     text = statuscmd.render(doc, now=NOW)
     assert "mirror orders batch 41  5 values that did not fit their column" in text
+    assert "in quarantine" not in text
+
+
+def test_a_mirror_with_events_in_its_quarantine_has_a_line_naming_the_command() -> None:
+    doc = sample_status()
+    doc["spark"] = {"mirrors": {"orders": {"last_batch_id": 41, "quarantined": 3}}}
+    text = statuscmd.render(doc, now=NOW)
+    assert (
+        "mirror orders 3 events in quarantine (eventplane cdc mirror quarantine list orders)"
+        in text
+    )
 
 
 def test_the_role_is_a_flag_and_a_standby_names_its_primary_or_none() -> None:

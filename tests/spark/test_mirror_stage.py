@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from daemon.config import CdcConfig, CdcMirror
-from daemon.errors import ExecutorError
+from daemon.errors import ExecutorError, UnknownStreamError
 from daemon.metrics import Metrics
 from daemon.spark.executor import SparkExecutor
 from tests import requires
@@ -78,6 +78,11 @@ async def test_the_mirror_stage_commits_beside_a_stream_and_alone(
             r.lsn for r in spark.read.parquet(str(tmp_path / "cdc" / "all")).select("lsn").collect()
         }
         assert lsns == {1, 2, 3, 4, 5}
+        # The mirror's quarantine (empty) is the Spark executor's to replay too.
+        done = await ex.mirror_quarantine_action("orders", "replay", None)
+        assert (done["mirror"], done["replayed"], done["quarantined"]) == ("orders", 0, 0)
+        with pytest.raises(UnknownStreamError, match="no mirror 'nope'"):
+            await ex.mirror_quarantine_action("nope", "purge", None)
     finally:
         await ex.stop()
 

@@ -27,6 +27,7 @@ from daemon.errors import IdentityMismatchError
 from daemon.plane.batch import MicroBatch, Slice
 from daemon.shard import core_of
 from daemon.spark import frame
+from daemon.table import quarantine
 from daemon.table.errors import CdcLayoutError
 from daemon.table.mirror import (
     MirrorTable,
@@ -347,10 +348,13 @@ def test_a_strict_mirror_sets_aside_an_event_that_does_not_fit_before_the_merge(
     assert result.cast_failures == {}
     rows = read_rows(path)
     assert {k: (r["lsn"], r["amount"]) for k, r in rows.items()} == {"a": (2, 2.0)}
-    (held,) = (path / "_eventplane" / "quarantine").glob("b*.json")
-    events = json.loads(held.read_bytes())["events"]
-    assert [(e["lsn"], e["key"]) for e in events] == [(3, "a"), (4, "b")]
-    assert events[1]["error"] == 'field "new.n": a number does not fit the long column'
+    assert [p.name for p in (path / "_eventplane" / "quarantine").glob("b*.json")] == [
+        "b000000000002.json"
+    ]
+    events = quarantine.load(path / "_eventplane")
+    assert [(e.lsn, e.key, e.batch_id) for e in events] == [(3, "a", 2), (4, "b", 2)]
+    assert events[1].error == 'field "new.n": a number does not fit the long column'
+    assert json.loads(events[0].shown()["new"]) == {"amount": "two", "n": 3}
     assert m.status()["quarantined"] == 2
     assert commit(m, batch).noop  # a re-run: nothing merged, nothing set aside again
     m.close()
