@@ -70,6 +70,7 @@ S3_CRASH_POINTS = (
 MIRROR_CRASH_POINTS = (
     "mirror.before_commit",  # the batch reduced, nothing merged
     "mirror.after_commit",  # merged with its txn, the stage's progress not recorded
+    "mirror.coalesced",  # a batch held for a coalesced merge (merge_interval_ms), not merged
     "executor.after_commit",  # every sink and stage done, execute() not returned
 )
 # `eventplane cdc mirror rebuild` (daemon/table/mirrorrebuild.py): the old

@@ -279,6 +279,14 @@ def reduce(mirror: CdcMirror, table: Any) -> Reduced:
     that does not fit: null, counted per column; a strict mirror sets the
     event aside instead)."""
     evs, set_aside, count = _events(mirror, table)
+    return reduce_events(mirror, evs, count, set_aside)
+
+
+def reduce_events(
+    mirror: CdcMirror, evs: list[dict[str, Any]], count: int, set_aside: list[dict[str, Any]]
+) -> Reduced:
+    """The mirror's events ``evs`` (of one batch or of several coalesced ones)
+    reduced as :func:`reduce` says."""
     if mirror.history:
         return versions(mirror, evs, count, set_aside)
     latest: dict[str, dict[str, Any]] = {}
@@ -645,6 +653,68 @@ class MirrorTable:
         seconds = time.monotonic() - started
         self.last_commit = {
             "batch_id": bid,
+            "events": reduced.events,
+            "keys": len(reduced.rows),
+            "seconds": round(seconds, 4),
+            "at": time.time(),
+        }
+        if self.commits_since_compaction >= COMPACT_EVERY:
+            self.compact()
+        return MirrorResult(
+            self.name,
+            bid,
+            reduced.events,
+            len(reduced.rows),
+            False,
+            seconds,
+            reduced.cast_failures,
+            metrics,
+        )
+
+    def commit_many(self, tables: list[Any | None], batches: list[MicroBatch]) -> MirrorResult:
+        """Merge the mirror's rows of ``batches`` (consecutive ids, each with its
+        rows in ``tables``) in one commit whose ``txn`` is the last batch's id
+        (``merge_interval_ms``, docs/cdc.md, "Coalesced merges"): the fold over
+        all of them, the highest LSN per key (history: every version in LSN
+        order). Step 0 skips the batches the table holds (a table None: the
+        batch has no rows of the collection); a strict mirror's events that do
+        not fit are set aside per batch, as :meth:`commit` does."""
+        if len(batches) == 1 and tables[0] is not None:
+            return self.commit(tables[0], batches[0])
+        started = time.monotonic()
+        last = batches[-1]
+        bid = last.batch_id
+        table = self._table(create=False)
+        held = None
+        if table is not None:
+            if self.done(bid):  # Step 0: the whole group.
+                return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
+            held = table.transaction_version(self.app_id)
+        evs: list[dict[str, Any]] = []
+        count = 0
+        for rows, batch in zip(tables, batches, strict=True):
+            if rows is None or (held is not None and batch.batch_id <= int(held)):
+                continue  # none of the collection's rows, or in the table already
+            mine, set_aside, n = _events(self.mirror, rows)
+            if set_aside:
+                self._set_aside(batch.batch_id, set_aside)
+            evs += mine
+            count += n
+        reduced = reduce_events(self.mirror, evs, count, [])  # Step 1.
+        if not reduced.rows and not reduced.closes:
+            return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
+        crash_point("mirror.before_commit")
+        first = batches[0].batch_id
+        metrics = self._merge(reduced, last, {"coalesced": [first, bid]})  # Step 2.
+        crash_point("mirror.after_commit")
+        self.last_batch_id = bid
+        self.commits_since_compaction += 1
+        for column, n in reduced.cast_failures.items():
+            self.cast_failures[column] = self.cast_failures.get(column, 0) + n
+        seconds = time.monotonic() - started
+        self.last_commit = {
+            "batch_id": bid,
+            "first_batch_id": first,
             "events": reduced.events,
             "keys": len(reduced.rows),
             "seconds": round(seconds, 4),
