@@ -15,6 +15,7 @@ merges"): the real planner, plan log and mirror executor on real Delta tables
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,7 @@ from typing import Any
 import pytest
 
 from daemon import events
-from daemon.config import CdcConfig, CdcMirror, Config, DaemonConfig, HealthConfig
-from daemon.config import MicrobatchConfig
+from daemon.config import CdcConfig, CdcMirror, Config, DaemonConfig, HealthConfig, MicrobatchConfig
 from daemon.plane.planlog import PlanLog
 from daemon.plane.planner import Planner
 from daemon.plane.watermarks import Watermarks, WatermarkSnapshot
@@ -194,7 +194,7 @@ async def test_coalescing_merges_fewer_commits_than_batches_each_txn_its_last_ba
     assert 1 < len(commits) < batches / 2, (commits, batches)
     # Every batch in exactly one commit, in order; each txn is its last batch.
     assert commits[0][0] == 1 and commits[-1][1] == batches
-    assert all(nxt[0] == prev[1] + 1 for prev, nxt in zip(commits, commits[1:], strict=False))
+    assert all(nxt[0] == prev[1] + 1 for prev, nxt in itertools.pairwise(commits))
     assert planner.watermarks.stages[STAGE] == batches == planner.watermarks.batch_id
     if history:
         assert table_versions(tmp_path / "mirror") == history_fold(plane.events)
@@ -266,6 +266,6 @@ async def test_a_failed_coalesced_merge_re_runs_its_batches_from_the_plans_once(
     assert failed and failed[0][0] == 1
     commits = mirror_commits(tmp_path / "mirror")
     assert commits[0][0] == 1 and commits[-1][1] == planner.live_id
-    assert all(nxt[0] == prev[1] + 1 for prev, nxt in zip(commits, commits[1:], strict=False))
+    assert all(nxt[0] == prev[1] + 1 for prev, nxt in itertools.pairwise(commits))
     assert {k: r["lsn"] for k, r in read_rows(tmp_path / "mirror").items()} == fold(plane.events)
     assert planner.watermarks.stages[STAGE] == planner.live_id
