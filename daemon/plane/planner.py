@@ -647,7 +647,9 @@ class Planner(CatchUp, ClosingPolicy):
                     return
                 continue
             self._blocked_since = None
-            info["failed_stages"] = sorted(failures)
+            info["failed_stages"] = sorted(
+                n for n, f in failures.items() if not isinstance(f, Held)
+            )
             self._last_run_s = self._clock() - attempt_started
             self._run_times.append(self._last_run_s)
             return
