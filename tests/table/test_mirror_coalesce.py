@@ -269,3 +269,54 @@ async def test_a_failed_coalesced_merge_re_runs_its_batches_from_the_plans_once(
     assert all(nxt[0] == prev[1] + 1 for prev, nxt in itertools.pairwise(commits))
     assert {k: r["lsn"] for k, r in read_rows(tmp_path / "mirror").items()} == fold(plane.events)
     assert planner.watermarks.stages[STAGE] == planner.live_id
+
+
+def test_a_batch_without_the_collections_rows_joins_the_held_ones_instead_of_passing_them(
+    tmp_path: Path,
+) -> None:
+    """The Spark executor's path (``counts`` known): a batch with no rows of
+    the mirror's collection is done at once when nothing is held, but held
+    when batches are, so the stage's progress never passes a held batch."""
+    from daemon.plane.batch import Held
+    from daemon.spark.lanes import Lanes
+    from daemon.spark.mirrors import coalescers, commit_mirrors
+    from daemon.table.mirror import MirrorTable
+    from tests.table.test_mirror import make_batch
+
+    table = MirrorTable(mirror(tmp_path, 600_000), wal_id="wal-t", cores=CORES)
+    table.open()
+    co = coalescers([table])
+    lanes = Lanes()
+
+    def run(bid: int, evs: list[Any]) -> dict[str, BaseException]:
+        failures: dict[str, BaseException] = {}
+        held: dict[str, Held] = {}
+        counts = {"orders": sum(1 for e in evs if e[1] == "orders")}
+        commit_mirrors(
+            [table],
+            make_batch(bid, evs),
+            {STAGE},
+            counts,
+            lanes=lanes,
+            wait_s=float("inf"),
+            failures=failures,
+            in_flight={},
+            metrics=Metrics(),
+            landed_failure=lambda exc, stage: None,
+            coalesced=co,
+            held=held,
+        )
+        return {**failures, **held}
+
+    try:
+        assert run(1, [(1, "other", "insert", "x", {"amount": 1})]) == {}  # done: none held
+        assert isinstance(run(2, [(2, "orders", "insert", "a", {"amount": 2})])[STAGE], Held)
+        assert isinstance(run(3, [(3, "other", "insert", "y", {"amount": 3})])[STAGE], Held)
+        assert [b.batch_id for b in co[STAGE].batches] == [2, 3]
+        tables, batches = co[STAGE].take()
+        table.commit_many(tables, batches)
+        assert mirror_commits(tmp_path / "mirror") == [(2, 3)]
+        assert set(read_rows(tmp_path / "mirror")) == {"a"}
+    finally:
+        lanes.close()
+        table.close()
