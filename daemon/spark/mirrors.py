@@ -179,8 +179,9 @@ def commit_mirrors(
                 crash_point("mirror.coalesced")
                 due = co.due_in()
                 if due is not None and due > 0:
-                    if held is not None:
-                        held[stage] = Held(stage, batch.batch_id)
+                    # Never reported done: its progress waits for the merge.
+                    assert held is not None, "a coalescing mirror needs its held batches"
+                    held[stage] = Held(stage, batch.batch_id)
                     continue
                 tables, batches = co.take()
                 what = _coalesced_what(mirror, batches)
