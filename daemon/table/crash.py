@@ -70,8 +70,12 @@ S3_CRASH_POINTS = (
 MIRROR_CRASH_POINTS = (
     "mirror.before_commit",  # the batch reduced, nothing merged
     "mirror.after_commit",  # merged with its txn, the stage's progress not recorded
-    "mirror.coalesced",  # a batch held for a coalesced merge (merge_interval_ms), not merged
     "executor.after_commit",  # every sink and stage done, execute() not returned
+)
+# A mirror that coalesces its merges (merge_interval_ms, daemon/spark/mirrors.py);
+# tests/integration/test_mirror_coalesce_crash.py aims at it.
+COALESCE_CRASH_POINTS = (
+    "mirror.coalesced",  # a batch held for a coalesced merge, its group not merged
 )
 # `eventplane cdc mirror rebuild` (daemon/table/mirrorrebuild.py): the old
 # mirror in place and serving before the switch, the new one after it.
@@ -96,6 +100,7 @@ CRASH_POINTS = tuple(
         + DELTA_CRASH_POINTS
         + S3_CRASH_POINTS
         + MIRROR_CRASH_POINTS
+        + COALESCE_CRASH_POINTS
         + MIRROR_REBUILD_CRASH_POINTS
         + RESTORE_CRASH_POINTS
     )

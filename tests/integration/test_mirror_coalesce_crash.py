@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from daemon.table.crash import COALESCE_CRASH_POINTS
 from tests.integration.harness import DaemonProcess, write_config
 from tests.integration.test_crash_recording import _wait_caught_up
 from tests.integration.test_mirror_crash import Producers, fold, post
@@ -68,7 +69,7 @@ def test_a_kill_between_coalesced_batches_and_a_clean_stop_lose_and_duplicate_no
 
     # Step 1. Killed between coalesced batches, then at random.
     config = _config(tmp_path, 400)
-    for env in ({"EVENTPLANE_CRASH_AT": "mirror.coalesced@20"}, {}):
+    for env in ({"EVENTPLANE_CRASH_AT": f"{COALESCE_CRASH_POINTS[0]}@20"}, {}):
         daemon = DaemonProcess.production(config, env=env).start(timeout_s=60)
         producers = Producers(daemon.ingest_url, rng)
         producers.start()
