@@ -19,6 +19,12 @@ rate, the ack p99 (from schedule), merges per second and the daemon's CPU
 seconds over the load and its drain.
 
     python -m bench.bench_mirror_fresh --keys 100000 1000000 --duration 20
+
+``--merge-interval-ms 0 1000 10000`` runs each keys row once per value of the
+mirror's ``merge_interval_ms`` (a daemon each; docs/cdc.md, "Coalesced
+merges"), and ``--mixes uniform`` leaves out the hot keys. The merge cost per
+change is the daemon's CPU over the load and its drain per event (ingest and
+the WAL included: they are the same for every value, the merges are not).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ HEADERS = {"Content-Type": "application/x-ndjson"}
 class Daemon:
     """``eventplane run`` with one mirror of ``orders`` on local disk."""
 
-    def __init__(self, root: Path, interval_ms: int) -> None:
+    def __init__(self, root: Path, interval_ms: int, merge_interval_ms: int = 0) -> None:
         self.dir = root / f"daemon-{time.monotonic_ns()}"
         self.dir.mkdir()
         self.mirror = self.dir / "mirror"
@@ -61,6 +67,7 @@ class Daemon:
             "[[cdc.mirrors]]\n"
             f'name = "orders"\ncollection = "orders"\npath = "{self.mirror}"\n'
             'columns = { amount = "double", status = "string" }\nbuckets = 16\n'
+            f"merge_interval_ms = {merge_interval_ms}\n"
         )
         (self.dir / "config.toml").write_text(text)
         self.proc = start_daemon(self.dir, self.admin, "the daemon")
@@ -292,6 +299,8 @@ def measure(
         "p99_s": _q(fresh, 0.99),
         "max_s": fresh[-1],
         "merges_per_s": len(commits) / (t1 - t0),
+        "events_per_merge": events / max(len(commits), 1),
+        "cpu_us_per_event": (cpu1 - cpu0) * 1e6 / max(events, 1),
         "cpu_s": cpu1 - cpu0,
         "wall_s": t1 - t0,
         "poll_ms": poll_ms,
@@ -313,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--interval-ms", type=int, default=1000, help="microbatch.interval_ms")
     ap.add_argument("--poll-ms", type=float, default=10.0)
+    ap.add_argument("--merge-interval-ms", type=int, nargs="+", default=[0])
+    ap.add_argument("--mixes", nargs="+", choices=("uniform", "hot"), default=["uniform", "hot"])
     args = ap.parse_args(argv)
     print(f"command: python -m bench.bench_mirror_fresh {' '.join(argv or sys.argv[1:])}")
     print(f"machine: {os.cpu_count()} CPUs, load average {_load()} at the start", flush=True)
@@ -320,37 +331,41 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for keys in args.keys:
-            d = Daemon(root, args.interval_ms)
-            w = Watcher(d.mirror, args.poll_ms / 1e3)
-            w.start()
-            try:
-                t0 = time.monotonic()
-                last = asyncio.run(preload(d, preload_bodies(keys)))
-                wait_covered(w, last, timeout_s=600)
-                print(f"preloaded {keys:,} keys in {time.monotonic() - t0:.1f} s", flush=True)
-                next_key = keys
-                for hot in (False, True):
-                    r = measure(d, w, keys, hot, args, next_key)
-                    next_key = r["next_key"]
-                    rows.append(r)
-                    print(json.dumps({k: round(v, 3) for k, v in r.items()}), flush=True)
-            finally:
-                w.stop()
-                d.stop()
+            for merge_ms in args.merge_interval_ms:
+                d = Daemon(root, args.interval_ms, merge_ms)
+                w = Watcher(d.mirror, args.poll_ms / 1e3)
+                w.start()
+                try:
+                    t0 = time.monotonic()
+                    last = asyncio.run(preload(d, preload_bodies(keys)))
+                    wait_covered(w, last, timeout_s=600)
+                    print(f"preloaded {keys:,} keys in {time.monotonic() - t0:.1f} s", flush=True)
+                    next_key = keys
+                    for hot in [m == "hot" for m in args.mixes]:
+                        r = measure(d, w, keys, hot, args, next_key)
+                        r["merge_interval_ms"] = merge_ms
+                        next_key = r["next_key"]
+                        rows.append(r)
+                        print(json.dumps({k: round(v, 3) for k, v in r.items()}), flush=True)
+                finally:
+                    w.stop()
+                    d.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\nload average {_load()} at the end (load: the 1-minute one after each row)")
     print(
-        "\n| keys | changes to | events/s | ack p99 ms | freshness p50 s | p99 s | max s "
-        "| merges/s | daemon CPU s | over s | poll ms | load |"
+        "\n| keys | changes to | merge_interval_ms | events/s | ack p99 ms | freshness p50 s "
+        "| p99 s | max s | merges/s | events/merge | daemon CPU s | CPU µs/change | over s "
+        "| poll ms | load |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         where = "80 % to 5 % of keys" if r["hot"] else "uniform keys"
         print(
-            f"| {r['keys']:,} | {where} | {r['rate']:,.0f} | {r['ack_p99_ms']:.1f} "
-            f"| {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['max_s']:.2f} "
-            f"| {r['merges_per_s']:.2f} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} "
+            f"| {r['keys']:,} | {where} | {r['merge_interval_ms']} | {r['rate']:,.0f} "
+            f"| {r['ack_p99_ms']:.1f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['max_s']:.2f} "
+            f"| {r['merges_per_s']:.2f} | {r['events_per_merge']:,.0f} | {r['cpu_s']:.1f} "
+            f"| {r['cpu_us_per_event']:.0f} | {r['wall_s']:.1f} "
             f"| {r['poll_ms']:.1f} | {r['load_1m']:.1f} |"
         )
     return 0

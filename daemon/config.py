@@ -661,6 +661,8 @@ def _mirror_columns(value: Any, path: str, errors: list[str]) -> Any:
     return tuple(out)
 
 
+# Longest cdc.mirrors[].merge_interval_ms (an hour).
+MIRROR_MERGE_INTERVAL_MAX_MS = 3_600_000
 # One [[cdc.mirrors]] entry's keys.
 _MIRROR: dict[str, Checker] = {
     "name": _str(),
@@ -670,6 +672,9 @@ _MIRROR: dict[str, Checker] = {
     "strict": _bool,
     "buckets": _int(1, 10_000),
     "history": _bool,
+    "merge_interval_ms": _int(
+        0, MIRROR_MERGE_INTERVAL_MAX_MS, why="an hour: the WAL and memory hold what waits"
+    ),
 }
 
 
@@ -709,6 +714,7 @@ def _parse_mirrors(raw: Any, errors: list[str]) -> list[CdcMirror]:
                 got.get("buckets", 16),
                 uri=uri,
                 history=got.get("history", False),
+                merge_interval_ms=got.get("merge_interval_ms", 0),
             )
         )
     return out

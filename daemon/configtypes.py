@@ -343,6 +343,9 @@ class CdcMirror:
     # SCD type 2: a row per version of a key (valid_from_lsn .. valid_to_lsn),
     # not one per key; fixed when the table is made.
     history: bool = False
+    # 0: one merge per batch; N: the batches of up to N ms merged in one
+    # commit (docs/cdc.md, "Coalesced merges").
+    merge_interval_ms: int = 0
 
     @property
     def location(self) -> str:

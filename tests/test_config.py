@@ -380,3 +380,19 @@ def test_a_mirror_with_a_writers_key_is_refused_saying_why() -> None:
     (error,) = info.value.errors
     assert error.startswith("cdc.mirrors[0].writers: a mirror has one writer")
     assert "do not order one key's events" in error
+
+
+def test_merge_interval_ms_defaults_to_a_merge_per_batch_and_refuses_all_but_0_to_an_hour() -> None:
+    def mirror(**extra: object) -> dict[str, object]:
+        return {"cdc": {"mirrors": [{"name": "m", "collection": "orders", "path": "m", **extra}]}}
+
+    assert config.parse(mirror()).cdc.mirrors[0].merge_interval_ms == 0
+    assert config.parse(mirror(merge_interval_ms=1000)).cdc.mirrors[0].merge_interval_ms == 1000
+    assert config.parse(mirror(merge_interval_ms=3_600_000)).cdc.mirrors[0].merge_interval_ms
+    for bad, shown in ((-1, "-1"), (3_600_001, "3600001"), (1.5, "1.5"), (True, "True")):
+        with pytest.raises(ConfigError) as info:
+            config.parse(mirror(merge_interval_ms=bad))
+        assert info.value.errors == [
+            "cdc.mirrors[0].merge_interval_ms: expected an integer >= 0 and <= 3600000 "
+            f"(an hour: the WAL and memory hold what waits), got {shown}"
+        ]

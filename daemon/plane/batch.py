@@ -86,6 +86,21 @@ class InFlight(DaemonError):
         super().__init__(f"stage {stage}: its attempt at batch {batch_id} is still running")
 
 
+class Held(DaemonError):
+    """A stage took ``batch_id`` but holds it for a later commit with the
+    batches after it (a mirror's ``merge_interval_ms``, docs/cdc.md, "Coalesced
+    merges"): it is not done, so its progress stays (and with it the
+    watermarks and the WAL), yet the stage takes the next batch. Its commit
+    comes as the outcome of a later batch, or of the executor's
+    ``flush_coalesced`` (the planner calls it when a wait is over and at a
+    clean stop); a failure there sends the stage back to its progress."""
+
+    def __init__(self, stage: str, batch_id: int) -> None:
+        self.stage = stage
+        self.batch_id = batch_id
+        super().__init__(f"stage {stage}: batch {batch_id} waits for its coalesced merge")
+
+
 @runtime_checkable
 class Preparer(Protocol):
     """An executor that can start on a batch's input while the previous batch runs.

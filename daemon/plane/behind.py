@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from daemon.plane.backfill import Backfills
-from daemon.plane.batch import InFlight, MicroBatch
+from daemon.plane.batch import Held, InFlight, MicroBatch
 from daemon.plane.planlog import PlanLogError, Ranges
 from daemon.plane.stages import WHOLE_BATCH
 
@@ -66,6 +66,7 @@ class CatchUp(Backfills):
     _deadline_passed: Callable[[], bool]
     _load: Callable[[int, Ranges], Awaitable[MicroBatch]]
     _wake: asyncio.Event
+    _clock: Callable[[], float]
 
     async def _run_behind(self, live_waiting: bool = False) -> None:
         """Stages behind the live batches re-run the plans they missed, oldest
@@ -105,7 +106,8 @@ class CatchUp(Backfills):
                 "stage_caught_up_batch",
                 batch_id=bid,
                 stages=[n for n in names if n not in failures],
-                failed=sorted(n for n, f in failures.items() if not isinstance(f, InFlight)),
+                failed=sorted(n for n, f in failures.items() if not isinstance(f, InFlight | Held)),
+                held=sorted(n for n, f in failures.items() if isinstance(f, Held)),
                 in_flight=sorted(n for n, f in failures.items() if isinstance(f, InFlight)),
                 behind=max(self._live_id - bid, 0),
             )
@@ -148,7 +150,9 @@ class CatchUp(Backfills):
     ) -> None:
         for name in names:
             failure = failures.get(name)
-            if isinstance(failure, InFlight):
+            if isinstance(failure, Held):
+                self.stages.held(name, batch_id)
+            elif isinstance(failure, InFlight):
                 self.stages.in_flight(name, batch_id)
                 self._on_landing(failure, name, batch_id)
             elif failure is not None:
@@ -177,6 +181,30 @@ class CatchUp(Backfills):
             self.stages.failed(name, batch_id, exc)
         self._advance()
         self._wake.set()
+
+    def _coalesce_due(self) -> float | None:
+        """When (planner clock) the executor's next coalesced merge is due, if
+        it holds batches for one (``Held``); None if it holds none."""
+        due_in = getattr(self.executor, "coalesce_due_s", None)
+        wait = due_in() if callable(due_in) else None
+        return None if wait is None else self._clock() + max(wait, 0.0)
+
+    async def _flush_coalesced(self, force: bool = False) -> None:
+        """The coalesced merges that are due (all of them when ``force``: a
+        clean stop), their outcomes recorded at the last batch each covers."""
+        flush = getattr(self.executor, "flush_coalesced", None)
+        if not callable(flush):
+            return
+        if not force:
+            due = self._coalesce_due()
+            if due is None or due > self._clock():
+                return
+        got: Mapping[str, tuple[int, BaseException | None]] = await flush(force=force)
+        for name, (bid, outcome) in got.items():
+            if name in self.stages.names:
+                self._record(bid, [name], {} if outcome is None else {name: outcome})
+        if got:
+            self._advance()
 
     def _advance(self) -> None:
         """Move the watermarks over every batch that all stages have committed."""

@@ -36,7 +36,7 @@ import structlog
 
 from daemon.errors import DaemonError, LsnRegressionError, error_text
 from daemon.plane.backfill import BackfillError, _BackfillRun
-from daemon.plane.batch import Executor, InFlight, MicroBatch, Preparer, Slice
+from daemon.plane.batch import Executor, Held, InFlight, MicroBatch, Preparer, Slice
 from daemon.plane.behind import CatchUp
 from daemon.plane.closing import (
     ETA_BATCHES,
@@ -367,6 +367,7 @@ class Planner(CatchUp, ClosingPolicy):
         ahead: MicroBatch | None = None
         was_ahead = False  # the batch about to run was closed ahead, so prepared
         while not self._stopping:
+            await self._flush_coalesced()
             if ahead is not None:
                 # Closed, planned and prepared while the previous batch ran;
                 # stages behind get a turn first, as between any two batches.
@@ -403,6 +404,9 @@ class Planner(CatchUp, ClosingPolicy):
             self._commit(batch, started)
             self._reaper.give(batch)
             del batch
+        # A clean stop: the batches held for a coalesced merge merge now, so
+        # the watermarks flushed next record them.
+        await self._flush_coalesced(force=True)
         # A batch closed ahead stays planned: a restart re-runs it from the plan log.
 
     def _nobody_takes_it(self) -> bool:
@@ -533,9 +537,9 @@ class Planner(CatchUp, ClosingPolicy):
             if self._due_by_size():
                 return True
             due = self.idle_close_due()
-            behind = self.stages.next_due(self._live_id)
-            if behind is not None:
-                due = behind if due is None else min(due, behind)
+            for other in (self.stages.next_due(self._live_id), self._coalesce_due()):
+                if other is not None:
+                    due = other if due is None else min(due, other)
             self._wake.clear()
             if due is None:
                 await self._wake.wait()  # the first delivered row sets it
@@ -615,7 +619,7 @@ class Planner(CatchUp, ClosingPolicy):
             # stage is not asked, and does not count.
             failed_whole = bool(failures) and set(failures) >= set(self.stages.active())
             failed_whole = failed_whole and not any(
-                isinstance(f, InFlight) for f in failures.values()
+                isinstance(f, InFlight | Held) for f in failures.values()
             )
             self._record(batch.batch_id, names, failures, quiet=failed_whole)
             if failed_whole:
@@ -643,7 +647,9 @@ class Planner(CatchUp, ClosingPolicy):
                     return
                 continue
             self._blocked_since = None
-            info["failed_stages"] = sorted(failures)
+            info["failed_stages"] = sorted(
+                n for n, f in failures.items() if not isinstance(f, Held)
+            )
             self._last_run_s = self._clock() - attempt_started
             self._run_times.append(self._last_run_s)
             return

@@ -107,6 +107,9 @@ class StageState:
     attempt_batch_id: int | None = None
     in_flight: bool = False  # handed back unfinished (InFlight): takes no other batch
     stopped: str | None = None  # the class of an error retrying cannot cure
+    # The last batch it took and holds uncommitted (``Held``: a coalesced
+    # merge to come); it takes the batch after it. None: it holds none.
+    held: int | None = None
 
 
 class StageTracker:
@@ -186,10 +189,17 @@ class StageTracker:
     def progress(self, name: str) -> int:
         return self.watermarks.stages.get(name, self.watermarks.batch_id)
 
+    def position(self, name: str) -> int:
+        """The last batch ``name`` took: its progress, or the last one it holds
+        for a coalesced merge (``Held``), which is not progress."""
+        st = self._states.get(name)
+        held = st.held if st is not None and st.held is not None else 0
+        return max(self.progress(name), held)
+
     def participants(self, batch_id: int) -> list[str]:
         """The stages level with ``batch_id`` and free (not paused, stopped,
         backfilling or in flight): they run it live."""
-        return [n for n in self._names if self.progress(n) == batch_id - 1 and self._free(n)]
+        return [n for n in self._names if self.position(n) == batch_id - 1 and self._free(n)]
 
     def active(self) -> list[str]:
         """The stages that take batches: not paused, stopped, backfilling or in flight."""
@@ -201,7 +211,8 @@ class StageTracker:
         return not held and not self.is_paused(name) and not self.is_backfilling(name)
 
     def floor(self) -> int:
-        """The last batch every stage committed."""
+        """The last batch every stage committed (a held batch is not: the
+        watermarks, the WAL's retention and the plan log keep it)."""
         return min((self.progress(n) for n in self._names), default=self.watermarks.batch_id)
 
     # -- outcomes ------------------------------------------------------------
@@ -229,10 +240,26 @@ class StageTracker:
             message=f"stage {name} is still at batch {batch_id}; the other stages go on",
         )
 
+    def held(self, name: str, batch_id: int) -> None:
+        """``name`` took ``batch_id`` and holds it for a coalesced merge with the
+        next ones (``Held``): it takes the next batch; its progress stays."""
+        st = self._states.setdefault(name, StageState(name))
+        st.held = batch_id
+        st.in_flight = False
+        st.attempt_since = st.attempt_batch_id = None
+
+    def holds(self, name: str) -> int:
+        """How many batches ``name`` holds for its coalesced merge."""
+        return self.position(name) - self.progress(name) if name in self._names else 0
+
     def succeeded(self, name: str, batch_id: int) -> None:
         st = self._states.setdefault(name, StageState(name))
         st.attempt_since = st.attempt_batch_id = None
         st.in_flight = False
+        if st.held is not None and st.held <= batch_id:
+            st.held = None
+        if batch_id <= self.progress(name):
+            return  # a coalesced merge's batches, recorded at its last one
         self.watermarks.stage_done(name, batch_id)
         if st.failing_since is not None:
             log.info(
@@ -254,6 +281,9 @@ class StageTracker:
         """Record a failed attempt; returns the backoff before the next one (s)."""
         st = self._states.setdefault(name, StageState(name))
         st.in_flight = False  # attempt_since stays: the batch is still not done
+        # The batches it held are gone with the failed merge: it re-runs them
+        # from their plans (the WAL kept them: they were not progress).
+        st.held = None
         now = self._clock()
         st.attempts += 1
         if st.failing_since is None:
@@ -299,7 +329,7 @@ class StageTracker:
     def behind(self, live_id: int) -> list[str]:
         """Stages behind the live batches that may catch up (a paused or a
         backfilling one may not)."""
-        return [n for n in self._names if self.progress(n) < live_id and self._free(n)]
+        return [n for n in self._names if self.position(n) < live_id and self._free(n)]
 
     def next_due(self, live_id: int) -> float | None:
         """When (planner clock) the next behind or backfilling stage may run;
@@ -346,8 +376,8 @@ class StageTracker:
         ]
         if not ready:
             return None
-        oldest = min(self.progress(n) for n in ready)
-        return oldest + 1, [n for n in ready if self.progress(n) == oldest]
+        oldest = min(self.position(n) for n in ready)
+        return oldest + 1, [n for n in ready if self.position(n) == oldest]
 
     # -- pause and resume (an operator's choice) -----------------------------
 
@@ -502,6 +532,7 @@ class StageTracker:
             "name": name,
             "batch_id": done,
             "behind_batches": max(live_id - done, 0),
+            "held_batches": self.holds(name),
             "behind_events": self.events_behind(name),
             "failing": failing,
             "stalled": self.stalled(name),

@@ -52,17 +52,23 @@ from daemon.errors import (
     error_text,
 )
 from daemon.metrics import Metrics
-from daemon.plane.batch import BatchStage, InFlight, MicroBatch
+from daemon.plane.batch import BatchStage, Held, InFlight, MicroBatch
 from daemon.spark import deltajars, frame, rawinbox
 from daemon.spark import session as sparkmod
 from daemon.spark.lanes import Lanes, hand_back, outlives
 from daemon.spark.lifecycle import SessionLife, State, _Status
 from daemon.spark.maintenance import StreamMaintenance
 from daemon.spark.mirrors import (
+    Coalesced,
     MirrorQuarantine,
     close_mirrors,
+    coalesce_due_s,
+    coalescers,
     commit_mirrors,
+    flush_at_stop,
+    flush_mirrors,
     mirror_stage,
+    mirrors_status,
     open_mirrors,
 )
 from daemon.table import sparkio
@@ -167,6 +173,8 @@ class _Outcome:
     # Streams and mirrors whose commit or merge was still running when the
     # batch stopped waiting.
     in_flight: dict[str, InFlight] = field(default_factory=dict)
+    # Mirrors that hold the batch for a coalesced merge (merge_interval_ms).
+    held: dict[str, Held] = field(default_factory=dict)
 
 
 def sink_stage(sink: CdcSink) -> str:
@@ -209,6 +217,7 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
         self._sleep = sleep
         self._sinks: list[CdcSink] = []
         self._mirrors: list[MirrorTable] = []
+        self._coalesced: dict[str, Coalesced] = {}  # mirrors' held batches, by stage
         # Each stream's and mirror's own thread, by stage name (daemon.spark.lanes).
         self._lanes = Lanes()
         self.compaction: CompactionService | None = None
@@ -331,6 +340,7 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
             self._mirrors = await loop.run_in_executor(
                 self._pool, open_mirrors, self.cfg, self.wal_id, self.metrics
             )
+            self._coalesced = coalescers(self._mirrors)
         except BaseException:
             await loop.run_in_executor(self._pool, self._close_in_thread)
             raise
@@ -540,7 +550,7 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
                 }
                 for s in self._sinks
             },
-            "mirrors": {m.name: m.status() for m in self._mirrors},
+            "mirrors": mirrors_status(self._mirrors, self._coalesced),
             "stages": [s.name for s in self._stages],
             "handlers": [ref for ref, _ in self._handlers],
         }
@@ -614,6 +624,7 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
         return sinks
 
     def _close_in_thread(self) -> None:
+        flush_at_stop(self._mirrors, self._coalesced, self._lanes, self.cfg, self.metrics)
         close_mirrors(self._mirrors, self._lanes)
         for sink in self._sinks:
             if self._lanes.busy(sink_stage(sink)):
@@ -729,7 +740,35 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
             failed_stages=sorted(outcome.failures),
             in_flight=sorted(outcome.in_flight),
         )
-        return {**outcome.failures, **outcome.in_flight}
+        return {**outcome.failures, **outcome.in_flight, **outcome.held}
+
+    def coalesce_due_s(self) -> float | None:
+        """Seconds until a mirror's coalesced merge is due; None when none holds batches."""
+        return coalesce_due_s(self._coalesced)
+
+    async def flush_coalesced(
+        self, *, force: bool = False
+    ) -> dict[str, tuple[int, BaseException | None]]:
+        """The mirrors' held batches that are due (all when ``force``) merged,
+        each in its lane (``daemon.spark.mirrors.flush_mirrors``)."""
+        if not self._coalesced or self._status.state is not State.READY:
+            return {}
+        loop = asyncio.get_running_loop()
+        wait = self.cfg.health.attempt_slow_s / 2
+        async with self._lock:
+            return await loop.run_in_executor(
+                self._pool,
+                functools.partial(
+                    flush_mirrors,
+                    self._mirrors,
+                    self._coalesced,
+                    force=force,
+                    lanes=self._lanes,
+                    wait_s=wait,
+                    metrics=self.metrics,
+                    landed_failure=lambda exc, stage: None,
+                ),
+            )
 
     def _run_in_spark(
         self,
@@ -754,6 +793,7 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
         commits: list[CommitResult] = []
         results: list[tuple[BatchStage, Any]] = []
         in_flight: dict[str, InFlight] = {}
+        held: dict[str, Held] = {}
         reading: list[InFlight] = []  # streams' commits in flight: they read the inbox
         cached = False
         made: list[Any] = []  # the batch DataFrame, once something needs it
@@ -861,6 +901,8 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
                 in_flight=in_flight,
                 metrics=self.metrics,
                 landed_failure=functools.partial(self._record_failure, batch),
+                coalesced=self._coalesced,
+                held=held,
             )
             # Step 5. Handlers.
             if handlers:
@@ -900,7 +942,7 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
                 clean_up()
         ran = len(sinks) + len(stages) + len(handlers) + mirrors
         spark_s = time.monotonic() - started
-        return _Outcome(nrows, commits, results, spark_s, failures, ran, in_flight)
+        return _Outcome(nrows, commits, results, spark_s, failures, ran, in_flight, held)
 
     def _in_flight(self, sink: CdcSink, batch: MicroBatch, running: Future[Any]) -> InFlight:
         """The marker of ``sink``'s commit that goes on in its lane; its ``done``

@@ -78,6 +78,11 @@ MIRROR_REPLAY_CRASH_POINTS = (
     "mirror.replay_after_intent",  # the intent durable, nothing merged
     "mirror.replay_after_commit",  # merged with its replay txn, still in the quarantine
 )
+# A mirror that coalesces its merges (merge_interval_ms, daemon/spark/mirrors.py);
+# tests/integration/test_mirror_coalesce_crash.py aims at it.
+COALESCE_CRASH_POINTS = (
+    "mirror.coalesced",  # a batch held for a coalesced merge, its group not merged
+)
 # `eventplane cdc mirror rebuild` (daemon/table/mirrorrebuild.py): the old
 # mirror in place and serving before the switch, the new one after it.
 MIRROR_REBUILD_CRASH_POINTS = (
@@ -102,6 +107,7 @@ CRASH_POINTS = tuple(
         + S3_CRASH_POINTS
         + MIRROR_CRASH_POINTS
         + MIRROR_REPLAY_CRASH_POINTS
+        + COALESCE_CRASH_POINTS
         + MIRROR_REBUILD_CRASH_POINTS
         + RESTORE_CRASH_POINTS
     )

@@ -797,6 +797,76 @@ class MirrorTable:
             metrics,
         )
 
+    def commit_many(self, tables: list[Any | None], batches: list[MicroBatch]) -> MirrorResult:
+        """Merge the mirror's rows of ``batches`` (consecutive ids, each with its
+        rows in ``tables``) in one commit whose ``txn`` is the last batch's id
+        (``merge_interval_ms``, docs/cdc.md, "Coalesced merges"): the fold over
+        all of them, the highest LSN per key (history: every version in LSN
+        order). Step 0 skips the batches the table holds (a table None: the
+        batch has no rows of the collection); a strict mirror's events that do
+        not fit are set aside per batch, as :meth:`commit` does."""
+        if len(batches) == 1 and tables[0] is not None:
+            return self.commit(tables[0], batches[0])
+        started = time.monotonic()
+        last = batches[-1]
+        bid = last.batch_id
+        table = self._table(create=False)
+        held = None
+        if table is not None:
+            if self.done(bid):  # Step 0: the whole group.
+                return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
+            held = table.transaction_version(self.app_id)
+        evs: list[dict[str, Any]] = []
+        count = 0
+        for rows, batch in zip(tables, batches, strict=True):
+            if rows is None or (held is not None and batch.batch_id <= int(held)):
+                continue  # none of the collection's rows, or in the table already
+            mine, set_aside, n = _events(self.mirror, rows)
+            if set_aside:
+                self._set_aside(batch, set_aside)
+            evs += mine
+            count += n
+        reduced = fold_events(self.mirror, evs, count)  # Step 1.
+        if not reduced.rows and not reduced.closes:
+            return MirrorResult(self.name, bid, 0, 0, True, 0.0, {}, {})
+        self._supersede(reduced)
+        crash_point("mirror.before_commit")
+        first = batches[0].batch_id
+        meta = {
+            "batch_id": bid,
+            "ranges": {str(c): [a, b] for c, (a, b) in sorted(last.ranges().items())},
+            "events": reduced.events,
+            "keys": len(reduced.rows),
+            "coalesced": [first, bid],
+        }
+        metrics = self._merge(reduced, (self.app_id, bid), meta)  # Step 2.
+        crash_point("mirror.after_commit")
+        self.last_batch_id = bid
+        self.commits_since_compaction += 1
+        for column, n in reduced.cast_failures.items():
+            self.cast_failures[column] = self.cast_failures.get(column, 0) + n
+        seconds = time.monotonic() - started
+        self.last_commit = {
+            "batch_id": bid,
+            "first_batch_id": first,
+            "events": reduced.events,
+            "keys": len(reduced.rows),
+            "seconds": round(seconds, 4),
+            "at": time.time(),
+        }
+        if self.commits_since_compaction >= COMPACT_EVERY:
+            self.compact()
+        return MirrorResult(
+            self.name,
+            bid,
+            reduced.events,
+            len(reduced.rows),
+            False,
+            seconds,
+            reduced.cast_failures,
+            metrics,
+        )
+
     def _set_aside(self, batch: MicroBatch, events: list[dict[str, Any]]) -> None:
         """A strict mirror's events that do not fit, durable before the merge
         (a re-run writes the same file again): each event is then in the table

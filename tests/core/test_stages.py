@@ -486,3 +486,28 @@ async def test_events_behind_count_from_the_lowest_first_lsn_of_any_batch_missed
     await planner.forget_through(2)
     assert [planner._first_after(b) for b in range(2, 5)] == [6, 6, None]
     plan_log.close()
+
+
+def test_a_held_batch_is_taken_not_progress_and_a_failure_sends_the_stage_back() -> None:
+    from daemon.plane.stages import StageTracker
+
+    wm = Watermarks(WatermarkSnapshot("wal-t", 1, 0, (0,)), Metrics())
+    st = StageTracker(wm, MicrobatchConfig(retry_initial_ms=1, retry_max_ms=1))
+    st.sync(["mirror:m", "cdc:a"], 1)
+    for bid in (1, 2, 3):
+        assert "mirror:m" in st.participants(bid)
+        st.held("mirror:m", bid)
+        st.succeeded("cdc:a", bid)
+    # Taken up to 3 (it runs batch 4 live), committed none: the floor stays at 0.
+    assert st.position("mirror:m") == 3 and st.progress("mirror:m") == 0
+    assert st.floor() == 0 and st.holds("mirror:m") == 3
+    assert st.behind(3) == []
+    # Its merge of 1..3 failed: back to its progress, it re-runs batch 1 first.
+    st.failed("mirror:m", 3, OSError("no"))
+    assert st.position("mirror:m") == 0 and "mirror:m" in st.behind(3)
+    assert st.participants(4) == ["cdc:a"]
+    # Re-run and merged at 3: progress 3 in one step.
+    st.held("mirror:m", 1)
+    st.held("mirror:m", 2)
+    st.succeeded("mirror:m", 3)
+    assert st.progress("mirror:m") == 3 == st.floor() and st.holds("mirror:m") == 0

@@ -89,3 +89,39 @@ async def test_the_mirror_stage_commits_beside_a_stream_and_alone(
 
 def _fail(*_: Any) -> Any:
     raise OSError("the mirror's volume is gone")
+
+
+async def test_a_coalescing_mirror_beside_a_stream_holds_its_batches_and_merges_them_once(
+    spark: Any, tmp_path: Path, metrics: Metrics
+) -> None:
+    """In the Spark executor: the stream commits each batch, the mirror
+    (``merge_interval_ms``) hands them back ``Held``; ``flush_coalesced``
+    merges both in one commit whose txn is the last batch's."""
+    from daemon.plane.batch import Held
+    from tests.table.test_mirror_coalesce import mirror_commits
+
+    cfg = make_config(tmp_path)
+    mirror = CdcMirror(
+        "orders", "orders", tmp_path / "mirror", COLUMNS, buckets=4, merge_interval_ms=600_000
+    )
+    cfg = dataclasses.replace(cfg, cdc=dataclasses.replace(cfg.cdc, mirrors=(mirror,)))
+    ex = SparkExecutor(cfg, metrics, wal_id="wal-1", session=spark)
+    await ex.start()
+    try:
+        b1 = make_batch(1, [(1, "orders", "insert", "a", {"amount": 1})])
+        b2 = make_batch(
+            2, [(2, "orders", "update", "a", {"amount": 2}), (3, "other", "insert", "x", {})]
+        )
+        for batch in (b1, b2):
+            got = await ex.execute(batch)
+            assert set(got) == {"mirror:orders"} and isinstance(got["mirror:orders"], Held)
+        assert mirror_commits(tmp_path / "mirror") == []
+        assert ex.status()["mirrors"]["orders"]["held_batch_ids"] == [1, 2]
+        assert 0 < (ex.coalesce_due_s() or 0) <= 600
+        assert await ex.flush_coalesced(force=True) == {"mirror:orders": (2, None)}
+        assert mirror_commits(tmp_path / "mirror") == [(1, 2)]
+        rows = read_rows(tmp_path / "mirror")
+        assert {k: (r["lsn"], r["amount"]) for k, r in rows.items()} == {"a": (2, 2.0)}
+        assert ex.coalesce_due_s() is None
+    finally:
+        await ex.stop()
