@@ -219,9 +219,15 @@ def render(doc: Mapping[str, Any], url: str = "", now: float | None = None) -> s
     for name, mirror in _obj(spark.get("mirrors")).items():
         m = _obj(mirror)
         failed = sum(v for v in _obj(m.get("cast_failures")).values() if isinstance(v, int))
+        coalescing = ""
+        if isinstance(held_ids := m.get("held_batch_ids"), list) and len(held_ids) == 2:
+            coalescing = (
+                f"  holding batches {held_ids[0]}-{held_ids[1]} "
+                f"({_count(m.get('held_events'))} events) for one merge"
+            )
         lines.append(
             f"mirror {name:<4} batch {_int(m.get('last_batch_id'))}  "
-            f"{_count(failed)} values that did not fit their column"
+            f"{_count(failed)} values that did not fit their column{coalescing}"
         )
         held = m.get("quarantined")
         if isinstance(held, int) and held:

@@ -395,8 +395,17 @@ def test_a_mirror_has_a_line_with_its_batch_and_cast_failures() -> None:
         "mirrors": {"orders": {"last_batch_id": 41, "cast_failures": {"amount": 3, "day": 2}}},
     }
     text = statuscmd.render(doc, now=NOW)
-    assert "mirror orders batch 41  5 values that did not fit their column" in text
-    assert "in quarantine" not in text
+    assert "mirror orders batch 41  5 values that did not fit their column\n" in text
+    assert "in quarantine" not in text and "holding" not in text
+
+
+def test_a_coalescing_mirror_line_names_the_batches_it_holds_for_its_next_merge() -> None:
+    doc = sample_status()
+    held = {"held_batches": 3, "held_batch_ids": [42, 44], "held_events": 1200}
+    doc["spark"] = {"ready": True, "mirrors": {"orders": {"last_batch_id": 41, **held}}}
+    text = statuscmd.render(doc, now=NOW)
+    line = "mirror orders batch 41  0 values that did not fit their column  "
+    assert line + "holding batches 42-44 (1,200 events) for one merge" in text
 
 
 def test_a_mirror_with_events_in_its_quarantine_has_a_line_naming_the_command() -> None:
