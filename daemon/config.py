@@ -675,6 +675,7 @@ _MIRROR: dict[str, Checker] = {
     "merge_interval_ms": _int(
         0, MIRROR_MERGE_INTERVAL_MAX_MS, why="an hour: the WAL and memory hold what waits"
     ),
+    "merge_max_events": _int(1, 100_000_000, why="the held batches' rows stay in memory"),
 }
 
 
@@ -715,6 +716,7 @@ def _parse_mirrors(raw: Any, errors: list[str]) -> list[CdcMirror]:
                 uri=uri,
                 history=got.get("history", False),
                 merge_interval_ms=got.get("merge_interval_ms", 0),
+                merge_max_events=got.get("merge_max_events", 1_000_000),
             )
         )
     return out

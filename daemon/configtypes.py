@@ -346,6 +346,9 @@ class CdcMirror:
     # 0: one merge per batch; N: the batches of up to N ms merged in one
     # commit (docs/cdc.md, "Coalesced merges").
     merge_interval_ms: int = 0
+    # The most events of the collection held for one coalesced merge: the
+    # batch that reaches it merges the group at once.
+    merge_max_events: int = 1_000_000
 
     @property
     def location(self) -> str:

@@ -396,3 +396,17 @@ def test_merge_interval_ms_defaults_to_a_merge_per_batch_and_refuses_all_but_0_t
             "cdc.mirrors[0].merge_interval_ms: expected an integer >= 0 and <= 3600000 "
             f"(an hour: the WAL and memory hold what waits), got {shown}"
         ]
+
+
+def test_merge_max_events_defaults_to_a_million_and_refuses_what_memory_could_not_hold() -> None:
+    def mirror(**extra: object) -> dict[str, object]:
+        return {"cdc": {"mirrors": [{"name": "m", "collection": "orders", "path": "m", **extra}]}}
+
+    assert config.parse(mirror()).cdc.mirrors[0].merge_max_events == 1_000_000
+    assert config.parse(mirror(merge_max_events=5000)).cdc.mirrors[0].merge_max_events == 5000
+    for bad in (0, 100_000_001, "many"):
+        with pytest.raises(ConfigError) as info:
+            config.parse(mirror(merge_max_events=bad))
+        (error,) = info.value.errors
+        assert error.startswith("cdc.mirrors[0].merge_max_events: expected an integer >= 1 and")
+        assert "(the held batches' rows stay in memory)" in error

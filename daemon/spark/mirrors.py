@@ -45,16 +45,14 @@ from daemon.table.mirror import MirrorTable
 log = structlog.get_logger("eventplane.mirror")
 
 
-# Most events of its collection a mirror holds for one coalesced merge: the
-# batch that passes it merges at once, whatever merge_interval_ms says.
-COALESCE_MAX_EVENTS = 1_000_000
-
-
 @dataclass(slots=True)
 class Coalesced:
     """One mirror's batches held for their coalesced merge (``merge_interval_ms``)."""
 
     interval_s: float
+    # The most events of the collection held (``merge_max_events``): the batch
+    # that reaches it merges the group at once, whatever the interval says.
+    max_events: int = 1_000_000
     since: float | None = None  # monotonic: when the first held batch was taken
     batches: list[MicroBatch] = field(default_factory=list)
     tables: list[Any] = field(default_factory=list)  # each one's rows of the collection
@@ -71,7 +69,7 @@ class Coalesced:
         """Seconds until the held batches are due to merge (<= 0: due); None: none held."""
         if not self.batches or self.since is None:
             return None
-        if self.events >= COALESCE_MAX_EVENTS:
+        if self.events >= self.max_events:
             return 0.0
         return self.since + self.interval_s - (time.monotonic() if now is None else now)
 
@@ -97,7 +95,7 @@ class Coalesced:
 def coalescers(mirrors: Sequence[MirrorTable]) -> dict[str, Coalesced]:
     """The held batches of each mirror that coalesces, by stage name."""
     return {
-        mirror_stage(m): Coalesced(m.mirror.merge_interval_ms / 1000)
+        mirror_stage(m): Coalesced(m.mirror.merge_interval_ms / 1000, m.mirror.merge_max_events)
         for m in mirrors
         if m.mirror.merge_interval_ms > 0
     }
