@@ -88,7 +88,7 @@ path = "{disk}"
 {shared}"""
     directory = root / name
     directory.mkdir()
-    config = write_config(directory, extra, cores=2, interval_ms=200)
+    config = write_config(directory, extra, cores=2, interval_ms=300)
     config.write_text(config.read_text().replace("[daemon]\n", f'[daemon]\nname = "{name}"\n', 1))
     return config
 
@@ -103,11 +103,22 @@ class Producers(Loader):
         self.urls = [d.ingest_url for d in daemons.values()]
         self.rows: list[Row] = []
         self.failed: list[str] = []
+        self.abandon = threading.Event()  # a failed test: retries end at once
+
+    def _sleep(self, seconds: float) -> None:
+        """The client's wait between retries, cut short once the test is abandoned."""
+        if self.abandon.wait(seconds):
+            raise RuntimeError("the test was abandoned")
 
     def _produce(self, pid: int) -> None:
         rng = random.Random(pid)
         client = SyncIngestClient(
-            endpoints=self.urls, route="key", timeout_s=10, retry_for_s=240, max_wait_s=1.0
+            endpoints=self.urls,
+            route="key",
+            timeout_s=10,
+            retry_for_s=240,
+            max_wait_s=1.0,
+            sleep=self._sleep,
         )
         n = 0
         try:
@@ -134,7 +145,7 @@ class Producers(Loader):
                 with self._lock:
                     self.rows += rows
                 n += PER_REQUEST
-                self._halt.wait(0.02)
+                self._halt.wait(0.05)
         finally:
             client.close()
 
@@ -264,6 +275,8 @@ def test_three_daemons_sigkilled_in_turn_keep_every_acknowledged_row_once_in_bot
     t0 = time.monotonic()
 
     def spark_read() -> None:
+        # A loaded machine can start Spark after the first kill: wait for the table.
+        wait_until("the disk table", lambda: readers.last("disk"), 180, daemons)
         # One partition for Delta's log replay (50 by default): a small table's
         # first read then takes seconds, not a minute, beside three daemons.
         spark.conf.set("spark.databricks.delta.snapshotPartitions", "1")
@@ -272,6 +285,7 @@ def test_three_daemons_sigkilled_in_turn_keep_every_acknowledged_row_once_in_bot
         readers.check("disk", Counter((r.writer, r.lsn) for r in df), "spark", floor)
 
     def kill(name: str, restart: bool = True) -> None:
+        assert producers is not None
         before = producers.count()
         wait_until("acks before the kill", lambda: producers.count() > before + 300, 120, daemons)
         daemons[name].kill()
@@ -280,6 +294,7 @@ def test_three_daemons_sigkilled_in_turn_keep_every_acknowledged_row_once_in_bot
             daemons[name].start(180.0)
             timeline.append(f"{time.monotonic() - t0:.0f}s {name} ready")
 
+    producers: Producers | None = None
     try:
         start_all(daemons)
         producers = Producers(daemons)
@@ -336,6 +351,10 @@ def test_three_daemons_sigkilled_in_turn_keep_every_acknowledged_row_once_in_bot
         assert optimizers(disk)
     finally:
         spark.conf.unset("spark.databricks.delta.snapshotPartitions")
+        if producers is not None:  # no thread of this test outlives it
+            producers.abandon.set()
+            producers.stop()
+        readers.stop()
         for d in daemons.values():
             d.stop()
     print(

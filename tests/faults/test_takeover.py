@@ -159,7 +159,13 @@ retry = {{ max_attempts = 100000, initial_backoff_ms = 200, max_backoff_ms = 500
     def config(name: str, role: str) -> Path:
         (tmp_path / name).mkdir()
         text = lake.replace("flush_ms = 50\n", f'flush_ms = 50\nrole = "{role}"\n')
-        return spark_config(tmp_path / name, {}, extra=text)
+        path = spark_config(tmp_path / name, {}, extra=text)
+        # The new primary's clean stop is asserted: 30 s for its Spark to stop
+        # beside the suite's other JVMs (10 s ran out once, at load 9).
+        path.write_text(
+            path.read_text().replace("shutdown_timeout_s = 10.0", "shutdown_timeout_s = 30.0")
+        )
+        return path
 
     primary = DaemonProcess.production(config("a", "primary"))
     standby = DaemonProcess.production(config("b", "standby"), ready_path="/healthz")

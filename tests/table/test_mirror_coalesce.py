@@ -165,7 +165,9 @@ def mirror_commits(path: Path) -> list[tuple[int, int]]:
     return out
 
 
-def mirror(tmp_path: Path, interval_ms: int, history: bool = False) -> CdcMirror:
+def mirror(
+    tmp_path: Path, interval_ms: int, history: bool = False, max_events: int = 1_000_000
+) -> CdcMirror:
     return CdcMirror(
         "orders",
         "orders",
@@ -174,6 +176,7 @@ def mirror(tmp_path: Path, interval_ms: int, history: bool = False) -> CdcMirror
         buckets=4,
         history=history,
         merge_interval_ms=interval_ms,
+        merge_max_events=max_events,
     )
 
 
@@ -181,11 +184,13 @@ def mirror(tmp_path: Path, interval_ms: int, history: bool = False) -> CdcMirror
 async def test_coalescing_merges_fewer_commits_than_batches_each_txn_its_last_batch_and_the_fold(
     tmp_path: Path, history: bool
 ) -> None:
-    plane = Plane(tmp_path, mirror(tmp_path, 250, history))
+    # A batch per wave (8 events); a group merges once it holds 20 events, so
+    # every third batch, however slow the machine (the interval never passes).
+    plane = Plane(tmp_path, mirror(tmp_path, 600_000, history, max_events=20))
     planner = await plane.start()
     for wave in waves(16):
         plane.send(wave)
-        await asyncio.sleep(0.06)
+        await plane.settle()
     await plane.stop()
 
     batches = planner.live_id
