@@ -201,13 +201,14 @@ def test_render_shows_rates_ratios_cpu_and_freshness() -> None:
     table = render([_result("eventplane", 60_000, 1.0), _result("peer", 20_000, 4.0)], 20_000)
     lines = table.splitlines()
 
-    assert lines[0].startswith("| side | events/s | ratio | CPU s | CPU µs/event |")
+    assert lines[0].startswith("| side | events/s | x peer | CPU s | CPU µs/event |")
     assert len(lines) == 4
     ep = [c.strip() for c in lines[2].split("|")[1:-1]]
     peer = [c.strip() for c in lines[3].split("|")[1:-1]]
-    assert ep[1:8] == ["60,000", "1.00", "2.0", "20.0", "0.50", "1.00", "1.00"]
-    assert peer[1:8] == ["20,000", "3.00", "2.0", "20.0", "2.00", "4.00", "0.25"]
+    assert ep[1:8] == ["60,000", "3.00", "2.0", "20.0", "0.50", "1.00", "0.25"]
+    assert peer[1:8] == ["20,000", "1.00", "2.0", "20.0", "2.00", "4.00", "1.00"]
     assert peer[8:] == ["20.0", "5", "20"]
+    assert ep[0].startswith("eventplane") and peer[0].startswith("landing files")
 
 
 def test_verdict_says_whether_each_aim_is_met() -> None:
