@@ -225,3 +225,21 @@ def test_verdict_says_whether_each_aim_is_met() -> None:
     ]
     assert "failed: boom" in render([failed], 20_000)
     assert SideResult("x").rate == 0.0
+
+
+def test_the_peer_is_covered_up_to_a_seq_only_once_every_seq_below_it_merged() -> None:
+    from bench.bench_mirror_peer import PeerWatcher
+
+    w = PeerWatcher(Path("/nonexistent"), 0.01)
+
+    def commit(first: int, last: int, events: int) -> int:
+        meta = {"peer": {"batch": 0, "first": first, "last": last, "events": events}}
+        got = w.last_of(json.dumps(meta))
+        w.covered = max(w.covered, got)  # as Watcher.run does
+        return got
+
+    assert commit(1, 100, 100) == 100
+    assert commit(201, 300, 100) == 100  # 101-200 not merged yet
+    assert w.gaps == 1
+    assert commit(101, 200, 100) == 300
+    assert commit(301, 400, 100) == 400
