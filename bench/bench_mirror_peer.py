@@ -32,8 +32,10 @@ would measure contention), each in its own processes:
 
 Per side, one process tree started fresh:
 
-1. **preload** (untimed, it also warms the JVM up): ``--keys`` inserts, until
-   visible;
+1. **preload** and **warm-up** (untimed): ``--keys`` inserts, until visible,
+   then ``--warmup-events`` changes in ``--warmup-parts`` parts, each posted
+   closed loop and waited for (several merges: the peer's JVM compiles its
+   MERGE);
 2. **throughput**: ``--events`` changes posted closed loop by ``--clients``
    clients, timed from the first request to the commit that makes the last
    event visible; the side's CPU over it (``tree_cpu``: the daemon's process
@@ -266,6 +268,7 @@ class SideResult:
     name: str
     keys: int = 0
     preload_s: float = 0.0
+    warmup_s: float = 0.0
     events: int = 0  # the throughput run's
     seconds: float = 0.0  # first request to the last event visible
     cpu_s: float = 0.0
@@ -539,20 +542,36 @@ async def closed_loop(url: str, bodies: Sequence[bytes], clients: int) -> tuple[
 class Plan:
     keys: int
     preload: list[bytes]
+    warmup: list[list[bytes]]  # parts, each posted then waited for
     run: list[bytes]
     lat: list[bytes]
     lat_duration_s: float
 
     def all_bodies(self) -> list[bytes]:
-        return self.preload + self.run + self.lat
+        return self.preload + [b for part in self.warmup for b in part] + self.run + self.lat
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
     keys = args.keys - args.keys % args.clients  # a whole number of keys per shard
+    warm_requests = math.ceil(args.warmup_events / args.per_request)
+    warm_requests += -warm_requests % args.clients
+    warm, next_key = change_bodies(
+        keys, False, warm_requests, args.per_request, 47, keys, shards=args.clients
+    )
+    parts = max(1, args.warmup_parts)
+    cut = [round(len(warm) * i / parts / args.clients) * args.clients for i in range(parts + 1)]
+    warmup = [warm[cut[i] : cut[i + 1]] for i in range(parts) if cut[i + 1] > cut[i]]
     requests = math.ceil(args.events / args.per_request)
     requests += -requests % args.clients
     run, next_key = change_bodies(
-        keys, False, requests, args.per_request, 45, keys, shards=args.clients
+        keys,
+        False,
+        requests,
+        args.per_request,
+        45,
+        next_key,
+        shards=args.clients,
+        first_n=warm_requests * args.per_request,
     )
     lat_requests, lat_duration = open_loop_plan(
         args.rate, args.duration, args.clients, LATENCY_REQUEST_EVENTS
@@ -565,9 +584,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         46,
         next_key,
         shards=args.clients,
-        first_n=requests * args.per_request,
+        first_n=(warm_requests + requests) * args.per_request,
     )
-    return Plan(keys, preload_bodies(keys), run, lat, lat_duration)
+    return Plan(keys, preload_bodies(keys), warmup, run, lat, lat_duration)
 
 
 def run_side(side: EventplaneSide | PeerSide, plan: Plan, args: argparse.Namespace) -> SideResult:
@@ -580,6 +599,12 @@ def run_side(side: EventplaneSide | PeerSide, plan: Plan, args: argparse.Namespa
         wait_covered(w, last, timeout_s=args.timeout)
         r.preload_s = time.monotonic() - t0
         say(f"{side.name}: preloaded {plan.keys:,} keys in {r.preload_s:.1f} s")
+        t0 = time.monotonic()
+        for part in plan.warmup:
+            _, last = asyncio.run(closed_loop(side.url, part, args.clients))
+            wait_covered(w, last, timeout_s=args.timeout)
+        r.warmup_s = time.monotonic() - t0
+        say(f"{side.name}: warmed up in {r.warmup_s:.1f} s ({len(plan.warmup)} parts)")
 
         merges0 = len(w.commits)
         cpu0, t0 = side.cpu(), time.monotonic()
@@ -635,6 +660,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keys", type=int, default=100_000, help="keys preloaded (100000)")
     p.add_argument("--events", type=int, default=1_000_000, help="throughput run (1000000)")
     p.add_argument("--per-request", type=int, default=1000, help="throughput run (1000)")
+    p.add_argument(
+        "--warmup-events", type=int, default=200_000, help="untimed, after the preload (200000)"
+    )
+    p.add_argument(
+        "--warmup-parts", type=int, default=4, help="the warm-up in parts each waited for (4)"
+    )
     p.add_argument("--clients", type=int, default=8, help="producers (8)")
     p.add_argument("--rate", type=float, default=20_000, help="freshness run events/s (20000)")
     p.add_argument("--duration", type=float, default=20.0, help="freshness run s (20)")
@@ -710,8 +741,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_after = load_average()
 
     print(
-        f"\n{plan.keys:,} keys preloaded; throughput: {len(plan.run) * args.per_request:,} "
-        f"changes, {args.clients} clients closed loop, {args.per_request} per request; "
+        f"\n{plan.keys:,} keys preloaded, {sum(map(len, plan.warmup)) * args.per_request:,} "
+        f"changes of warm-up in {len(plan.warmup)} parts (untimed); throughput: "
+        f"{len(plan.run) * args.per_request:,} changes, {args.clients} clients closed loop, "
+        f"{args.per_request} per request; "
         f"freshness: {args.rate:,.0f} events/s open loop for {plan.lat_duration_s:.1f} s; "
         f"interval_ms = processingTime = {args.interval_ms}, merge_interval_ms = "
         f"{args.merge_interval_ms}, landing rotation {args.rotate_ms} ms\n"
@@ -729,7 +762,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in results:
         if not r.error:
             print(
-                f"{r.name}: preload {r.preload_s:.1f} s; freshness run {r.lat_rate:,.0f} events/s, "
+                f"{r.name}: preload {r.preload_s:.1f} s, warm-up {r.warmup_s:.1f} s; "
+                f"freshness run {r.lat_rate:,.0f} events/s, "
                 f"ack p99 {r.ack_p99_s * 1e3:.0f} ms, max {r.max_s:.2f} s, CPU {r.lat_cpu_s:.1f} s "
                 f"over {r.lat_wall_s:.1f} s, poll {r.poll_ms:.1f} ms; {r.rows:,} rows; "
                 f"{r.gaps} MERGEs with a gap; load {r.load} after"
