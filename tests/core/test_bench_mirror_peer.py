@@ -243,3 +243,29 @@ def test_the_peer_is_covered_up_to_a_seq_only_once_every_seq_below_it_merged() -
     assert w.gaps == 1
     assert commit(101, 200, 100) == 300
     assert commit(301, 400, 100) == 400
+
+
+def test_the_plan_gives_each_client_whole_shards_and_numbers_events_across_phases() -> None:
+    import argparse
+
+    from bench.bench_mirror_peer import make_plan
+
+    sizes = {"keys": 1003, "events": 10_500, "per_request": 100, "clients": 8}
+    args = argparse.Namespace(**sizes, warmup_events=2_000, warmup_parts=3, rate=2_000, duration=2)
+    plan = make_plan(args)
+
+    assert plan.keys == 1000  # a whole number of keys per client
+    assert sum(b.count(b"\n") for b in plan.preload) == 1000
+    assert all(len(part) % 8 == 0 for part in plan.warmup) and len(plan.warmup) == 3
+    assert len(plan.run) == 112  # 105 requests, up to a multiple of 8
+    assert len(plan.lat) == open_loop_plan(2_000, 2, 8, 200)[0]
+    for bodies in [*plan.warmup, plan.run, plan.lat]:
+        for j, body in enumerate(bodies):
+            olds = [json.loads(x) for x in body.splitlines()]
+            assert all(int(e["key"][1:]) % 8 == j % 8 for e in olds if e["op"] != "insert")
+    changed = plan.all_bodies()[len(plan.preload) :]
+    ns = [json.loads(x)["new"]["n"] for b in changed for x in b.splitlines() if b'"new"' in x]
+    assert ns == sorted(ns) and len(set(ns)) == len(ns)
+    inserted = [json.loads(x)["key"] for b in plan.all_bodies() for x in b.splitlines()
+                if b'"insert"' in x]  # fmt: skip
+    assert len(set(inserted)) == len(inserted)  # every insert is of a new key
