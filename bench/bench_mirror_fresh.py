@@ -42,12 +42,18 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from bench.bench_ingest import _free_port
 from bench.common import process_tree, start_daemon, total_cpu_seconds
 
 HEADERS = {"Content-Type": "application/x-ndjson"}
+
+
+class Target(Protocol):
+    """Where the producers post: the daemon, or another bench's peer server."""
+
+    url: str
 
 
 class Daemon:
@@ -121,13 +127,17 @@ class Watcher(threading.Thread):
                     meta = entry.get("userMetadata")
                     if entry.get("operation") != "MERGE" or not meta:
                         continue
-                    ranges = json.loads(meta)["eventplane"]["ranges"]
-                    last = max(b for _, b in ranges.values())
+                    last = self.last_of(meta)
                     if last > self.covered:
                         self.covered = last
                         self.commits.append((now, last))
                 seen = version
             self._halt.wait(self.poll_s)
+
+    def last_of(self, meta: str) -> int:
+        """The last LSN a MERGE commit's ``userMetadata`` says it covers."""
+        ranges = json.loads(meta)["eventplane"]["ranges"]
+        return int(max(b for _, b in ranges.values()))
 
     def reset_polls(self) -> None:
         self.polls, self.poll_started = 0, time.monotonic()
@@ -156,15 +166,30 @@ def preload_bodies(keys: int, per_request: int = 2000) -> list[bytes]:
 
 
 def change_bodies(
-    keys: int, hot: bool, requests: int, per_request: int, seed: int, next_key: int
+    keys: int,
+    hot: bool,
+    requests: int,
+    per_request: int,
+    seed: int,
+    next_key: int,
+    shards: int = 1,
+    first_n: int = 0,
 ) -> tuple[list[bytes], int]:
     """90 % updates, 5 % inserts of keys from ``next_key`` on, 5 % deletes;
-    the bodies and the next key never used."""
+    the bodies and the next key never used. ``new.n`` numbers the events from
+    ``first_n``.
+
+    ``shards`` > 1: request j changes only keys ``k{i}`` with i % shards ==
+    j % shards (the inserts' new keys excepted, each used once), so that when
+    one client posts requests j, j + shards, ... in turn, per key every side
+    gets the changes in the same order whatever the clients' interleaving.
+    ``shards = 1`` gives the same bodies as before it existed."""
     rng = random.Random(seed)
     hot_keys = max(1, keys // 20)
     bodies = []
-    n = 0
-    for _ in range(requests):
+    n = first_n
+    for j in range(requests):
+        shard = j % shards
         events = []
         for _ in range(per_request):
             r = rng.random()
@@ -172,7 +197,8 @@ def change_bodies(
                 key, op = f"k{next_key}", "insert"
                 next_key += 1
             else:
-                k = rng.randrange(hot_keys) if hot and rng.random() < 0.8 else rng.randrange(keys)
+                span = hot_keys if hot and rng.random() < 0.8 else keys
+                k = shard + shards * rng.randrange(max(1, span // shards))
                 key, op = f"k{k}", "delete" if r < 0.10 else "update"
             e: dict[str, Any] = {"collection": "orders", "op": op, "key": key}
             if op != "delete":
@@ -196,7 +222,7 @@ async def _post(session: Any, url: str, body: bytes) -> tuple[int, int]:
             return int(doc["accepted"]), int(doc["last_lsn"])
 
 
-async def preload(d: Daemon, bodies: list[bytes], clients: int = 4) -> int:
+async def preload(d: Target, bodies: list[bytes], clients: int = 4) -> int:
     """Posts every body; the highest LSN acknowledged."""
     import aiohttp
 
@@ -214,7 +240,7 @@ async def preload(d: Daemon, bodies: list[bytes], clients: int = 4) -> int:
 
 
 async def open_loop(
-    d: Daemon, bodies: list[bytes], rate: float, duration_s: float, clients: int
+    d: Target, bodies: list[bytes], rate: float, duration_s: float, clients: int
 ) -> tuple[list[tuple[float, int]], list[float], float, int]:
     """Each request on schedule: ([(monotonic 2xx time, last LSN)], ack latencies
     from schedule, elapsed s, events acknowledged)."""

@@ -133,6 +133,8 @@ TABLE_FORMATS = {
 # The outbox job's Delta ``txnAppId``: each pass commits with ``txnVersion`` =
 # the high id it read up to, so a pass re-run after a crash writes nothing.
 OUTBOX_APP_ID = "bench-pipeline/outbox"
+# The module the servers and Spark jobs run as (`python -m`).
+MODULE = "bench.bench_pipeline"
 SPARK_CONF = {"spark.sql.shuffle.partitions": "4", "spark.driver.memory": "4g"}
 PG_PACKAGES = "postgresql libpostgresql-jdbc-java"
 PG_INSTALL = f"apt-get install -y --no-install-recommends {PG_PACKAGES}"
@@ -313,6 +315,11 @@ class Lander:
         self.wake.set()
         return await fut
 
+    def _data(self, group: list[tuple[bytes, int, asyncio.Future[tuple[int, int]]]]) -> bytes:
+        """What one group appends: its bodies as posted (a subclass may number
+        the events: the first one's position is ``self.position + 1``)."""
+        return b"".join(body for body, _n, _f in group)
+
     async def writer(self) -> None:
         while True:
             await self.wake.wait()
@@ -321,7 +328,7 @@ class Lander:
             if not group:
                 continue
             async with self.lock:
-                data = b"".join(body for body, _n, _f in group)
+                data = self._data(group)
                 try:
                     await asyncio.to_thread(_write_sync, self.fd, data)
                 except OSError as exc:
@@ -432,7 +439,7 @@ class Outbox:
                 fut.set_result(got)
 
 
-async def _serve(kind: str, args: argparse.Namespace) -> None:
+async def _serve(kind: str, args: argparse.Namespace, lander: type[Lander] = Lander) -> None:
     from aiohttp import web
 
     directory = Path(args.dir)
@@ -441,7 +448,7 @@ async def _serve(kind: str, args: argparse.Namespace) -> None:
     if kind == "landing":
         (directory / "staging").mkdir(parents=True, exist_ok=True)
         (directory / "landing").mkdir(parents=True, exist_ok=True)
-        store = Lander(directory / "staging", directory / "landing", args.rotate_ms / 1000)
+        store = lander(directory / "staging", directory / "landing", args.rotate_ms / 1000)
         tasks.append(asyncio.create_task(store.ticker()))
     else:
         import asyncpg  # type: ignore[import-untyped]
@@ -485,11 +492,11 @@ async def _serve(kind: str, args: argparse.Namespace) -> None:
         t.cancel()
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, lander: type[Lander] = Lander) -> int:
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(args.serve, args))
+        runner.run(_serve(args.serve, args, lander))
     return 0
 
 
@@ -698,8 +705,11 @@ def _delta_txn_version(table: Path, app_id: str) -> int:
     return deltalake.DeltaTable(str(table)).transaction_version(app_id) or 0
 
 
-def spark_job(args: argparse.Namespace) -> int:
-    """The peer's Spark driver: ``ready``, then ``drain`` / ``stream MS`` / ``stop``."""
+def spark_job(args: argparse.Namespace, make_job: Callable[[Any], Any] | None = None) -> int:
+    """The peer's Spark driver: ``ready``, then ``drain`` / ``stream MS`` / ``stop``.
+
+    ``make_job``: the job (``drain``, ``stream``, ``stop``) from the session,
+    instead of ``--spark``'s (another bench's peer)."""
     # Replies go to the real stdout; anything else writing to fd 1 (the JVM) goes to stderr.
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -720,8 +730,10 @@ def spark_job(args: argparse.Namespace) -> int:
         conf,
         delta=args.format == "delta",
     )
-    job: LandingJob | OutboxJob = (
-        LandingJob(spark, Path(args.dir), args.format)
+    job: Any = (
+        make_job(spark)
+        if make_job is not None
+        else LandingJob(spark, Path(args.dir), args.format)
         if args.spark == "landing"
         else OutboxJob(spark, Path(args.dir), args.pg_port, args.format)
     )
@@ -771,13 +783,17 @@ def _tail(path: Path) -> str:
 
 
 class ServerProc:
-    def __init__(self, kind: str, directory: Path, extra: Sequence[str]) -> None:
+    """A peer's HTTP server process (``python -m <module> --serve KIND``)."""
+
+    def __init__(
+        self, kind: str, directory: Path, extra: Sequence[str], module: str = MODULE
+    ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         port_file = directory / "port"
         self.log = directory / "server.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bench.bench_pipeline", "--serve", kind,
+                [sys.executable, "-m", module, "--serve", kind,
                  "--dir", str(directory), "--port-file", str(port_file), *extra],
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
@@ -801,13 +817,15 @@ class ServerProc:
 class SparkDriver:
     """A peer's Spark job process, driven line by line."""
 
-    def __init__(self, kind: str, directory: Path, master: str, extra: Sequence[str]) -> None:
+    def __init__(
+        self, kind: str, directory: Path, master: str, extra: Sequence[str], module: str = MODULE
+    ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.log = directory / "spark.log"
         env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bench.bench_pipeline", "--spark", kind,
+                [sys.executable, "-m", module, "--spark", kind,
                  "--dir", str(directory), "--master", master, *extra],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
             )  # fmt: skip
