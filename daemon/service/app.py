@@ -329,7 +329,8 @@ class Daemon:
 
         1. The archive's manifest: who holds it (an unreadable store is reported
            in status and logged, and read again; it does not stop the start).
-        2. The admin listener, then the ingest listener with its standby gate.
+        2. The ingest listener with its standby gate, then the admin listener:
+           a standby's /healthz (its readiness) answers once ingest answers.
         """
         from daemon.walarchive import ManifestWatch
 
@@ -347,13 +348,19 @@ class Daemon:
         self.follower = Follower(cfg.wal.archive, cfg.s3, cfg.data_dir, self.metrics)
         self.follower.wal_id = (self.standby.manifest or {}).get("wal_id")
         self.follower.start()
-        # Step 2. Listeners, admin first
+        # Step 2. Listeners, ingest first (its /healthz says it answers)
         self.startup_step = "the listeners' TLS files and the producer tokens"
         tokens = await asyncio.to_thread(security.load_tokens, cfg.ingest)
         admin_tls = security.ServerTls(cfg.admin.tls, "admin") if cfg.admin.tls.enabled else None
         ingest_tls = (
             security.ServerTls(cfg.ingest.tls, "ingest") if cfg.ingest.tls.enabled else None
         )
+        self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"
+        self.ingest = IngestServer(
+            cfg, _NoWal(), self.metrics, lag=lambda: 0, tokens=tokens, tls=ingest_tls
+        )
+        self.ingest.standby = self.standby.primary
+        await self.ingest.start()
         self.startup_step = f"the admin listener ([admin] listen = {cfg.admin.listen})"
         self.admin = AdminServer(
             cfg,
@@ -365,12 +372,6 @@ class Daemon:
             tls=admin_tls,
         )
         await self.admin.start()
-        self.startup_step = f"the ingest listener ([ingest] listen = {cfg.ingest.listen})"
-        self.ingest = IngestServer(
-            cfg, _NoWal(), self.metrics, lag=lambda: 0, tokens=tokens, tls=ingest_tls
-        )
-        self.ingest.standby = self.standby.primary
-        await self.ingest.start()
 
         self.started = True
         self.notifier.ready()
