@@ -772,30 +772,7 @@ class MirrorTable:
         }
         metrics = self._merge(reduced, (self.app_id, bid), meta)  # Step 2.
         crash_point("mirror.after_commit")
-        self.last_batch_id = bid
-        self.commits_since_compaction += 1
-        for column, n in reduced.cast_failures.items():
-            self.cast_failures[column] = self.cast_failures.get(column, 0) + n
-        seconds = time.monotonic() - started
-        self.last_commit = {
-            "batch_id": bid,
-            "events": reduced.events,
-            "keys": len(reduced.rows),
-            "seconds": round(seconds, 4),
-            "at": time.time(),
-        }
-        if self.commits_since_compaction >= COMPACT_EVERY:
-            self.compact()
-        return MirrorResult(
-            self.name,
-            bid,
-            reduced.events,
-            len(reduced.rows),
-            False,
-            seconds,
-            reduced.cast_failures,
-            metrics,
-        )
+        return self._committed(bid, reduced, metrics, started)
 
     def commit_many(self, tables: list[Any | None], batches: list[MicroBatch]) -> MirrorResult:
         """Merge the mirror's rows of ``batches`` (consecutive ids, each with its
@@ -841,6 +818,18 @@ class MirrorTable:
         }
         metrics = self._merge(reduced, (self.app_id, bid), meta)  # Step 2.
         crash_point("mirror.after_commit")
+        return self._committed(bid, reduced, metrics, started, first=first)
+
+    def _committed(
+        self,
+        bid: int,
+        reduced: Reduced,
+        metrics: dict[str, Any],
+        started: float,
+        first: int | None = None,
+    ) -> MirrorResult:
+        """After a merge of batch ``bid`` (of batches ``first..bid`` coalesced):
+        the mirror's counters and last commit, compaction when due, the result."""
         self.last_batch_id = bid
         self.commits_since_compaction += 1
         for column, n in reduced.cast_failures.items():
@@ -848,7 +837,7 @@ class MirrorTable:
         seconds = time.monotonic() - started
         self.last_commit = {
             "batch_id": bid,
-            "first_batch_id": first,
+            **({} if first is None else {"first_batch_id": first}),
             "events": reduced.events,
             "keys": len(reduced.rows),
             "seconds": round(seconds, 4),
