@@ -23,66 +23,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import resource
-import signal
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench.bench_ingest import _free_port
-from bench.common import process_tree, start_daemon, total_cpu_seconds
+from bench.bench_s3 import CountingProxy
+from bench.common import process_tree, start_daemon, stop_process, total_cpu_seconds
 
 EVENTS_PER_REQUEST = 1000
 KEYS = 100_000
-
-
-class CountingProxy:
-    """TCP proxy to ``port`` that counts the HTTP requests going through it
-    (a request line at the start of a chunk from the client)."""
-
-    def __init__(self, port: int) -> None:
-        self.upstream, self.port = port, _free_port()
-        self.requests = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        threading.Thread(target=self._main, daemon=True).start()
-        self._ready.wait(10)
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._serve())
-
-    async def _serve(self) -> None:
-        server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
-        self._ready.set()
-        async with server:
-            await server.serve_forever()
-
-    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
-        try:
-            ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream)
-        except OSError:
-            cw.close()
-            return
-        await asyncio.gather(self._pump(cr, uw, count=True), self._pump(ur, cw, count=False))
-
-    async def _pump(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, count: bool) -> None:
-        methods = (b"GET ", b"PUT ", b"POST ", b"HEAD ", b"DELETE ")
-        try:
-            while chunk := await r.read(65536):
-                if count and chunk.startswith(methods):
-                    self.requests += 1
-                w.write(chunk)
-                await w.drain()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            w.close()
 
 
 def table_setting(uri: str) -> str:
@@ -129,14 +85,8 @@ class Daemon:
         )
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, 30)
 
 
 def bodies(count: int, seed: int) -> list[bytes]:
@@ -220,10 +170,11 @@ def one_run(n: int, args: argparse.Namespace, root: Path, weed: Any) -> dict[str
     proxy = None
     if weed is not None:
         server = weed.server
-        proxy = CountingProxy(int(server.endpoint.rsplit(":", 1)[1]))
+        proxy = CountingProxy(server.endpoint)
+        proxy.start()
         uri = f"s3://{server.bucket}/shared-{n}-{time.monotonic_ns()}"
         s3 = (
-            f'[s3]\nendpoint = "http://127.0.0.1:{proxy.port}"\npath_style = true\n'
+            f'[s3]\nendpoint = "{proxy.endpoint}"\npath_style = true\n'
             f'access_key_id = "{server.access_key}"\nsecret_access_key = "{server.secret_key}"\n'
         )
         options = server.storage_options()
@@ -242,7 +193,7 @@ def one_run(n: int, args: argparse.Namespace, root: Path, weed: Any) -> dict[str
         pids = [p for d in daemons for p in d.pids()]
         cpu0 = total_cpu_seconds(pids)
         me0 = resource.getrusage(resource.RUSAGE_SELF)
-        requests0 = proxy.requests if proxy else 0
+        requests0 = len(proxy.requests) if proxy else 0
         _, version0 = table_rows(uri, options)
         t0 = time.monotonic()
         acked = asyncio.run(produce(urls, data, args.clients, args.duration))
@@ -267,11 +218,13 @@ def one_run(n: int, args: argparse.Namespace, root: Path, weed: Any) -> dict[str
             "cpu_us": cpu * 1e6 / max(acked, 1),
             "commits": commits,
             "retries": sum(d.retries() for d in daemons),
-            "s3_per_commit": ((proxy.requests - requests0) / commits) if proxy else float("nan"),
+            "s3_per_commit": (len(proxy.requests) - requests0) / commits if proxy else math.nan,
         }
     finally:
         for d in daemons:
             d.stop()
+        if proxy is not None:
+            proxy.stop()
 
 
 def render(rows: list[dict[str, float]], args: argparse.Namespace, where: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -118,6 +119,17 @@ class HookServer:
         asyncio.run_coroutine_threadsafe(cleanup(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def start_daemon(

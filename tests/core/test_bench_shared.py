@@ -1,5 +1,6 @@
 """bench_shared's parts (the benchmark itself: `python -m bench.bench_shared`):
-the daemon configs it writes load, and its proxy counts what goes through."""
+the daemon configs it writes load, and the proxy it counts S3 requests with
+(bench_s3's) counts what goes through."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.bench_shared import CountingProxy, Daemon, table_setting
+from bench.bench_s3 import CountingProxy
+from bench.bench_shared import Daemon, table_setting
 from daemon import config
 
 S3 = (
@@ -49,10 +51,11 @@ def test_the_proxy_counts_each_http_request_and_passes_the_answers_back() -> Non
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        proxy = CountingProxy(server.server_address[1])
+        proxy = CountingProxy(f"http://127.0.0.1:{server.server_address[1]}")
+        proxy.start()
         for _ in range(3):
-            with urllib.request.urlopen(f"http://127.0.0.1:{proxy.port}/x", timeout=5) as r:
+            with urllib.request.urlopen(f"{proxy.endpoint}/x", timeout=5) as r:
                 assert r.read() == b"ok"
-        assert proxy.requests == 3
+        assert len(proxy.requests) == 3
     finally:
         server.shutdown()
