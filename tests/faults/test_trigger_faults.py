@@ -96,7 +96,9 @@ class Orders(threading.Thread):
             ):
                 self.acked[lsn] = event
             i += 50
-            self.halt.wait(0.05)
+            # ~250 orders/s: a poison row every 2 s, and no backlog that the
+            # waits below would spend minutes clearing beside the suite.
+            self.halt.wait(0.2)
 
 
 @pytest.mark.timeout(600)
