@@ -52,6 +52,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _class_data_archive(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """The run's class data sharing archive for its daemons' JVMs (tests/cds.py):
+    the first worker of a large run records it in the folder every worker
+    shares, and the others wait for it."""
+    from tests import cds
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ[cds.ENV] = str(root)
+    if len(request.session.items) >= cds.MIN_TESTS:
+        recorder = cds.Recorder(root)
+        error = recorder.record() if recorder.claim() else cds.wait(root)
+        if error:
+            print(f"\nno class data sharing archive for the test daemons: {error}")
+    yield
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """The run's last lines count its skips: only the soak tests may skip

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests import cds
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,6 +134,7 @@ class DaemonProcess:
         import tomllib
 
         _test_health(self.config)
+        cds.add_to_config(self.config)  # the run's JVM archive, once it is recorded
         cfg = tomllib.loads(self.config.read_text())
         self.ingest_url = f"http://{cfg['ingest']['listen']}"
         self.admin_url = f"http://{cfg['admin']['listen']}"
