@@ -66,12 +66,10 @@ def add_to_config(config: Path) -> None:
         word in text for word in ("extraJavaOptions", "spark.driver.memory", "remote =")
     ):
         return
-    line = f'"spark.driver.extraJavaOptions" = "-XX:SharedArchiveFile={jsa} -Xlog:cds*=off"\n'
-    if "\n[spark.conf]\n" in text:
-        text = text.replace("\n[spark.conf]\n", "\n[spark.conf]\n" + line, 1)
-    else:
-        text += "\n[spark.conf]\n" + line
-    config.write_text(text)
+    from tests.integration.harness import add_to_table
+
+    line = f'"spark.driver.extraJavaOptions" = "-XX:SharedArchiveFile={jsa} -Xlog:cds*=off"'
+    config.write_text(add_to_table(text, "spark.conf", line))
 
 
 def _writing(path: Path) -> bool:

@@ -35,12 +35,15 @@ def _test_health(config: Path) -> None:
     text = config.read_text()
     if "attempt_slow_s" in text:
         return
-    line = f"attempt_slow_s = {TEST_ATTEMPT_SLOW_S}\n"
-    if "\n[health]\n" in text:
-        text = text.replace("\n[health]\n", "\n[health]\n" + line, 1)
-    else:
-        text += "\n[health]\n" + line
-    config.write_text(text)
+    config.write_text(add_to_table(text, "health", f"attempt_slow_s = {TEST_ATTEMPT_SLOW_S}"))
+
+
+def add_to_table(text: str, table: str, line: str) -> str:
+    """Config ``text`` with ``line`` first in its ``[table]`` (added at the end if absent)."""
+    header = f"\n[{table}]\n"
+    if header in text:
+        return text.replace(header, header + line + "\n", 1)
+    return text + header + line + "\n"
 
 
 def write_config(directory: Path, extra: str = "", **daemon: Any) -> Path:
