@@ -82,10 +82,47 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_line(f"skipped: {len(skipped)} ({soak} soak-only, {others} other)")
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (where connect() and
+    bind to port 0 take theirs)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# The tests' listeners take their ports from below the ephemeral range, so no
+# outgoing connection (Spark's, an S3 client's, a test's) can take a port in
+# the seconds between free_port() and the bind (a daemon binds its ingest
+# listener after its Spark session is up). Each xdist worker has a slice of
+# its own and goes round it in order; a port something listens on is skipped.
+PORTS_PER_WORKER = 1_500
+_PORTS_END = _ephemeral_low()
+_handed = iter(range(1 << 62))
+
+
+def _worker_index() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(worker[2:]) if worker[2:].isdigit() else 0
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback TCP port nothing listens on, for a listener a test starts."""
+    slices = (_PORTS_END - 10_000) // PORTS_PER_WORKER
+    if slices < 1:  # an unusual ephemeral range: the kernel's choice
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    first = _PORTS_END - (_worker_index() % slices + 1) * PORTS_PER_WORKER
+    for _ in range(PORTS_PER_WORKER):
+        port = first + next(_handed) % PORTS_PER_WORKER
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + PORTS_PER_WORKER - 1}")
 
 
 @pytest.fixture(scope="session")

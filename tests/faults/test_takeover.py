@@ -358,6 +358,7 @@ def _wal_events(wal_dir: Path) -> dict[int, int]:
     """LSN -> the event's ``new.i`` of every record in a stopped daemon's WAL."""
     wal = Wal.open(wal_dir)
     try:
+        assert wal.retained_floor() == 1, f"the WAL retired LSNs below {wal.retained_floor()}"
         out = {}
         for rec in wal.read(wal.retained_floor()):
             found = _NEW_I.search(rec.payload)
@@ -455,7 +456,10 @@ def test_a_takeover_the_store_cuts_short_is_tried_again_and_keeps_every_acknowle
     def config(name: str, role: str) -> Path:
         (tmp_path / name).mkdir()
         text = _archive(server, "archived").replace("poll_ms", f'role = "{role}"\npoll_ms')
-        return write_config(tmp_path / name, text)
+        # One segment for the whole run: step 4 reads every acknowledged LSN
+        # from the new primary's WAL, which retires a segment once it is
+        # archived and committed.
+        return write_config(tmp_path / name, text, segment_bytes=64 << 20)
 
     primary = DaemonProcess.production(config("a", "primary"))
     standby = DaemonProcess.production(
@@ -530,7 +534,10 @@ def test_a_standby_whose_clock_runs_ahead_may_take_over_early_but_loses_nothing(
     def config(name: str, role: str) -> Path:
         (tmp_path / name).mkdir()
         text = _archive(server, "archived").replace("poll_ms", f'role = "{role}"\npoll_ms')
-        return write_config(tmp_path / name, text)
+        # One segment for the whole run: step 4 reads every acknowledged LSN
+        # from the new primary's WAL, which retires a segment once it is
+        # archived and committed.
+        return write_config(tmp_path / name, text, segment_bytes=64 << 20)
 
     primary = DaemonProcess.production(config("a", "primary"))
     standby = DaemonProcess.production(

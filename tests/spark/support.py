@@ -204,6 +204,10 @@ def consistent_arrow_lsns(path: Path) -> list[int]:
     if not any(path.glob("collection=*")):
         return []
     dataset = consistent(path, lambda: ds.dataset(str(path), format="parquet", partitioning="hive"))
+    if "lsn" not in dataset.schema.names:
+        # No data file yet (a partition's folder comes before its first file):
+        # an empty table, which the caller checks against what was committed.
+        return []
     return sorted(dataset.to_table(columns=["lsn"]).column("lsn").to_pylist())
 
 
