@@ -242,6 +242,11 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
         # Builds the inbox file of the batch after the running one (``prepare``).
         self._prep_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eventplane-prep")
         self._prepared: dict[int, Future[frame.InboxFile]] = {}
+        # The inbox files a run of a batch reads now: a retry of the batch
+        # (another file of the same batch id) must not remove them while an
+        # earlier run's commit still reads its file, nor the other way round.
+        self._inbox_reading: set[Path] = set()
+        self._inbox_lock = threading.Lock()
         # Seconds per row the recent preparations took (``prepare_seconds``).
         self._prep_s_per_row: float | None = None
         self._ready = asyncio.Event()
@@ -472,10 +477,19 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
             self._remove_inbox_files(batch.batch_id)
             return None
 
-    def _remove_inbox_files(self, batch_id: int) -> None:
-        if self._inbox is not None:
+    def _remove_inbox_files(self, batch_id: int, own: Path | None = None) -> None:
+        """A run's inbox file ``own``; without one (its write failed part-way)
+        the batch's files no other run reads."""
+        if self._inbox is None:
+            return
+        with self._inbox_lock:
+            if own is not None:
+                self._inbox_reading.discard(own)
+                own.unlink(missing_ok=True)
+                return
             for f in self._inbox.glob(f"b{batch_id:012d}-*"):
-                f.unlink(missing_ok=True)
+                if f not in self._inbox_reading:
+                    f.unlink(missing_ok=True)
 
     def _count_collections(self) -> bool:
         """Whether a batch's rows per collection are needed: by a CDC stream
@@ -797,6 +811,7 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
         reading: list[InFlight] = []  # streams' commits in flight: they read the inbox
         cached = False
         made: list[Any] = []  # the batch DataFrame, once something needs it
+        file: frame.InboxFile | None = None
         try:
             nrows = batch.rows
             parallelism = self._parallelism(spark)
@@ -816,6 +831,8 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
                 made.append(df)
             else:
                 counts = file.counts
+                with self._inbox_lock:
+                    self._inbox_reading.add(file.path)
             inbox = file
 
             def batch_df() -> Any:
@@ -920,7 +937,8 @@ class SparkExecutor(SessionLife, StreamMaintenance, MirrorQuarantine):
                         made[0].unpersist(blocking=False)
                     except Exception as exc:  # a dead JVM took the cache with it
                         log.warning("batch_unpersist_failed", error=f"{type(exc).__name__}: {exc}")
-                self._remove_inbox_files(batch.batch_id)  # even when the JVM died mid-batch
+                # Even when the JVM died mid-batch.
+                self._remove_inbox_files(batch.batch_id, None if file is None else file.path)
 
             if reading:
                 # A commit still running reads the inbox file and the cache:

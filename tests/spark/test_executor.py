@@ -166,6 +166,28 @@ async def test_prepared_batch_commits_from_the_file_built_ahead_and_a_failed_one
     assert not list((tmp_path / "var" / "spark-inbox").iterdir())
 
 
+async def test_a_run_of_a_batch_removes_only_its_own_inbox_file_while_another_run_reads_one(
+    executor_factory: Any, tmp_path: Path
+) -> None:
+    """A batch retried (a stage failed) while the first run's commit still
+    reads its inbox file: each run's clean-up removes its own file, and a run
+    whose write failed part-way removes only the files no run reads (a glob
+    of the batch id once removed the retry's file under its Spark job:
+    NoSuchFileException)."""
+    ex = await executor_factory()
+    inbox = tmp_path / "var" / "spark-inbox"
+    first, retry, torn = (inbox / f"b{7:012d}-{n}.epin" for n in (901, 902, 903))
+    for f in (first, retry, torn):
+        f.write_bytes(b"rows")
+    ex._inbox_reading |= {first, retry}
+    ex._remove_inbox_files(7, retry)  # the retry is over first
+    assert (first.exists(), retry.exists(), torn.exists()) == (True, False, True)
+    ex._remove_inbox_files(7)  # a run without a file of its own
+    assert (first.exists(), torn.exists()) == (True, False)
+    ex._remove_inbox_files(7, first)  # the first run's commit is over
+    assert not list(inbox.iterdir())
+
+
 async def test_prepare_seconds_estimates_from_the_preparations_timed_in_the_prep_thread(
     executor_factory: Any,
 ) -> None:
