@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from collections.abc import Iterator
@@ -98,7 +99,8 @@ def _ephemeral_low() -> int:
 # its own and goes round it in order; a port something listens on is skipped.
 PORTS_PER_WORKER = 1_500
 _PORTS_END = _ephemeral_low()
-_handed = iter(range(1 << 62))
+_SLICES = (_PORTS_END - 10_000) // PORTS_PER_WORKER  # none under port 10,000
+_handed = itertools.count()
 
 
 def _worker_index() -> int:
@@ -108,12 +110,11 @@ def _worker_index() -> int:
 
 def free_port() -> int:
     """A loopback TCP port nothing listens on, for a listener a test starts."""
-    slices = (_PORTS_END - 10_000) // PORTS_PER_WORKER
-    if slices < 1:  # an unusual ephemeral range: the kernel's choice
+    if _SLICES < 1:  # an unusual ephemeral range: the kernel's choice
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             return int(s.getsockname()[1])
-    first = _PORTS_END - (_worker_index() % slices + 1) * PORTS_PER_WORKER
+    first = _PORTS_END - (_worker_index() % _SLICES + 1) * PORTS_PER_WORKER
     for _ in range(PORTS_PER_WORKER):
         port = first + next(_handed) % PORTS_PER_WORKER
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

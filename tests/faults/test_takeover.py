@@ -52,6 +52,16 @@ poll_ms = 200
 """
 
 
+def _archived_config(
+    tmp_path: Path, server: S3Server, name: str, role: str, extra: str = "", **daemon: Any
+) -> Path:
+    """A daemon of ``role`` under ``tmp_path/name`` on the archive, ``ack = "archived"``
+    (``extra`` and ``daemon`` as :func:`write_config` takes them)."""
+    (tmp_path / name).mkdir()
+    text = _archive(server, "archived").replace("poll_ms", f'role = "{role}"\npoll_ms')
+    return write_config(tmp_path / name, text + extra, **daemon)
+
+
 def _readyz(daemon: DaemonProcess) -> int:
     try:
         with urllib.request.urlopen(daemon.admin_url + "/readyz", timeout=2) as r:
@@ -396,9 +406,7 @@ def test_a_takeover_waits_out_a_store_outage_and_keeps_every_acknowledged_reques
     server = weed.server
 
     def config(name: str, role: str) -> Path:
-        (tmp_path / name).mkdir()
-        text = _archive(server, "archived").replace("poll_ms", f'role = "{role}"\npoll_ms')
-        return write_config(tmp_path / name, text + "\n[health]\nstall_after_s = 2\n")
+        return _archived_config(tmp_path, server, name, role, "\n[health]\nstall_after_s = 2\n")
 
     primary = DaemonProcess.production(config("a", "primary"))
     standby = DaemonProcess.production(config("b", "standby"), ready_path="/healthz")
@@ -453,17 +461,11 @@ def test_a_takeover_the_store_cuts_short_is_tried_again_and_keeps_every_acknowle
     weed = start_weed(tmp_path / "weed")
     server = weed.server
 
-    def config(name: str, role: str) -> Path:
-        (tmp_path / name).mkdir()
-        text = _archive(server, "archived").replace("poll_ms", f'role = "{role}"\npoll_ms')
-        # One segment for the whole run: step 4 reads every acknowledged LSN
-        # from the new primary's WAL, which retires a segment once it is
-        # archived and committed.
-        return write_config(tmp_path / name, text, segment_bytes=64 << 20)
-
-    primary = DaemonProcess.production(config("a", "primary"))
+    primary = DaemonProcess.production(_archived_config(tmp_path, server, "a", "primary"))
     standby = DaemonProcess.production(
-        config("b", "standby"), ready_path="/healthz", env={ENV_PAUSE_AT: "restore.mid_download"}
+        _archived_config(tmp_path, server, "b", "standby"),
+        ready_path="/healthz",
+        env={ENV_PAUSE_AT: "restore.mid_download"},
     )
     try:
         # Step 1
@@ -532,12 +534,10 @@ def test_a_standby_whose_clock_runs_ahead_may_take_over_early_but_loses_nothing(
     server = weed.server
 
     def config(name: str, role: str) -> Path:
-        (tmp_path / name).mkdir()
-        text = _archive(server, "archived").replace("poll_ms", f'role = "{role}"\npoll_ms')
         # One segment for the whole run: step 4 reads every acknowledged LSN
         # from the new primary's WAL, which retires a segment once it is
         # archived and committed.
-        return write_config(tmp_path / name, text, segment_bytes=64 << 20)
+        return _archived_config(tmp_path, server, name, role, segment_bytes=64 << 20)
 
     primary = DaemonProcess.production(config("a", "primary"))
     standby = DaemonProcess.production(

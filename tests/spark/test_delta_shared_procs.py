@@ -21,6 +21,7 @@ import pytest
 
 from daemon.table.crash import ENV_CRASH_AT
 from daemon.table.delta import app_id, log_commits
+from daemon.table.lease import S3Store
 from daemon.table.location import LocalFiles, S3Files, TableFiles
 from tests import requires
 from tests.s3.server import S3Server
@@ -155,8 +156,8 @@ def test_two_writer_processes_sigkilled_mid_commit_leave_each_writer_lsn_once_on
         # Only a SIGKILLed first run's maintenance lease may stay (nobody
         # released it; the second run ended before it expired): the second
         # run's daemons released theirs when they stopped.
-        got = files.client.get_object(Bucket=files.where.bucket, Key=files.where.key(maintainer))
-        assert json.loads(got["Body"].read())["renewed_at"] < second_began
+        held = S3Store(files.client, files.where.bucket).get(files.where.key(maintainer))
+        assert held is not None and json.loads(held[0])["renewed_at"] < second_began
     print(f"commit retries: {retries}")
 
 
