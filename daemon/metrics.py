@@ -207,6 +207,12 @@ class Metrics:
             "Lowest LSN still retained in the WAL (segments below it were removed).",
             registry=r,
         )
+        self.wal_lost_lsns = Gauge(
+            p + "wal_lost_lsns",
+            "LSNs the retained WAL records as lost: a restore found them in tables, "
+            "not in the archive (ack = local).",
+            registry=r,
+        )
 
         # Rings and backpressure
         self.ring_utilization = Gauge(

@@ -16,7 +16,14 @@
 3. Open the rebuilt WAL (a second full scan) and take the archive over, as
    ``run`` does (:meth:`WalArchive.open`: the next epoch, fences at the next
    names: an old holder still running is stopped at its next upload); release.
-4. Derive the watermarks from the Delta tables on S3: each stream's commits of
+4. Read each Delta stream's and mirror's position on S3. If a table holds LSNs
+   above the restored WAL's last (``ack = "local"``: the tables committed
+   events the archive never got), a lost frame (wal/format.py, ``FLAG_LOST``)
+   takes the WAL up to the highest: new events go on above every table's, the
+   lost range is named (summary, log, ``eventplane_wal_lost_lsns``). With
+   ``ack = "archived"`` no table can be ahead of the archive unless objects
+   were deleted: that needs ``--accept-loss-from``.
+   Derive the watermarks from the Delta tables on S3: each stream's commits of
    app id ``eventplane/<WAL id>/<stream>`` (a mirror's: ``.../mirror/<name>``)
    give its last batch id (the txn version) and per core its last LSN (the
    commits' ``userMetadata``). The watermarks are the lowest table's; the
@@ -51,7 +58,13 @@ from daemon.table.crash import crash_point
 from daemon.table.s3 import Location, client
 from wal.archive import ArchiveFormatError, ObjectHeader, object_name, parse_header, parse_object
 from wal.files import IDENTITY, create_segment, fsync_dir, write_identity
-from wal.format import FRAME_HEADER, SEGMENT_NAME_RE, segment_name
+from wal.format import (
+    FRAME_HEADER,
+    MAX_LOST_PER_FRAME,
+    SEGMENT_NAME_RE,
+    encode_lost_frame,
+    segment_name,
+)
 
 log = structlog.get_logger("eventplane.restore")
 
@@ -73,6 +86,9 @@ class Summary:
     seconds: float = 0.0
     lost: tuple[int, int | None] | None = None  # first, last LSN lost (None: unknown)
     lost_because: str = ""
+    # LSNs tables committed that the archive never got: a lost frame covers them.
+    lost_in_tables: tuple[int, int] | None = None
+    head_lsn: int = 0  # the restored WAL's head (``last_lsn``, or the lost frame's last)
     epoch: int = 0
     tables: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     not_derived: list[str] = field(default_factory=list)
@@ -92,6 +108,15 @@ class Summary:
             out.append(
                 f"LOST: LSN {first}..{last if last is not None else '?'} "
                 f"({self.lost_because}); accepted with --accept-loss-from {first}"
+            )
+        if self.lost_in_tables is not None:
+            first, last = self.lost_in_tables
+            out.append(
+                f"LOST from the WAL: LSN {first}..{last}: tables committed them, the archive "
+                "never got them; the tables keep what they hold, a stage behind them and the "
+                "triggers never see them; new events go on above LSN "
+                f"{last}. Events acknowledged above it and in no table are gone without a trace "
+                "(at most the unarchived window at the loss)"
             )
         if self.unacknowledged is not None:
             first, last = self.unacknowledged
@@ -287,8 +312,12 @@ def restore(
             _on_problem(
                 s3, where, numbers, problem, accept_loss_from, summary, wal_id, fenced_at, arc.ack
             )
+        positions = _positions(cfg, wal_id, summary)
+        restored_to = max(segs.next_lsn, 1) - 1
+        _lost_in_tables(positions, restored_to, accept_loss_from, arc.ack, summary, segs)
         segs.finish()
-        summary.first_lsn, summary.last_lsn = segs.first_lsn, segs.next_lsn - 1
+        summary.first_lsn, summary.last_lsn = segs.first_lsn, restored_to
+        summary.head_lsn = segs.next_lsn - 1
         if problem is not None:
             _move_lost(s3, where, numbers[problem[0] :])
         try:
@@ -296,7 +325,7 @@ def restore(
         except ArchiveRefusedError as exc:  # a live holder, or objects that came meanwhile
             raise RestoreRefused(f"{exc}. Nothing was changed; run the restore again") from exc
         crash_point("restore.after_takeover")
-        snap = _watermarks(cfg, wal_id, summary)
+        snap = _watermarks(cfg, wal_id, summary, positions)
         # Step 5: watermarks first (no WAL yet: run still refuses), then the WAL.
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         WatermarkStore(cfg.data_dir / WATERMARKS_FILENAME).save(snap)
@@ -321,6 +350,7 @@ def restore(
         seconds=round(summary.seconds, 3),
         lost_from=summary.lost[0] if summary.lost else None,
         lost_to=summary.lost[1] if summary.lost else None,
+        lost_in_tables=summary.lost_in_tables,
         batch_id=summary.batch_id,
     )
     return summary
@@ -512,14 +542,9 @@ def _replans(positions: dict[str, _Position], low: int, top: int) -> dict[int, R
     return plans if set(plans) == set(range(low + 1, top + 1)) else None
 
 
-def _watermarks(cfg: Config, wal_id: str, summary: Summary) -> WatermarkSnapshot:
-    """Step 4. Every core's events below the restored WAL's first LSN were
-    committed by every stage (the archive prunes only below every reader).
-    Each Delta stream and mirror on S3 gives its position; the watermarks are
-    the lowest, and the batches between the lowest and the highest table are
-    planned again from the tables' own records (``summary.plans``)."""
-    cores = cfg.daemon.cores
-    floor = summary.first_lsn - 1
+def _positions(cfg: Config, wal_id: str, summary: Summary) -> dict[str, _Position]:
+    """Step 4: each Delta stream's and mirror's position on S3; the others are
+    named in ``summary.not_derived``."""
     positions: dict[str, _Position] = {}
     for stream in cfg.cdc.streams:
         if stream.format != "delta" or not stream.uri:
@@ -538,13 +563,64 @@ def _watermarks(cfg: Config, wal_id: str, summary: Summary) -> WatermarkSnapshot
             continue
         positions[f"mirror:{mirror.name}"] = _mirror_position(mirror, wal_id)
     for stage, pos in positions.items():
-        summary.tables[stage] = (pos.batch_id, [pos.high.get(c, 0) for c in range(cores)])
-        if pos.high and max(pos.high.values()) > summary.last_lsn:
-            summary.not_derived.append(
-                f"{stage} holds LSN {max(pos.high.values())}, above the restored WAL's last "
-                f"({summary.last_lsn}): `run` refuses to reuse those LSNs (docs/operating.md, "
-                '"Losing the machine")'
-            )
+        summary.tables[stage] = (
+            pos.batch_id,
+            [pos.high.get(c, 0) for c in range(cfg.daemon.cores)],
+        )
+    return positions
+
+
+def _lost_in_tables(
+    positions: dict[str, _Position],
+    restored_to: int,
+    accept: int | None,
+    ack: str,
+    summary: Summary,
+    segs: _Segments,
+) -> None:
+    """Step 4: tables that hold LSNs above ``restored_to`` (the last one restored)
+    get a WAL that goes on above them: lost frames cover the LSNs between."""
+    top = max((max(p.high.values()) for p in positions.values() if p.high), default=0)
+    if top <= restored_to:
+        return
+    first = restored_to + 1
+    ahead = sorted(s for s, p in positions.items() if p.high and max(p.high.values()) > restored_to)
+    why = f"{', '.join(ahead)} holds LSNs up to {top}, the archive ends at LSN {restored_to}"
+    if ack == "archived" and accept != first and summary.lost is None:
+        # Stages take only archived events in this mode: the archive lost its last objects.
+        log.error("restore.refused", reason=why, lost=f"LSN {first}..{top}")
+        raise RestoreRefused(
+            f'{why}: with ack = "archived" that means the archive\'s last objects are '
+            "missing (deleted by hand?). Nothing was changed. Restoring would lose LSN "
+            f"{first}..{top} from the WAL: if that is accepted, run again with "
+            f"--accept-loss-from {first}"
+        )
+    stamp = segs.number or 1
+    lsn = first
+    while lsn <= top:
+        count = min(top - lsn + 1, MAX_LOST_PER_FRAME)
+        segs.add(lsn, count, encode_lost_frame(stamp, lsn, count), "the lost frame")
+        lsn += count
+    summary.lost_in_tables = (first, top)
+    log.warning(
+        "restore.lsns_lost",
+        first_lsn=first,
+        last_lsn=top,
+        reason=f"{why}: tables committed them, the archive never got them",
+        tables=ahead,
+    )
+
+
+def _watermarks(
+    cfg: Config, wal_id: str, summary: Summary, positions: dict[str, _Position]
+) -> WatermarkSnapshot:
+    """Step 4. Every core's events below the restored WAL's first LSN were
+    committed by every stage (the archive prunes only below every reader).
+    Each Delta stream and mirror on S3 gives its position; the watermarks are
+    the lowest, and the batches between the lowest and the highest table are
+    planned again from the tables' own records (``summary.plans``)."""
+    cores = cfg.daemon.cores
+    floor = summary.first_lsn - 1
     if not positions:
         return WatermarkSnapshot(wal_id, cores, 0, tuple(max(floor, 0) for _ in range(cores)))
     batch_id = min(p.batch_id for p in positions.values())

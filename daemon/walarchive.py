@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import structlog
 
 from daemon.errors import ArchiveRefusedError, ArchiveUnavailable
+from daemon.table.crash import crash_point
 from daemon.table.lease import (
     Holder,
     Lease,
@@ -323,6 +324,11 @@ class _Object:
     def __init__(self, number: int, first: int, last: int) -> None:
         self.number, self.first, self.last = number, first, last
         self.done = False
+
+
+def _create(store: S3Store, key: str, body: bytes) -> None:
+    crash_point("archive.before_put")
+    store.put(key, body, if_none_match=True)
 
 
 class WalArchive:
@@ -687,7 +693,7 @@ class WalArchive:
                 return
             started = time.perf_counter()
             try:
-                await self._io(store.put, key, body, if_none_match=True)
+                await self._io(_create, store, key, body)
             except PreconditionFailed:
                 if not await self._ours(key, body):
                     m.archive_puts.labels(result="fenced").inc()

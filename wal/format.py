@@ -79,13 +79,13 @@ FRAME_HEADER: Final = struct.Struct(
     "<"
     "H"  # magic: FRAME_MAGIC
     "B"  # format version: FORMAT_VERSION
-    "B"  # flags: FLAG_REQUESTS or 0
+    "B"  # flags: FLAG_REQUESTS, FLAG_LOST or 0
     "I"  # crc: CRC32C of frame bytes [FRAME_CRC_START, frame_len)
     "I"  # frame_len: bytes of the whole frame, this header included
     "I"  # segment number stamp: bytes left over from another segment never pass
     "Q"  # first LSN: LSNs of the frame are first_lsn .. first_lsn + count - 1
     "I"  # count: events in the frame (>= 1)
-    "H"  # sections: number of core sections (>= 1)
+    "H"  # sections: number of core sections (>= 1; 0 in a lost frame)
     "H"  # reserved: 0
 )
 FRAME_CRC_OFFSET: Final = struct.calcsize("<HBB")
@@ -123,6 +123,15 @@ REQUEST_ENTRY: Final = struct.Struct(
     "16s"  # digest of the request, opaque to the WAL (ingest: what the body was)
 )
 MAX_REQUEST_KEY_BYTES: Final = 0xFFFF
+
+# ---------------------------------------------------------------------------
+# A lost frame (FLAG_LOST) is a frame header alone: ``count`` LSNs from
+# ``first_lsn`` that this WAL no longer holds, with no section. A restore
+# writes one when tables committed LSNs the archive never got (``ack =
+# "local"``, docs/operating.md, "Losing the machine"): the WAL's LSNs stay
+# contiguous, new events go on above them, and readers see no event there.
+FLAG_LOST: Final = 0x02
+MAX_LOST_PER_FRAME: Final = 0xFFFF_FFFF  # count is a u32
 
 SEGMENT_NAME_RE: Final = re.compile(r"^(\d{20})\.wal$")
 
@@ -441,6 +450,7 @@ class Frame(NamedTuple):
     events: int
     sections: list[Section]
     requests: int = 0  # absolute offset of the request table; 0 when the frame has none
+    lost: bool = False  # a lost frame: its LSNs hold no event (FLAG_LOST)
 
 
 def check_frame(
@@ -465,6 +475,8 @@ def check_frame(
         return f"bad frame magic {magic:#06x} (expected {FRAME_MAGIC:#06x})"
     if version != FORMAT_VERSION:
         return f"unsupported frame format version {version}"
+    if flags == FLAG_LOST:
+        return _check_lost_frame(buf, offset, avail, size, crc, stamp, segment_no, check_crc)
     if size < FRAME_HEADER_SIZE + SECTION_HEADER_SIZE:
         return f"frame length {size} is below the minimum"
     if size > avail:
@@ -498,7 +510,7 @@ def check_frame(
     if total != count:
         return f"sections hold {total} events, the frame header says {count}"
     if flags & ~FLAG_REQUESTS:
-        return f"unknown frame flags {flags:#04x}"
+        return f"unknown frame flags {flags:#04x}"  # FLAG_LOST only alone, checked above
     table = 0
     if flags & FLAG_REQUESTS:
         table = pos
@@ -508,6 +520,52 @@ def check_frame(
     elif pos != end:
         return f"sections end at offset {pos}, the frame at {end}"
     return Frame(offset, size, first_lsn, count, sections, table)
+
+
+def _check_lost_frame(
+    buf: Buf,
+    offset: int,
+    avail: int,
+    size: int,
+    crc: int,
+    stamp: int,
+    segment_no: int,
+    check_crc: bool,
+) -> Frame | str:
+    if size != FRAME_HEADER_SIZE or avail < size:
+        return f"lost frame of length {size} (a lost frame is its header alone)"
+    if check_crc:
+        actual = crc32c(memoryview(buf)[offset + FRAME_CRC_START : offset + size])
+        if actual != crc:
+            return f"frame CRC mismatch (stored {crc:#010x}, computed {actual:#010x}, {size} bytes)"
+    if stamp != segment_no:
+        return f"frame carries segment stamp {stamp}, this is segment {segment_no} (stale bytes)"
+    first_lsn, count, nsec = FRAME_HEADER.unpack_from(buf, offset)[6:9]
+    if count < 1 or nsec != 0:
+        return f"lost frame of {count} LSNs with {nsec} sections"
+    return Frame(offset, size, first_lsn, count, [], 0, lost=True)
+
+
+def encode_lost_frame(segment_no: int, first_lsn: int, count: int) -> bytes:
+    """The lost frame for LSNs ``first_lsn .. first_lsn + count - 1``."""
+    if not 1 <= count <= MAX_LOST_PER_FRAME:
+        raise WalError(f"a lost frame covers 1 to {MAX_LOST_PER_FRAME} LSNs, not {count}")
+    head = bytearray(
+        FRAME_HEADER.pack(
+            FRAME_MAGIC,
+            FORMAT_VERSION,
+            FLAG_LOST,
+            0,
+            FRAME_HEADER_SIZE,
+            segment_no,
+            first_lsn,
+            count,
+            0,
+            0,
+        )
+    )
+    struct.pack_into("<I", head, FRAME_CRC_OFFSET, crc32c(memoryview(head)[FRAME_CRC_START:]))
+    return bytes(head)
 
 
 def _check_request_table(buf: Buf, pos: int, end: int) -> str | None:
@@ -556,6 +614,8 @@ def decode_u32(buf: Buf, start: int, count: int) -> array[int]:
 
 def check_frame_deep(buf: Buf, frame: Frame) -> str | None:
     """Per-event checks (``wal verify``): deltas and lengths agree with the frame."""
+    if frame.lost:
+        return None  # a header alone, checked whole by check_frame
     seen: list[int] = []
     for sec in frame.sections:
         deltas = decode_u32(buf, sec.body, sec.events)

@@ -301,6 +301,16 @@ class Wal:
             floor_lsn=segments[0].first_lsn,
             request_keys=len(window),
         )
+        for seg in segments:
+            for first, last in seg.lost:
+                _log().warning(
+                    "wal.lost_range",
+                    first_lsn=first,
+                    last_lsn=last,
+                    segment=seg.name,
+                    message="these LSNs hold no event: tables committed them, the archive "
+                    "never got them (a restore after a loss with ack = local)",
+                )
         return segments
 
     # ------------------------------------------------------------------ state
@@ -314,6 +324,11 @@ class Wal:
         head = self._head
         first = self._segments[0].first_lsn
         return min(first, head + 1)
+
+    def lost_ranges(self) -> list[tuple[int, int]]:
+        """The LSN ranges of the lost frames still retained (``wal.format.FLAG_LOST``:
+        LSNs a restore found in tables but not in the archive); each holds no event."""
+        return [r for seg in self._segments for r in seg.lost]
 
     def segment_count(self) -> int:
         return len(self._segments)

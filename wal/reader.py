@@ -131,7 +131,7 @@ def frame_records(
     first = frame.first_lsn
     n = frame.events
     whole = lo <= first and hi >= first + n - 1
-    if core is not None or len(frame.sections) == 1:
+    if core is not None or len(frame.sections) <= 1:  # 0: a lost frame
         for sec in frame.sections:
             if core is None or sec.core == core:
                 deltas, lens, p0 = _section_arrays(buf, sec)

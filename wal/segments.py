@@ -51,6 +51,7 @@ class Segment:
     frame_lsns: array[int] = field(default_factory=_u64)  # ... and their first LSNs
     sealed: bool = True  # no more frames will be written to it
     core_counts: Counter[int] = field(default_factory=Counter)  # filled by scans with counts
+    lost: list[tuple[int, int]] = field(default_factory=list)  # LSN ranges of its lost frames
 
     def __post_init__(self) -> None:
         if self.next_lsn == 0:
@@ -287,6 +288,8 @@ def _scan_frames(
                         seg.core_counts[sec.core] += sec.events
                 if frame.requests and on_requests is not None:
                     on_requests(frame_requests(mm, frame))
+                if frame.lost:
+                    seg.lost.append((lsn, lsn + frame.events - 1))
                 off += frame.size
                 lsn += frame.events
                 result.frames += 1

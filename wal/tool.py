@@ -19,7 +19,7 @@ from typing import TextIO
 from wal.errors import WalError, WalLockedError
 from wal.files import fsync_dir, lock_directory, read_identity, save_aside
 from wal.format import SEGMENT_HEADER_SIZE, parse_segment_header
-from wal.segments import Damage, Scan, last_lsn_beyond, scan
+from wal.segments import Damage, Scan, Segment, last_lsn_beyond, scan
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1
@@ -129,12 +129,23 @@ def inspect(directory: Path, out: TextIO) -> int:
     print(file=out)
     by_core = " ".join(f"{c}:{k}" for c, k in sorted(totals.items())) or "none"
     print(f"events by core: {by_core} (total {sum(totals.values())})", file=out)
+    _print_lost(segs, out)
     for path, why in result.strays:
         print(f"STRAY FILE: {path.name}: {why}", file=out)
     if result.damage is not None:
         print(_describe_damage(result.damage), file=out)
     damaged = result.strays or (result.damage is not None and not result.damage.torn)
     return EXIT_DAMAGED if damaged else EXIT_OK
+
+
+def _print_lost(segs: list[Segment], out: TextIO) -> None:
+    for seg in segs:
+        for first, last in seg.lost:
+            print(
+                f"LOST: LSN {first}..{last} hold no event ({seg.name}): tables committed "
+                "them, the archive never got them (a restore after a loss)",
+                file=out,
+            )
 
 
 # ---------------------------------------------------------------------------- verify
@@ -154,6 +165,7 @@ def verify(directory: Path, out: TextIO, progress: bool) -> int:
         f"LSN {segs[0].first_lsn if segs else 1}..{head}",
         file=out,
     )
+    _print_lost(segs, out)
     for path, why in result.strays:
         print(
             f"STRAY FILE: {path.name}: {why}. The WAL refuses to open while it is there", file=out

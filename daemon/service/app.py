@@ -638,6 +638,8 @@ class Daemon:
             self.metrics.wal_head_lsn.set(self.wal.head_lsn())
             self.metrics.wal_floor_lsn.set(self.wal.retained_floor())
             self.metrics.wal_segments.set(self.wal.segment_count())
+            lost = self.wal.lost_ranges()
+            self.metrics.wal_lost_lsns.set(sum(b - a + 1 for a, b in lost))
         if self.archive is not None:
             self.archive.publish()
 
@@ -991,6 +993,7 @@ class Daemon:
                 "retained_floor": wal.retained_floor(),
                 "segments": wal.segment_count(),
                 "idempotency_keys": wal.request_keys(),
+                "lost": [list(r) for r in wal.lost_ranges()],
             },
         }
         if self.archive is not None and out["wal"] is not None:

@@ -2,7 +2,10 @@
 
 ``EVENTPLANE_CRASH_AT=<name>[@<n>]`` kills the process the n-th time (default:
 the first) it reaches ``crash_point(name)``; ``EVENTPLANE_PAUSE_AT`` (same
-form) stops it there with SIGSTOP instead, for the test to SIGCONT later. The names are in
+form) stops it there with SIGSTOP instead, for the test to SIGCONT later;
+``EVENTPLANE_STALL_AT`` (same form) blocks the calling thread there from the
+n-th arrival on, for ever: a store call that never answers, while the rest of
+the process runs. The names are in
 ``CRASH_POINTS``; crash tests aim at each step of the table's protocols with
 them (docs/cdc.md, "Crash points").
 """
@@ -16,6 +19,7 @@ import time
 
 ENV_CRASH_AT = "EVENTPLANE_CRASH_AT"
 ENV_PAUSE_AT = "EVENTPLANE_PAUSE_AT"
+ENV_STALL_AT = "EVENTPLANE_STALL_AT"
 COMMIT_CRASH_POINTS = (
     "cdc.before_stage",  # nothing of the batch written
     "cdc.after_stage",  # staged files exist, no intent
@@ -97,6 +101,8 @@ RESTORE_CRASH_POINTS = (
     "restore.after_takeover",  # the archive fenced at the next epoch, nothing in place
     "restore.after_watermarks",  # watermarks.json in place, the WAL not yet
 )
+# The WAL archive's upload (daemon/walarchive.py), in its own threads:
+ARCHIVE_CRASH_POINTS = ("archive.before_put",)  # an object made, its create not sent
 CRASH_POINTS = tuple(
     dict.fromkeys(
         COMMIT_CRASH_POINTS
@@ -110,6 +116,7 @@ CRASH_POINTS = tuple(
         + COALESCE_CRASH_POINTS
         + MIRROR_REBUILD_CRASH_POINTS
         + RESTORE_CRASH_POINTS
+        + ARCHIVE_CRASH_POINTS
     )
 )
 _crash_hits: dict[str, int] = {}
@@ -118,14 +125,19 @@ _crash_lock = threading.Lock()
 
 def crash_point(name: str) -> None:
     """SIGKILL this process here if ``$EVENTPLANE_CRASH_AT`` names this point
-    (SIGSTOP if ``$EVENTPLANE_PAUSE_AT`` does).
+    (SIGSTOP if ``$EVENTPLANE_PAUSE_AT`` does; block the thread for ever from
+    then on if ``$EVENTPLANE_STALL_AT`` does).
 
     ``name@n`` fires at the n-th arrival, so a full-daemon test can let some
-    batches commit first. Costs two environment lookups when unset.
+    batches commit first. Costs three environment lookups when unset.
     """
     wanted = os.environ.get(ENV_CRASH_AT)
     pause = os.environ.get(ENV_PAUSE_AT)
-    if not wanted and not pause:
+    stall = os.environ.get(ENV_STALL_AT)
+    if not wanted and not pause and not stall:
+        return
+    if stall and stall.partition("@")[0] == name:
+        _stall(name, stall)
         return
     spec = next((w for w in (wanted, pause) if w and w.partition("@")[0] == name), None)
     if spec is None:
@@ -143,3 +155,14 @@ def crash_point(name: str) -> None:
     os.write(2, f"eventplane: crash point {name} reached (hit {hits}); SIGKILL\n".encode())
     os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(10)  # SIGKILL is asynchronous only in theory; never run past it
+
+
+def _stall(name: str, spec: str) -> None:
+    _, _, nth = spec.partition("@")
+    with _crash_lock:
+        _crash_hits[name] = hits = _crash_hits.get(name, 0) + 1
+    if hits < (int(nth) if nth.isdigit() else 1):
+        return
+    os.write(2, f"eventplane: stall point {name} reached (hit {hits}); blocked\n".encode())
+    while True:
+        time.sleep(3600)

@@ -11,6 +11,10 @@ SeaweedFS (tests/s3/server.py): a lost disk in ``ack = "archived"``.
    lost and the daemon archives on above them.
 3. A SIGKILL during a restore (each crash point): no WAL in place, ``run``
    still refuses; a second restore succeeds with the archive's frames.
+4. The disaster in ``ack = "local"`` with the archive's uploads hung
+   (``EVENTPLANE_STALL_AT``) while the lake commits: what is lost is at most
+   the unarchived window status reported before the kill, nothing is
+   duplicated, and the WAL goes on above the lake's LSNs.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from daemon.table.crash import ENV_CRASH_AT, RESTORE_CRASH_POINTS
+from daemon.table.crash import ENV_CRASH_AT, ENV_STALL_AT, RESTORE_CRASH_POINTS
 from tests import requires
 from tests.faults.support import spark_config, stage, wait_for
 from tests.faults.test_wal_archive import _archive_contents, _post, _s3
@@ -328,6 +332,102 @@ format = "delta"
         assert set(seen) == set(range(1, head + 1))
         print(
             f"disaster: {len(acked)} acknowledged, {len(seen)} rows, {time.monotonic() - t0:.1f} s"
+        )
+    finally:
+        loader.stop()
+        daemon.stop()
+        weed.stop()
+
+
+@pytest.mark.spark
+def test_disaster_in_local_mode_loses_at_most_the_unarchived_window_and_duplicates_nothing(
+    tmp_path: Path,
+) -> None:
+    """``ack = "local"``, the archive's uploads hang from the fourth on while
+    the lake keeps committing; SIGKILL, the data_dir deleted, restore, run."""
+    from deltalake import DeltaTable
+
+    requires.delta_jars()
+    (tmp_path / "weed").mkdir()
+    weed: Weed = start_weed(tmp_path / "weed")
+    server = weed.server
+    uri = f"s3://{server.bucket}/cdc/lake"
+    lake = f"""{_archive_toml(server, "local")}
+[[cdc.streams]]
+name = "lake"
+collections = "*"
+path = "{uri}"
+format = "delta"
+""".replace('ack = "archived"', 'ack = "local"')
+    config = spark_config(tmp_path, {}, extra=lake)
+    daemon = DaemonProcess.production(config, env={ENV_STALL_AT: "archive.before_put@4"})
+    loader = Loader("", batch=50, producers=2, pause_s=0.02)
+    data = tmp_path / "data"
+    try:
+        daemon.start(timeout_s=60)
+        loader.url = daemon.ingest_url
+        loader.start()
+
+        def lake_past_archive() -> bool:
+            st = daemon.status()
+            archived = st["wal"]["archive"]["archived_lsn"]
+            return archived > 0 and min(c["watermark"] for c in st["cores"]) > archived + 500
+
+        wait_for("the lake commits what the archive lacks", lake_past_archive, 90, daemon)
+        loader.stop()
+        acked = loader.acked_lsns()
+        before = daemon.status()  # just before the kill; nothing is acknowledged after it
+        window = before["wal"]["archive"]
+        archived, unarchived = window["archived_lsn"], window["unarchived_events"]
+        head = before["wal"]["head_lsn"]
+        assert unarchived == head - archived > 0, window
+        daemon.kill()
+        shutil.rmtree(data)
+
+        got = _eventplane(config, "restore")
+        assert got.returncode == 0, got.stdout + got.stderr
+        summary = got.stdout
+        print("restore summary:\n" + summary)
+        assert re.search(rf": LSN \d+\.\.{archived}, ", summary), summary
+        found = re.search(r"LOST from the WAL: LSN (\d+)\.\.(\d+):", summary)
+        assert found and int(found[1]) == archived + 1, summary
+        top = int(found[2])
+        assert archived < top <= head
+        assert "restore.lsns_lost" in got.stderr
+
+        daemon = DaemonProcess.production(config)
+        daemon.start(timeout_s=60)
+        st = daemon.status()
+        assert st["wal"]["lost"] == [[archived + 1, top]], st["wal"]
+        assert st["wal"]["head_lsn"] == top
+        status, body, _ = _post(daemon.ingest_url, 20)
+        assert status == 200 and body["first_lsn"] == top + 1, body
+        after = set(range(body["first_lsn"], body["last_lsn"] + 1))
+        wait_for(
+            "the lake takes the new events",
+            lambda: min(c["watermark"] for c in daemon.status()["cores"]) >= body["last_lsn"],
+            60,
+            daemon,
+        )
+        wait_for(
+            "the lost frame and the new events are archived",
+            lambda: daemon.status()["wal"]["archive"]["archived_lsn"] >= body["last_lsn"],
+            30,
+            daemon,
+        )
+        assert daemon.stop() == 0
+        dt = DeltaTable(uri, storage_options=server.storage_options())
+        seen = Counter(dt.to_pyarrow_table(columns=["lsn"])["lsn"].to_pylist())
+        assert max(seen.values()) == 1, [k for k, v in seen.items() if v > 1][:10]
+        assert set(range(1, archived + 1)) <= set(seen)  # every archived event, once
+        assert after <= set(seen)
+        lost = acked - set(seen)
+        assert all(archived < lsn <= head for lsn in lost), sorted(lost)[:10]
+        assert len(lost) <= unarchived
+        assert not {lsn for lsn in seen if top < lsn < min(after)}
+        print(
+            f"local disaster: {len(acked)} acknowledged, archived to LSN {archived}, "
+            f"{unarchived} unarchived at the kill, lake to LSN {top}, {len(lost)} lost"
         )
     finally:
         loader.stop()
