@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config import S3Config
+from daemon.errors import ExecutorError
+from daemon.plane.batch import InFlight
 from daemon.service.metrics import Metrics
 from daemon.spark.executor import SparkExecutor
 from tests.spark.support import make_batches, make_config, say
@@ -55,7 +57,7 @@ async def run(args: argparse.Namespace) -> int:
                 await asyncio.to_thread(sys.stdin.readline)
             for attempt in range(1, args.retries + 2):
                 try:
-                    await ex.execute(batch)
+                    await _executed(ex, batch)
                     break
                 except Exception as exc:  # the planner's retry, in short
                     say(f"failed {batch.batch_id} attempt {attempt}: {exc!r}"[:300])
@@ -69,6 +71,18 @@ async def run(args: argparse.Namespace) -> int:
     finally:
         await ex.stop()
     return 0
+
+
+async def _executed(ex: SparkExecutor, batch: Any) -> None:
+    """``ex.execute(batch)`` as the planner takes it: a stage's failure raises,
+    and a commit that outlived the wait (``InFlight``) is waited for, so
+    ``committed <id>`` is printed only once the batch is in every table and the
+    next batch never runs beside it."""
+    for stage, outcome in (await ex.execute(batch)).items():
+        if isinstance(outcome, InFlight):
+            await asyncio.wrap_future(outcome.done)  # raises the commit's error
+        else:
+            raise ExecutorError(f"batch {batch.batch_id}: stage {stage} failed: {outcome!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
