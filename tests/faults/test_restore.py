@@ -41,6 +41,7 @@ from tests.integration.harness import ROOT, DaemonProcess, Loader, make_events, 
 from tests.s3.server import S3Server, Weed, start_weed
 from wal import Wal
 from wal.archive import OBJECT_HEADER_SIZE, object_name, parse_header
+from wal.format import FRAME_HEADER
 
 # Each test's CI budget is 90 s on a quiet machine (CONTRIBUTING.md, "Tests");
 # the guard allows for the suite's parallel workers (the disaster test took 90 s there).
@@ -256,6 +257,58 @@ def test_a_sigkill_during_restore_applies_nothing_and_a_second_restore_succeeds(
     finally:
         daemon.stop()
         weed.stop()
+
+
+def test_a_sigkill_during_an_upload_loses_no_acknowledged_event(tmp_path: Path) -> None:
+    """``ack = "archived"``, killed at its 20th upload (``archive.before_put@20``)
+    while producers send: the restore needs no flag, holds every acknowledged
+    event, and the daemon goes on above it."""
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    server = weed.server
+    config = write_config(tmp_path, _archive_toml(server, "upload"), wal='retention = "keep"')
+    daemon = DaemonProcess.production(config, env={ENV_CRASH_AT: "archive.before_put@20"})
+    loader = Loader("", batch=20, producers=3)
+    data = tmp_path / "data"
+    try:
+        daemon.start(timeout_s=60)
+        wal_id = _wal_id(data)
+        loader.url = daemon.ingest_url
+        loader.start()
+        assert daemon.proc is not None
+        daemon.proc.wait(timeout=60)
+        assert daemon.proc.returncode == -9
+        loader.stop()
+        acked = loader.acked_lsns()
+        assert acked
+        shutil.rmtree(data)
+
+        got = _eventplane(config, "restore")
+        assert got.returncode == 0, got.stdout + got.stderr
+        assert "LOST" not in got.stdout, got.stdout
+        found = re.search(rf"restored WAL {wal_id}: LSN 1\.\.(\d+), ", got.stdout)
+        assert found, got.stdout
+        last = int(found[1])
+        _, frames = _wal_frames(data / "wal")
+        restored = {lsn for first, frame in frames.items() for lsn in _lsns(first, frame)}
+        assert acked <= restored, sorted(acked - restored)[:10]
+        assert max(acked) <= last
+
+        daemon = DaemonProcess.production(config)
+        daemon.start(timeout_s=60)
+        status, body, _ = _post(daemon.ingest_url, 10)
+        assert status == 200 and body["first_lsn"] == last + 1, body
+        assert daemon.stop() == 0
+        print(f"killed at an upload: {len(acked)} acknowledged, LSN 1..{last} restored")
+    finally:
+        loader.stop()
+        daemon.stop()
+        weed.stop()
+
+
+def _lsns(first: int, frame: bytes) -> range:
+    count = FRAME_HEADER.unpack_from(frame, 0)[7]
+    return range(first, first + count)
 
 
 @pytest.mark.spark
