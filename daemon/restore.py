@@ -30,7 +30,8 @@
    batches up to the highest table's are planned again with the ranges the
    tables ahead committed, so the stages behind re-run exactly those; batch
    ids go on above, no committed LSN is appended again.
-5. Move into place: ``watermarks.json`` and ``plans.log`` first, then ``wal/``
+5. Move into place: ``watermarks.json``, ``plans.log`` and the DLQ (from the
+   archive's copy, daemon/dlqcopy.py) first, then ``wal/``
    (a rename). A kill before that leaves no WAL: ``run`` still refuses, a new
    restore starts over.
 """
@@ -96,6 +97,7 @@ class Summary:
     plans: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
     unacknowledged: tuple[int, int] | None = None  # LSNs dropped that no answer acknowledged
     triggers_from: int = 0  # the trigger stage evaluates the events from this LSN again
+    dlq: tuple[int, int, float] | None = None  # (entries, epoch, written at) of the DLQ's copy
 
     def lines(self) -> list[str]:
         out = [
@@ -135,6 +137,14 @@ class Summary:
             out.append(
                 f"triggers: every event from LSN {self.triggers_from} is evaluated again "
                 "(the retry queue was on the lost disk; at least once)"
+            )
+        if self.dlq is not None:
+            entries, epoch, at = self.dlq
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+            out.append(
+                f"DLQ: {entries} entries from the archive's copy of {when} (epoch {epoch}); "
+                "the triggers evaluate the restored events above the watermarks again, so a "
+                "row dead-lettered after the copy comes back and one before it may twice"
             )
         for why in self.not_derived:
             out.append(f"not derived: {why}")
@@ -330,6 +340,7 @@ def restore(
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         WatermarkStore(cfg.data_dir / WATERMARKS_FILENAME).save(snap)
         _write_plans(cfg, wal_id, summary)
+        _restore_dlq(cfg, s3, where, wal_id, tmp, summary)
         crash_point("restore.after_watermarks")
         if cfg.wal_dir.exists():
             cfg.wal_dir.rmdir()  # empty (checked in step 1)
@@ -703,6 +714,37 @@ def _triggers_from_floor(
     progress["triggers"] = low - n
     summary.triggers_from = floor + 1
     return low - n, tuple(floor if c in chunks else lsn for c, lsn in enumerate(lsns))
+
+
+def _restore_dlq(
+    cfg: Config, s3: Any, where: Location, wal_id: str, tmp: Path, summary: Summary
+) -> None:
+    """Step 5: the DLQ from the archive's newest copy (daemon/dlqcopy.py) into
+    ``triggers/queue.sqlite3``; a store file already there is moved aside."""
+    from daemon.dlqcopy import restore_dlq
+    from triggers.store import store_path
+
+    staged = tmp / "queue.sqlite3"
+    try:
+        got = restore_dlq(s3, where, wal_id, staged)
+    except ValueError as exc:
+        summary.not_derived.append(f"the DLQ: its copy is not usable ({exc}); it starts empty")
+        log.error("restore.dlq_copy_unusable", error=str(exc))
+        return
+    if got is None:
+        return
+    target = store_path(cfg.data_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for suffix in ("", "-wal", "-shm"):
+        old = target.with_name(target.name + suffix)
+        if old.exists():
+            aside = old.with_name(f"{old.name}.before-restore")
+            os.replace(old, aside)
+            if not suffix:
+                summary.not_derived.append(f"the trigger store there was moved to {aside}")
+    os.replace(staged, target)
+    fsync_dir(target.parent)
+    summary.dlq = got
 
 
 def _write_plans(cfg: Config, wal_id: str, summary: Summary) -> None:

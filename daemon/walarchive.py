@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import structlog
 
+from daemon import dlqcopy
 from daemon.errors import ArchiveRefusedError, ArchiveUnavailable
 from daemon.table.crash import crash_point
 from daemon.table.lease import (
@@ -64,6 +65,7 @@ from daemon.table.lease import (
     wall_clock,
 )
 from daemon.table.s3 import Location, client, explain
+from triggers.store import store_path
 from wal.archive import (
     OBJECT_HEADER_SIZE,
     ObjectHeader,
@@ -373,6 +375,7 @@ class WalArchive:
         self.lease_error: str | None = None
         self.puts = 0
         self.fences_written = 0
+        self.dlq_copied: tuple[int, float] | None = None  # (entries, when) of the last copy
         self._held: deque[tuple[int, Sequence[RecordBatch]]] = deque()
         self.forward: Callable[[Sequence[RecordBatch]], None] | None = None
         self._tasks: list[asyncio.Task[None]] = []  # the upload loop and the renewal
@@ -608,6 +611,7 @@ class WalArchive:
         self._tasks = [
             asyncio.create_task(self._run(), name="archive-upload"),
             asyncio.create_task(self._renew(), name="archive-lease"),
+            asyncio.create_task(self._copy_dlq(), name="archive-dlq"),
         ]
 
     def on_durable_batches(self, batches: Sequence[RecordBatch]) -> None:
@@ -817,6 +821,34 @@ class WalArchive:
             if not fut.done():
                 fut.set_exception(exc)
 
+    async def _copy_dlq(self) -> None:
+        """The DLQ's copy under the archive, while this daemon holds it (daemon/dlqcopy.py)."""
+        path = store_path(self.data_dir)
+        last: dlqcopy.Fingerprint | None = None
+        pruned = False
+        while self.fenced is None:
+            await asyncio.sleep(dlqcopy.COPY_S)
+            store = self.store
+            if store is None or self.fenced is not None:
+                continue
+            try:
+                got = await self._io(dlqcopy.read_dlq, path, last)
+                if got is None or got[0] == last:
+                    continue
+                body = dlqcopy.encode(self.wal.wal_id, self.epoch, got[1])
+                await self._io(store.put, self._key(dlqcopy.key_of(self.epoch)), body)
+                last = got[0]
+                self.dlq_copied = (len(got[1]), time.time())
+                log.info("archive.dlq_copied", entries=len(got[1]), bytes=len(body))
+                if not pruned:
+                    older = await self._io(dlqcopy.epochs, store.client, self.where)
+                    for epoch in older:
+                        if epoch < self.epoch:
+                            await self._io(store.delete, self._key(dlqcopy.key_of(epoch)))
+                    pruned = True
+            except Exception as exc:  # the next round tries again
+                log.warning("archive.dlq_copy_failed", error=str(exc))
+
     async def _renew(self) -> None:
         lease = self.lease
         assert lease is not None
@@ -966,6 +998,9 @@ class WalArchive:
             "uploading": len(self._open),
             "next_object": object_name(self._next),
             "puts": self.puts,
+            "dlq_copy": None
+            if self.dlq_copied is None
+            else {"entries": self.dlq_copied[0], "at": round(self.dlq_copied[1], 3)},
             "fenced": self.fenced,
             "outage": self.outage,
             "lease": None

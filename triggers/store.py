@@ -60,6 +60,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from triggers import rows as rowsmod
 from triggers.errors import StoreError
@@ -123,6 +124,7 @@ _DLQ_COLUMNS = (
     "id, trigger, collection, key, op, lsn, attempts, last_error, first_attempt, last_attempt, "
     "row, call_key"
 )
+DLQ_COLUMNS = _DLQ_COLUMNS  # daemon/dlqcopy.py: the archive's copy has every column
 REPLAYED = "replayed from the DLQ"
 
 
@@ -456,6 +458,12 @@ class TriggerStore:
         return None if row is None else DlqEntry(*row)
 
     # ------------------------------------------------------------- operations
+
+    def dlq_insert(self, rows: Sequence[tuple[Any, ...]]) -> None:
+        """DLQ rows as they were, ids included (a restore's copy, daemon/dlqcopy.py)."""
+        marks = ", ".join("?" * len(_DLQ_COLUMNS.split(",")))
+        with self._tx() as cur:
+            cur.executemany(f"INSERT INTO dlq ({_DLQ_COLUMNS}) VALUES ({marks})", rows)
 
     def dlq_replay(
         self,

@@ -15,7 +15,9 @@ a real SeaweedFS (tests/s3/server.py), ``ack = "archived"``.
    the receiver back, run: every matching acknowledged row is delivered at
    least once with its key (the archive kept the queued rows: the retention
    floor holds for them; the restored trigger stage evaluates from it).
-3. A SIGKILL with uploads in flight that never landed (made here by taking
+3. The DLQ (real Spark): rows a failing receiver dead-lettered come back
+   from the archive's copy, every column and id.
+4. A SIGKILL with uploads in flight that never landed (made here by taking
    one of the last objects away): with ``ack = "archived"`` the restore keeps
    what is contiguous and names the LSNs above as never acknowledged, no flag
    needed; a hole deeper than the uploads a holder keeps in flight, and any
@@ -34,6 +36,7 @@ from typing import Any
 
 import pytest
 
+from daemon import dlqcopy
 from tests import requires
 from tests.faults.receivers import Receiver
 from tests.faults.support import spark_config, stage, wait_for
@@ -49,6 +52,7 @@ from tests.integration.harness import DaemonProcess, make_events, write_config
 from tests.integration.test_crash_recording import _wait_caught_up
 from tests.integration.test_mirror_crash import Producers, fold, post
 from tests.s3.server import start_weed
+from triggers.store import store_path
 
 pytestmark = [pytest.mark.crash, pytest.mark.timeout(300)]
 
@@ -197,6 +201,62 @@ retry = {{ max_attempts = 100000, initial_backoff_ms = 200, max_backoff_ms = 500
         keys = {(int(r["lsn"]), r["idempotency_key"]) for r in receiver.rows}
         assert {(lsn, f"hook:{lsn}") for lsn in matching} <= keys
         assert daemon.stop() == 0
+    finally:
+        daemon.stop()
+        receiver.close()
+        weed.stop()
+
+
+@pytest.mark.spark
+def test_the_dlq_comes_back_from_the_archives_copy_after_a_restore(tmp_path: Path) -> None:
+    """A webhook receiver that always fails: the rows reach the DLQ, the
+    archive's copy of it follows (daemon/dlqcopy.py); SIGKILL, the data_dir
+    deleted, restore: the DLQ has every entry, ids included."""
+    requires.delta_jars()
+    (tmp_path / "weed").mkdir()
+    weed = start_weed(tmp_path / "weed")
+    server = weed.server
+    receiver = Receiver(status=500)
+    extra = f"""{_archive_toml(server, "dlq")}
+[[triggers]]
+name = "hook"
+collection = "c1"
+action = {{ type = "webhook", url = "{receiver.url}" }}
+retry = {{ max_attempts = 2, initial_backoff_ms = 100, max_backoff_ms = 200 }}
+"""
+    config = spark_config(tmp_path, {}, extra=extra)
+    daemon = DaemonProcess.production(config)
+    data = tmp_path / "data"
+    try:
+        daemon.start(timeout_s=120)
+        for i in range(10):
+            status, body, _ = _post(daemon.ingest_url, 10, start=i * 10)
+            assert status == 200, body
+        wait_for(
+            "the DLQ holds rows and its copy is in the archive",
+            lambda: (
+                (st := daemon.status())["dlq"]["entries"] > 0
+                and st["retry_queue"]["depth"] == 0
+                and (st["wal"]["archive"]["dlq_copy"] or {}).get("entries") == st["dlq"]["entries"]
+            ),
+            120,
+            daemon,
+        )
+        got = dlqcopy.read_dlq(store_path(data))
+        assert got is not None and got[1]
+        before = got[1]
+        daemon.kill()
+        shutil.rmtree(data)
+
+        got = _eventplane(config, "restore")
+        assert got.returncode == 0, got.stdout + got.stderr
+        print("restore summary:\n" + got.stdout)
+        assert f"DLQ: {len(before)} entries from the archive's copy of " in got.stdout
+        after = dlqcopy.read_dlq(store_path(data))
+        assert after is not None and after[1] == before
+        listed = _eventplane(config, "dlq", "list")
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        assert f"{before[0][0]}" in listed.stdout and "hook" in listed.stdout, listed.stdout
     finally:
         daemon.stop()
         receiver.close()
