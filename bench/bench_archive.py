@@ -11,6 +11,12 @@ interpolated within its buckets) (bench/bench_ingest.py's loops; 1000 events
 of ~150 bytes per request). Then the issue's aims at the most clients, each
 "met" or "MISSED". ``--modes`` and ``--clients`` take a subset.
 
+``--pin`` gives the daemon CPU 0 alone and the store, the proxy and the
+clients CPU 1: a store off the machine, as S3 is, within one 2-core machine.
+The daemon's throughput then shows what archiving costs the daemon itself,
+not the store's CPU taken from it. ``--rounds N`` measures every
+configuration N times, interleaved, and reports the medians.
+
 Run: ``python -m bench.bench_archive`` (``--duration 3`` for a quick look).
 """
 
@@ -18,8 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +42,13 @@ from bench.bench_ingest import _free_port, closed_loop, make_bodies, open_loop
 from bench.common import cpu_seconds, start_daemon
 
 MODES = ("none", "local", "archived")
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` on ``cpus``; threads it starts later inherit it."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
 
 
 class DelayProxy:
@@ -209,44 +225,71 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flush-ms", type=int, default=100)
     parser.add_argument("--no-proxy", action="store_true", help="skip the 20 ms store")
     parser.add_argument("--modes", default=",".join(MODES), help="a subset of " + ",".join(MODES))
+    parser.add_argument("--pin", action="store_true", help="the daemon on CPU 0, the rest on 1")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved; medians reported")
     args = parser.parse_args(argv)
     from tests.s3.server import start_weed
 
     root = Path(tempfile.mkdtemp(prefix="bench-archive-"))
     (root / "weed").mkdir()
     weed = start_weed(root / "weed")
-    proxy = None if args.no_proxy else DelayProxy(int(weed.server.endpoint.rsplit(":", 1)[1]))
     assert weed.proc is not None
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            parser.error("--pin needs 2 CPUs")
+        os.sched_setaffinity(0, {1})  # this process: the clients and the proxy's thread
+        pin(weed.proc.pid, {1})
+        print("pinned: the daemon on CPU 0; SeaweedFS, the proxy and the clients on CPU 1\n")
+    proxy = None if args.no_proxy else DelayProxy(int(weed.server.endpoint.rsplit(":", 1)[1]))
     stores = [("loopback", weed.server.endpoint)]
     if proxy is not None:
         stores.append(("+20 ms", f"http://127.0.0.1:{proxy.port}"))
-    print(
-        "| store | mode | clients | events/s | ack p50 ms | ack p99 ms | CPU µs/event "
-        "| store CPU µs/event | PUTs/s | PUTs per M events | PUT p50 ms | PUT p99 ms |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows: dict[tuple[str, str, int], dict[str, float]] = {}
     modes = [m for m in MODES if m in args.modes.split(",")]
+    configs = [
+        (store, endpoint, mode, clients)
+        for store, endpoint in stores
+        for mode in modes
+        if store == "loopback" or mode != "none"
+        for clients in (int(c) for c in args.clients.split(","))
+    ]
+    runs: dict[tuple[str, str, int], list[dict[str, float]]] = {}
     try:
-        for store, endpoint in stores:
-            for mode in modes:
-                if store != "loopback" and mode == "none":
-                    continue
-                for clients in (int(c) for c in args.clients.split(",")):
-                    d = Daemon(root, mode, endpoint, weed.server, args.flush_ms)
-                    try:
-                        r = asyncio.run(measure(d, clients, args, weed.proc.pid))
-                    finally:
-                        d.stop()
-                    rows[(store, mode, clients)] = r
-                    print(
-                        f"| {store} | {mode} | {clients} | {r['events_per_s']:,.0f} "
-                        f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['cpu_us']:.1f} "
-                        f"| {r['store_cpu_us']:.1f} | {r['puts_per_s']:.1f} "
-                        f"| {r['puts_per_m']:,.0f} | {r['put_p50_ms']:.1f} "
-                        f"| {r['put_p99_ms']:.1f} |",
-                        flush=True,
-                    )
+        # Rounds interleave the configurations: a shared machine's speed drifts
+        # over minutes, and each figure is the median of its rounds.
+        for round_no in range(1, args.rounds + 1):
+            for store, endpoint, mode, clients in configs:
+                d = Daemon(root, mode, endpoint, weed.server, args.flush_ms)
+                if args.pin:
+                    pin(d.proc.pid, {0})
+                try:
+                    r = asyncio.run(measure(d, clients, args, weed.proc.pid))
+                finally:
+                    d.stop()
+                runs.setdefault((store, mode, clients), []).append(r)
+                print(
+                    f"round {round_no}: {store} {mode} {clients} clients: "
+                    f"{r['events_per_s']:,.0f} events/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        print(
+            "| store | mode | clients | events/s | ack p50 ms | ack p99 ms | CPU µs/event "
+            "| store CPU µs/event | PUTs/s | PUTs per M events | PUT p50 ms | PUT p99 ms |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for (store, mode, clients), got in runs.items():
+            r = rows[(store, mode, clients)] = {
+                k: statistics.median(one[k] for one in got) for k in got[0]
+            }
+            print(
+                f"| {store} | {mode} | {clients} | {r['events_per_s']:,.0f} "
+                f"| {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['cpu_us']:.1f} "
+                f"| {r['store_cpu_us']:.1f} | {r['puts_per_s']:.1f} "
+                f"| {r['puts_per_m']:,.0f} | {r['put_p50_ms']:.1f} "
+                f"| {r['put_p99_ms']:.1f} |",
+                flush=True,
+            )
         print()
         for line in verdicts(rows, args.flush_ms):
             print(line)

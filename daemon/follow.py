@@ -196,7 +196,7 @@ class Follower:
             return self._poll()
 
     def _poll(self) -> int:
-        s3 = self._s3 = self._s3 if self._s3 is not None else client(self.s3cfg)
+        s3 = self._s3 = self._s3 if self._s3 is not None else client(self.s3cfg, self_checked=True)
         prefix = self.where.key("wal/")
         listed: dict[int, float] = {}
         for page in s3.get_paginator("list_objects_v2").paginate(

@@ -242,7 +242,7 @@ def restore(
             "(move it away first if it is really lost)"
         )
     where = Location.parse(arc.uri)
-    s3 = s3 if s3 is not None else client(cfg.s3)
+    s3 = s3 if s3 is not None else client(cfg.s3, self_checked=True)
     from daemon.walarchive import MANIFEST
 
     try:

@@ -414,7 +414,7 @@ class WalArchive:
         )
 
     def _open_sync(self) -> None:
-        s3 = self._s3 if self._s3 is not None else client(self.s3cfg)
+        s3 = self._s3 if self._s3 is not None else client(self.s3cfg, self_checked=True)
         self._s3 = s3
         store = self.store = S3Store(s3, self.where.bucket)
         key = self._key(MANIFEST)
