@@ -481,12 +481,9 @@ def check_frame(
         return f"frame length {size} is below the minimum"
     if size > avail:
         return f"frame length {size} runs past the end of the data ({avail} bytes left)"
-    if check_crc:
-        actual = crc32c(memoryview(buf)[offset + FRAME_CRC_START : offset + size])
-        if actual != crc:
-            return f"frame CRC mismatch (stored {crc:#010x}, computed {actual:#010x}, {size} bytes)"
-    if stamp != segment_no:
-        return f"frame carries segment stamp {stamp}, this is segment {segment_no} (stale bytes)"
+    why = _check_whole(buf, offset, size, crc, stamp, segment_no, check_crc)
+    if why is not None:
+        return why
     if count < 1 or nsec < 1:
         return f"frame with {count} events in {nsec} sections"
     sections: list[Section] = []
@@ -522,6 +519,19 @@ def check_frame(
     return Frame(offset, size, first_lsn, count, sections, table)
 
 
+def _check_whole(
+    buf: Buf, offset: int, size: int, crc: int, stamp: int, segment_no: int, check_crc: bool
+) -> str | None:
+    """Why the frame's bytes are not the ones written for this segment (CRC, stamp)."""
+    if check_crc:
+        actual = crc32c(memoryview(buf)[offset + FRAME_CRC_START : offset + size])
+        if actual != crc:
+            return f"frame CRC mismatch (stored {crc:#010x}, computed {actual:#010x}, {size} bytes)"
+    if stamp != segment_no:
+        return f"frame carries segment stamp {stamp}, this is segment {segment_no} (stale bytes)"
+    return None
+
+
 def _check_lost_frame(
     buf: Buf,
     offset: int,
@@ -534,12 +544,9 @@ def _check_lost_frame(
 ) -> Frame | str:
     if size != FRAME_HEADER_SIZE or avail < size:
         return f"lost frame of length {size} (a lost frame is its header alone)"
-    if check_crc:
-        actual = crc32c(memoryview(buf)[offset + FRAME_CRC_START : offset + size])
-        if actual != crc:
-            return f"frame CRC mismatch (stored {crc:#010x}, computed {actual:#010x}, {size} bytes)"
-    if stamp != segment_no:
-        return f"frame carries segment stamp {stamp}, this is segment {segment_no} (stale bytes)"
+    why = _check_whole(buf, offset, size, crc, stamp, segment_no, check_crc)
+    if why is not None:
+        return why
     first_lsn, count, nsec = FRAME_HEADER.unpack_from(buf, offset)[6:9]
     if count < 1 or nsec != 0:
         return f"lost frame of {count} LSNs with {nsec} sections"

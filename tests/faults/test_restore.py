@@ -311,25 +311,31 @@ def _lsns(first: int, frame: bytes) -> range:
     return range(first, first + count)
 
 
-@pytest.mark.spark
-def test_disaster_in_archived_mode_restores_every_acknowledged_event_exactly_once(
-    tmp_path: Path,
-) -> None:
-    from deltalake import DeltaTable
-
+def _lake(tmp_path: Path, prefix: str, ack: str) -> tuple[Weed, Path, str]:
+    """A SeaweedFS, and a Spark daemon's config archiving under ``prefix`` in
+    ``ack`` mode with one Delta stream on it: (weed, config, the table's URI)."""
     requires.delta_jars()
     (tmp_path / "weed").mkdir()
-    weed: Weed = start_weed(tmp_path / "weed")
-    server = weed.server
-    uri = f"s3://{server.bucket}/cdc/lake"
-    lake = f"""{_archive_toml(server, "disaster")}
+    weed = start_weed(tmp_path / "weed")
+    uri = f"s3://{weed.server.bucket}/cdc/lake"
+    lake = f"""{_archive_toml(weed.server, prefix).replace('"archived"', f'"{ack}"')}
 [[cdc.streams]]
 name = "lake"
 collections = "*"
 path = "{uri}"
 format = "delta"
 """
-    config = spark_config(tmp_path, {}, extra=lake)
+    return weed, spark_config(tmp_path, {}, extra=lake), uri
+
+
+@pytest.mark.spark
+def test_disaster_in_archived_mode_restores_every_acknowledged_event_exactly_once(
+    tmp_path: Path,
+) -> None:
+    from deltalake import DeltaTable
+
+    weed, config, uri = _lake(tmp_path, "disaster", "archived")
+    server = weed.server
     daemon = DaemonProcess.production(config)
     loader = Loader("", batch=50, producers=2, pause_s=0.02)
     data = tmp_path / "data"
@@ -400,19 +406,8 @@ def test_disaster_in_local_mode_loses_at_most_the_unarchived_window_and_duplicat
     the lake keeps committing; SIGKILL, the data_dir deleted, restore, run."""
     from deltalake import DeltaTable
 
-    requires.delta_jars()
-    (tmp_path / "weed").mkdir()
-    weed: Weed = start_weed(tmp_path / "weed")
+    weed, config, uri = _lake(tmp_path, "local", "local")
     server = weed.server
-    uri = f"s3://{server.bucket}/cdc/lake"
-    lake = f"""{_archive_toml(server, "local")}
-[[cdc.streams]]
-name = "lake"
-collections = "*"
-path = "{uri}"
-format = "delta"
-""".replace('ack = "archived"', 'ack = "local"')
-    config = spark_config(tmp_path, {}, extra=lake)
     daemon = DaemonProcess.production(config, env={ENV_STALL_AT: "archive.before_put@4"})
     loader = Loader("", batch=50, producers=2, pause_s=0.02)
     data = tmp_path / "data"
