@@ -89,7 +89,6 @@ class Summary:
     lost_because: str = ""
     # LSNs tables committed that the archive never got: a lost frame covers them.
     lost_in_tables: tuple[int, int] | None = None
-    head_lsn: int = 0  # the restored WAL's head (``last_lsn``, or the lost frame's last)
     epoch: int = 0
     tables: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     not_derived: list[str] = field(default_factory=list)
@@ -327,7 +326,6 @@ def restore(
         _lost_in_tables(positions, restored_to, accept_loss_from, arc.ack, summary, segs)
         segs.finish()
         summary.first_lsn, summary.last_lsn = segs.first_lsn, restored_to
-        summary.head_lsn = segs.next_lsn - 1
         if problem is not None:
             _move_lost(s3, where, numbers[problem[0] :])
         try:
@@ -591,11 +589,12 @@ def _lost_in_tables(
 ) -> None:
     """Step 4: tables that hold LSNs above ``restored_to`` (the last one restored)
     get a WAL that goes on above them: lost frames cover the LSNs between."""
-    top = max((max(p.high.values()) for p in positions.values() if p.high), default=0)
+    highs = {stage: max(p.high.values()) for stage, p in positions.items() if p.high}
+    top = max(highs.values(), default=0)
     if top <= restored_to:
         return
     first = restored_to + 1
-    ahead = sorted(s for s, p in positions.items() if p.high and max(p.high.values()) > restored_to)
+    ahead = sorted(stage for stage, high in highs.items() if high > restored_to)
     why = f"{', '.join(ahead)} holds LSNs up to {top}, the archive ends at LSN {restored_to}"
     if ack == "archived" and accept != first and summary.lost is None:
         # Stages take only archived events in this mode: the archive lost its last objects.

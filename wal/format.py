@@ -476,7 +476,7 @@ def check_frame(
     if version != FORMAT_VERSION:
         return f"unsupported frame format version {version}"
     if flags == FLAG_LOST:
-        return _check_lost_frame(buf, offset, avail, size, crc, stamp, segment_no, check_crc)
+        return _check_lost_frame(buf, offset, size, crc, stamp, segment_no, check_crc)
     if size < FRAME_HEADER_SIZE + SECTION_HEADER_SIZE:
         return f"frame length {size} is below the minimum"
     if size > avail:
@@ -533,16 +533,10 @@ def _check_whole(
 
 
 def _check_lost_frame(
-    buf: Buf,
-    offset: int,
-    avail: int,
-    size: int,
-    crc: int,
-    stamp: int,
-    segment_no: int,
-    check_crc: bool,
+    buf: Buf, offset: int, size: int, crc: int, stamp: int, segment_no: int, check_crc: bool
 ) -> Frame | str:
-    if size != FRAME_HEADER_SIZE or avail < size:
+    # The caller checked that the header is readable: a lost frame is no more.
+    if size != FRAME_HEADER_SIZE:
         return f"lost frame of length {size} (a lost frame is its header alone)"
     why = _check_whole(buf, offset, size, crc, stamp, segment_no, check_crc)
     if why is not None:

@@ -137,15 +137,17 @@ def crash_point(name: str) -> None:
     if not wanted and not pause and not stall:
         return
     if stall and stall.partition("@")[0] == name:
-        _stall(name, stall)
+        hits, nth = _arrival(name, stall)
+        if hits >= nth:  # this arrival and every later one
+            os.write(2, f"eventplane: stall point {name} reached (hit {hits}); blocked\n".encode())
+            while True:
+                time.sleep(3600)
         return
     spec = next((w for w in (wanted, pause) if w and w.partition("@")[0] == name), None)
     if spec is None:
         return
-    _, _, nth = spec.partition("@")
-    with _crash_lock:
-        _crash_hits[name] = hits = _crash_hits.get(name, 0) + 1
-    if hits != (int(nth) if nth.isdigit() else 1):
+    hits, nth = _arrival(name, spec)
+    if hits != nth:
         return  # only the n-th arrival: a pause fires once, not at every later one
     if spec is not wanted:
         os.write(2, f"eventplane: pause point {name} reached (hit {hits}); SIGSTOP\n".encode())
@@ -157,12 +159,9 @@ def crash_point(name: str) -> None:
     time.sleep(10)  # SIGKILL is asynchronous only in theory; never run past it
 
 
-def _stall(name: str, spec: str) -> None:
+def _arrival(name: str, spec: str) -> tuple[int, int]:
+    """This arrival's number at ``name`` and the ``n`` of ``spec`` (``name@n``, default 1)."""
     _, _, nth = spec.partition("@")
     with _crash_lock:
         _crash_hits[name] = hits = _crash_hits.get(name, 0) + 1
-    if hits < (int(nth) if nth.isdigit() else 1):
-        return
-    os.write(2, f"eventplane: stall point {name} reached (hit {hits}); blocked\n".encode())
-    while True:
-        time.sleep(3600)
+    return hits, int(nth) if nth.isdigit() else 1

@@ -132,6 +132,18 @@ buckets = 4
         weed.stop()
 
 
+def _hook(receiver: Receiver, *, max_attempts: int, backoff_ms: tuple[int, int]) -> str:
+    """The webhook trigger ``hook`` on collection ``c1``, posting to ``receiver``."""
+    first, most = backoff_ms
+    return f"""
+[[triggers]]
+name = "hook"
+collection = "c1"
+action = {{ type = "webhook", url = "{receiver.url}" }}
+retry = {{ max_attempts = {max_attempts}, initial_backoff_ms = {first}, max_backoff_ms = {most} }}
+"""
+
+
 @pytest.mark.spark
 def test_every_matching_row_queued_for_retry_is_delivered_after_a_restore(
     tmp_path: Path,
@@ -151,12 +163,7 @@ collection = "c0"
 path = "s3://{server.bucket}/mirrors/c0"
 buckets = 2
 
-[[triggers]]
-name = "hook"
-collection = "c1"
-action = {{ type = "webhook", url = "{receiver.url}" }}
-retry = {{ max_attempts = 100000, initial_backoff_ms = 200, max_backoff_ms = 500 }}
-"""
+{_hook(receiver, max_attempts=100000, backoff_ms=(200, 500))}"""
     config = spark_config(tmp_path, {}, extra=extra)
     daemon = DaemonProcess.production(config)
     data = tmp_path / "data"
@@ -217,13 +224,7 @@ def test_the_dlq_comes_back_from_the_archives_copy_after_a_restore(tmp_path: Pat
     weed = start_weed(tmp_path / "weed")
     server = weed.server
     receiver = Receiver(status=500)
-    extra = f"""{_archive_toml(server, "dlq")}
-[[triggers]]
-name = "hook"
-collection = "c1"
-action = {{ type = "webhook", url = "{receiver.url}" }}
-retry = {{ max_attempts = 2, initial_backoff_ms = 100, max_backoff_ms = 200 }}
-"""
+    extra = _archive_toml(server, "dlq") + _hook(receiver, max_attempts=2, backoff_ms=(100, 200))
     config = spark_config(tmp_path, {}, extra=extra)
     daemon = DaemonProcess.production(config)
     data = tmp_path / "data"

@@ -35,7 +35,7 @@ def _append_lost(wal_dir: Path, first_lsn: int, count: int) -> bytes:
     return frame
 
 
-def _filled(open_wal: OpenWal, wal_dir: Path, n: int) -> int:
+def _filled(open_wal: OpenWal, n: int) -> int:
     wal = open_wal()
     wal.append_blocking(events(n))
     head = wal.head_lsn()
@@ -43,10 +43,22 @@ def _filled(open_wal: OpenWal, wal_dir: Path, n: int) -> int:
     return head
 
 
+def _around_lost(
+    open_wal: OpenWal, wal_dir: Path, before: int, lost: int, after: int
+) -> tuple[Wal, int]:
+    """``before`` events, a lost frame of ``lost`` LSNs, reopened, ``after``
+    events: the open WAL and its head before the lost frame."""
+    head = _filled(open_wal, before)
+    _append_lost(wal_dir, head + 1, lost)
+    wal = open_wal()
+    wal.append_blocking(events(after))
+    return wal, head
+
+
 def test_a_lost_frame_moves_the_head_and_readers_see_no_event_in_it(
     open_wal: OpenWal, wal_dir: Path
 ) -> None:
-    head = _filled(open_wal, wal_dir, 12)
+    head = _filled(open_wal, 12)
     _append_lost(wal_dir, head + 1, 1000)
     wal = open_wal()
     assert wal.head_lsn() == head + 1000
@@ -69,10 +81,7 @@ def test_a_lost_frame_moves_the_head_and_readers_see_no_event_in_it(
 def test_a_reopened_wal_keeps_its_lost_range_and_verify_names_it(
     open_wal: OpenWal, wal_dir: Path
 ) -> None:
-    head = _filled(open_wal, wal_dir, 5)
-    _append_lost(wal_dir, head + 1, 7)
-    wal = open_wal()
-    wal.append_blocking(events(3))
+    wal, head = _around_lost(open_wal, wal_dir, 5, 7, 3)
     wal.close()
     wal = open_wal()
     assert wal.lost_ranges() == [(head + 1, head + 7)] and wal.head_lsn() == head + 10
@@ -87,10 +96,7 @@ def test_a_reopened_wal_keeps_its_lost_range_and_verify_names_it(
 def test_a_bit_flip_in_a_lost_frame_is_damage_not_a_shorter_wal(
     open_wal: OpenWal, wal_dir: Path
 ) -> None:
-    head = _filled(open_wal, wal_dir, 5)
-    _append_lost(wal_dir, head + 1, 7)
-    wal = open_wal()
-    wal.append_blocking(events(3))  # acknowledged events after the lost frame
+    wal, head = _around_lost(open_wal, wal_dir, 5, 7, 3)  # acknowledged events after it
     wal.close()
     path = segment_files(wal_dir)[-1]
     data = bytearray(path.read_bytes())
@@ -128,10 +134,7 @@ def test_a_lost_frame_of_no_lsn_cannot_be_made() -> None:
 def test_an_archive_object_carries_a_lost_frame_with_its_neighbours(
     open_wal: OpenWal, wal_dir: Path
 ) -> None:
-    head = _filled(open_wal, wal_dir, 6)
-    _append_lost(wal_dir, head + 1, 50)
-    wal = open_wal()
-    wal.append_blocking(events(4))
+    wal, head = _around_lost(open_wal, wal_dir, 6, 50, 4)
     frames = wal.read_frames(1)
     body = b"".join(encode_object(wal.wal_id, 1, 1, 1, wal.head_lsn(), [f[2] for f in frames]))
     got_head, got = parse_object(body)
