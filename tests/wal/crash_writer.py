@@ -1,7 +1,8 @@
 """Child process of the crash test: appends under concurrent load until it is SIGKILLed.
 
 ``python -m tests.wal.crash_writer DIR SEED [keys]`` opens the WAL in DIR, runs
-concurrent producers and writes one line per acknowledged append to stdout:
+concurrent producers and writes ``ready`` once its imports are done, then one
+line per acknowledged append to stdout:
 ``<first_lsn> <last_lsn> <tag>``, where event i of the append has payload
 ``payload(tag, i)`` and core ``core_of(tag, i)``. A line is written only after
 ``append`` returned, i.e. after the covering fdatasync.
@@ -62,6 +63,11 @@ async def produce(wal: Wal, seed: str, producer: int, keys: bool) -> None:
 
 
 async def main(directory: Path, seed: str, keys: bool) -> None:
+    # Imports done: the parent's kill clock starts here, not at the spawn (an
+    # interpreter start on a loaded machine can outlast the whole delay). The
+    # WAL's open, its recovery included, is still within the delay.
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
     wal = open_keyed(directory) if keys else Wal.open(directory, segment_bytes=SEGMENT_BYTES)
     await asyncio.gather(*(produce(wal, seed, p, keys) for p in range(PRODUCERS)))
 

@@ -22,10 +22,14 @@ ROUNDS = 24
 REPO = Path(__file__).resolve().parents[2]
 
 
+READY_S = 60.0  # the writer's interpreter start, however loaded the machine
+
+
 def run_and_kill(
     directory: Path, seed: str, after: float, *extra: str
 ) -> list[tuple[int, int, str]]:
-    """Start the writer, SIGKILL it ``after`` seconds later; the acks it reported."""
+    """Start the writer, SIGKILL it ``after`` seconds after its ``ready`` line
+    (within ``READY_S``); the acks it reported."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.wal.crash_writer", str(directory), seed, *extra],
@@ -36,9 +40,17 @@ def run_and_kill(
     )
     assert child.stdout is not None
     data = bytearray()
-    deadline = time.monotonic() + after
+    deadline = time.monotonic() + READY_S
     with selectors.DefaultSelector() as sel:
         sel.register(child.stdout, selectors.EVENT_READ)
+        while b"ready\n" not in data and (left := deadline - time.monotonic()) > 0:
+            if sel.select(timeout=left):
+                chunk = os.read(child.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+        assert b"ready\n" in data, f"the writer did not start within {READY_S} s"
+        deadline = time.monotonic() + after
         while (left := deadline - time.monotonic()) > 0:
             if sel.select(timeout=left):
                 chunk = os.read(child.stdout.fileno(), 1 << 16)
@@ -51,7 +63,7 @@ def run_and_kill(
     child.stdout.close()
     assert child.returncode == -signal.SIGKILL, "the writer died before it was killed"
     acks = []
-    for line in data.decode().splitlines():
+    for line in data.decode().splitlines()[1:]:  # after "ready"
         first, last, tag = line.split()
         acks.append((int(first), int(last), tag))
     return acks
