@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import random
 import signal
@@ -32,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -52,41 +52,36 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 
 class DelayProxy:
-    """TCP proxy to ``port``; the first chunk of each request waits 10-30 ms."""
+    """TCP proxy to ``port``; the first chunk of each request waits 10-30 ms.
+
+    Its own process: in the clients' process it would wait for their GIL
+    between chunks, and add latency a store off the machine does not have."""
 
     def __init__(self, port: int, seed: int = 1) -> None:
         self.upstream, self.port = port, _free_port()
-        self._rng = random.Random(seed)
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        threading.Thread(target=self._main, daemon=True).start()
-        self._ready.wait(10)
+        ready = multiprocessing.get_context("spawn").Event()
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=_proxy_main, args=(port, self.port, seed, ready), daemon=True
+        )
+        self.proc.start()
+        if not ready.wait(30):
+            raise RuntimeError("the delay proxy did not start")
 
-    def _main(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._serve())
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.join(5)
 
-    async def _serve(self) -> None:
-        server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
-        self._ready.set()
-        async with server:
-            await server.serve_forever()
 
-    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
-        try:
-            ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream)
-        except OSError:
-            cw.close()
-            return
-        await asyncio.gather(self._pump(cr, uw, delay=True), self._pump(ur, cw, delay=False))
+def _proxy_main(upstream: int, port: int, seed: int, ready: Any) -> None:
+    rng = random.Random(seed)
 
-    async def _pump(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, delay: bool) -> None:
+    async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter, delay: bool) -> None:
         last = 0.0
         try:
             while chunk := await r.read(65536):
                 now = time.monotonic()
                 if delay and now - last > 0.005:  # a new request on this connection
-                    await asyncio.sleep(self._rng.uniform(0.010, 0.030))
+                    await asyncio.sleep(rng.uniform(0.010, 0.030))
                 last = time.monotonic()
                 w.write(chunk)
                 await w.drain()
@@ -94,6 +89,22 @@ class DelayProxy:
             pass
         finally:
             w.close()
+
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", upstream)
+        except OSError:
+            cw.close()
+            return
+        await asyncio.gather(pump(cr, uw, delay=True), pump(ur, cw, delay=False))
+
+    async def serve() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        ready.set()
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(serve())
 
 
 class Daemon:
@@ -237,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.pin:
         if len(os.sched_getaffinity(0)) < 2:
             parser.error("--pin needs 2 CPUs")
-        os.sched_setaffinity(0, {1})  # this process: the clients and the proxy's thread
+        os.sched_setaffinity(0, {1})  # this process (the clients) and the proxy it starts
         pin(weed.proc.pid, {1})
         print("pinned: the daemon on CPU 0; SeaweedFS, the proxy and the clients on CPU 1\n")
     proxy = None if args.no_proxy else DelayProxy(int(weed.server.endpoint.rsplit(":", 1)[1]))
+    if proxy is not None and args.pin:
+        pin(proxy.proc.pid, {1})
     stores = [("loopback", weed.server.endpoint)]
     if proxy is not None:
         stores.append(("+20 ms", f"http://127.0.0.1:{proxy.port}"))
@@ -294,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in verdicts(rows, args.flush_ms):
             print(line)
     finally:
+        if proxy is not None:
+            proxy.stop()
         weed.stop()
     return 0
 
