@@ -6,6 +6,8 @@ real server the S3 tests use (SeaweedFS on loopback):
   and a conditional overwrite (``If-Match: <ETag>``) refuses a stale ETag:
   what a writer's lease next to the table takes and renews;
 - multipart upload (files above one part);
+- a self-checked client (the WAL archive's) sends its payload unsigned and
+  no checksum of botocore's own, and the server stores the body whole;
 - delta-rs commits with conditional puts (``conditional_put = "etag"``): a
   log entry another writer created first is never overwritten, the commit
   lands at the next version instead.
@@ -14,6 +16,7 @@ real server the S3 tests use (SeaweedFS on loopback):
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -26,6 +29,11 @@ pytestmark = pytest.mark.timeout(180)
 def _error(exc: BaseException) -> tuple[str, int]:
     response = getattr(exc, "response", {})
     return response["Error"]["Code"], response["ResponseMetadata"]["HTTPStatusCode"]
+
+
+def _lower(headers: Any) -> dict[str, str]:
+    """A request's headers as botocore sends them (some values are bytes)."""
+    return {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in headers.items()}
 
 
 def test_the_server_refuses_wrong_credentials(s3_server: S3Server) -> None:
@@ -54,6 +62,34 @@ def test_conditional_create_and_overwrite_refuse_a_lost_race(s3_server: S3Server
     assert _error(stale.value) == ("PreconditionFailed", 412)
     body = s3.get_object(Bucket=bucket, Key="probe/lease")
     assert body["Body"].read() == b"c" and body["ETag"] == renewed["ETag"]
+
+
+def test_a_self_checked_client_puts_an_unsigned_payload_the_server_stores_whole(
+    s3_server: S3Server,
+) -> None:
+    from daemon.table.s3 import client
+
+    sent: list[dict[str, str]] = []
+    s3 = client(s3_server.config(), self_checked=True)
+    s3.meta.events.register(
+        "before-send.s3.PutObject", lambda request, **_: sent.append(_lower(request.headers))
+    )
+    body = bytes(range(256)) * 4096  # 1 MiB
+    s3.put_object(Bucket=s3_server.bucket, Key="probe/unsigned", Body=body, IfNoneMatch="*")
+
+    [headers] = sent
+    assert headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+    assert not [h for h in headers if h.startswith("x-amz-checksum-")]
+    got = s3_server.client().get_object(Bucket=s3_server.bucket, Key="probe/unsigned")
+    assert got["Body"].read() == body
+
+    signed: list[dict[str, str]] = []
+    plain = client(s3_server.config())
+    plain.meta.events.register(
+        "before-send.s3.PutObject", lambda request, **_: signed.append(_lower(request.headers))
+    )
+    plain.put_object(Bucket=s3_server.bucket, Key="probe/signed", Body=b"x")
+    assert signed[0]["x-amz-content-sha256"] != "UNSIGNED-PAYLOAD"
 
 
 def test_multipart_upload_assembles_the_parts(s3_server: S3Server) -> None:
