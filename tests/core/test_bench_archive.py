@@ -40,13 +40,13 @@ def test_no_put_between_the_readings_has_no_quantile() -> None:
 
 def test_the_aims_say_missed_for_a_slow_archived_mode_and_met_otherwise() -> None:
     row = {"events_per_s": 100_000.0, "p99_ms": 50.0, "put_p99_ms": 20.0}
-    rows = {
-        ("loopback", "none", 32): row,
-        ("loopback", "local", 32): {**row, "events_per_s": 96_000.0},
-        ("loopback", "archived", 32): {**row, "events_per_s": 70_000.0, "p99_ms": 150.0},
+    runs = {
+        ("loopback", "none", 32): [row],
+        ("loopback", "local", 32): [{**row, "events_per_s": 96_000.0}],
+        ("loopback", "archived", 32): [{**row, "events_per_s": 70_000.0, "p99_ms": 150.0}],
     }
 
-    lines = verdicts(rows, flush_ms=100)
+    lines = verdicts(runs, flush_ms=100)
 
     assert lines == [
         "loopback, 32 clients: local with an archive 0.96x of no archive (aim >= 0.95x): met",
@@ -54,3 +54,21 @@ def test_the_aims_say_missed_for_a_slow_archived_mode_and_met_otherwise() -> Non
         "loopback, 32 clients: archived ack p99 150.0 ms"
         " (aim <= flush_ms + 2 x PUT p99 = 140.0 ms): MISSED",
     ]
+
+
+def test_a_ratio_pairs_each_rounds_two_configurations_not_their_medians() -> None:
+    # The machine ran at 1x, 0.6x and 2x speed in the three rounds; archived
+    # kept 0.9x of local in two of them. The medians' ratio would be 0.6x.
+    def rounds(*eps: float) -> list[dict[str, float]]:
+        return [{"events_per_s": e, "p99_ms": 50.0, "put_p99_ms": 20.0} for e in eps]
+
+    runs = {
+        ("+20 ms", "local", 32): rounds(100_000, 60_000, 200_000),
+        ("+20 ms", "archived", 32): rounds(60_000, 54_000, 180_000),
+    }
+
+    [ratio, _p99] = verdicts(runs, flush_ms=100)
+
+    assert ratio == (
+        "+20 ms, 32 clients: archived 0.90x (rounds 0.60-0.90) of local (aim >= 0.8x): met"
+    )
