@@ -115,9 +115,10 @@ def client(cfg: S3Config, *, self_checked: bool = False) -> Any:
     none of its own unless the operation requires one (about a sixth of a
     PUT's client CPU), and signs no payload: the request is sent as
     UNSIGNED-PAYLOAD, which botocore does over https anyway and otherwise
-    hashes every byte (a 3.5 MB PUT: 9.8 ms of client CPU signed, 5.6 ms
-    unsigned). Over plain http a payload changed in transit then passes the
-    store's signature check; the object's CRC32C still fails its reader.
+    hashes every byte (a 3.5 MB PUT: 5.2 ms of client CPU signed, 2.7 ms
+    unsigned: bench/RESULTS.md, bench_archive). Over plain http a payload
+    changed in transit then passes the store's signature check; the object's
+    CRC32C still fails its reader.
 
     These bound every request of a commit, here and in ``storage_options``:
     at most (max_retries + 1) x (connect_timeout_s + request_timeout_s)
