@@ -31,6 +31,7 @@ import contextlib
 import multiprocessing
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -55,10 +56,14 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 
 class DelayProxy:
-    """TCP proxy to ``port``; the first chunk of each request waits 10-30 ms.
+    """TCP proxy to ``port``; each request waits 10-30 ms once, before its head.
 
-    Its own process: in the clients' process it would wait for their GIL
-    between chunks, and add latency a store off the machine does not have."""
+    Requests are told apart by their framing (the head, then Content-Length
+    bytes of body), not by a pause: a PUT sends its head, waits for the
+    store's ``100 Continue`` and only then its body, and that body is not a
+    second request. Its own process: in the clients' process it would wait
+    for their GIL between chunks, and add latency a store off the machine
+    does not have."""
 
     def __init__(self, port: int, seed: int = 1) -> None:
         self.upstream, self.port = port, _free_port()
@@ -75,17 +80,44 @@ class DelayProxy:
         self.proc.join(5)
 
 
+class RequestFraming:
+    """Where the HTTP/1.1 requests on one connection begin: :meth:`feed` takes
+    the next bytes sent and says whether they begin a request."""
+
+    def __init__(self) -> None:
+        self.head = b""  # the current request's head so far
+        self.body_left = 0  # bytes of the current request's body still to come
+
+    def feed(self, chunk: bytes) -> bool:
+        starts = not self.head and not self.body_left
+        pos = 0
+        while pos < len(chunk):
+            if self.body_left:
+                took = min(self.body_left, len(chunk) - pos)
+                self.body_left -= took
+                pos += took
+                continue
+            seen = len(self.head)
+            self.head += chunk[pos:]
+            end = self.head.find(b"\r\n\r\n")
+            if end < 0:
+                return starts
+            pos += end + 4 - seen
+            length = re.search(rb"\r\ncontent-length:\s*(\d+)", self.head[:end].lower())
+            self.body_left = int(length.group(1)) if length else 0
+            self.head = b""
+        return starts
+
+
 def _proxy_main(upstream: int, port: int, seed: int, ready: Any) -> None:
     rng = random.Random(seed)
 
     async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter, delay: bool) -> None:
-        last = 0.0
+        framing = RequestFraming()
         try:
             while chunk := await r.read(65536):
-                now = time.monotonic()
-                if delay and now - last > 0.005:  # a new request on this connection
+                if delay and framing.feed(chunk):
                     await asyncio.sleep(rng.uniform(0.010, 0.030))
-                last = time.monotonic()
                 w.write(chunk)
                 await w.drain()
         except (ConnectionError, OSError):

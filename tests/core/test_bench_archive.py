@@ -1,11 +1,12 @@
 """bench_archive's arithmetic: the PUT quantiles it reads from the daemon's
-histogram, and the aims it checks (the benchmark itself: `make bench`)."""
+histogram, the aims it checks, and where its delay proxy sees a request
+begin (the benchmark itself: `make bench`)."""
 
 from __future__ import annotations
 
 import math
 
-from bench.bench_archive import quantile, verdicts
+from bench.bench_archive import RequestFraming, quantile, verdicts
 
 
 def _buckets(**counts: float) -> dict[str, float]:
@@ -72,3 +73,27 @@ def test_a_ratio_pairs_each_rounds_two_configurations_not_their_medians() -> Non
     assert ratio == (
         "+20 ms, 32 clients: archived 0.90x (rounds 0.60-0.90) of local (aim >= 0.8x): met"
     )
+
+
+def test_the_proxy_delays_a_put_once_not_again_for_its_body_after_100_continue() -> None:
+    framing = RequestFraming()
+    head = b"PUT /lake/wal/1 HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 10\r\n\r\n"
+
+    assert framing.feed(head) is True
+    assert framing.feed(b"01234") is False  # the body, sent after 100 Continue
+    assert framing.feed(b"56789") is False
+    assert framing.feed(b"DELETE /lake/wal/0 HTTP/1.1\r\n\r\n") is True
+    assert framing.feed(b"GET /lake/manifest.json HTTP/1.1\r\n") is True
+
+
+def test_the_proxy_finds_a_request_whose_head_and_body_are_split_anywhere() -> None:
+    framing = RequestFraming()
+    one = b"PUT /k HTTP/1.1\r\ncontent-length: 4\r\n\r\nabcd"
+    two = b"PUT /k2 HTTP/1.1\r\nContent-Length: 2\r\n\r\nxy"
+
+    starts = [framing.feed(one[:7]), framing.feed(one[7:30]), framing.feed(one[30:] + two[:3])]
+    starts += [framing.feed(two[3:]), framing.feed(b"HEAD /k HTTP/1.1\r\n\r\n")]
+
+    # The second PUT begins inside a chunk (no request is pipelined by the
+    # archive's client); the request after it is still found.
+    assert starts == [True, False, False, False, True]
