@@ -345,8 +345,8 @@ def write_raw_file(
     split can be as large as it likes; and each task writes a file per table
     partition, so more tasks than cores only mean more, smaller files: with
     two splits per core a batch cost 26 % more JVM CPU per row (Parquet's
-    dictionaries, pages and footers per file; docs/performance.md, "The raw
-    inbox").
+    dictionaries, pages and footers per file; docs/performance.md, "Batches
+    without a Spark job").
     """
     total = batch.rows
     row_bytes = -(-payload_bytes(batch) // max(1, total)) + _ROW_FIXED_BYTES

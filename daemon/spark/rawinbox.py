@@ -7,7 +7,7 @@ event on the interpreter that also runs ingest, and time in which Spark waits
 for the file. The raw inbox writes the payloads' bytes as they are, with their
 LSNs and sequences, and the daemon's jar (``eventplane.inbox.InboxSource``,
 ``jvm/src/eventplane/inbox``) decodes them inside Spark's tasks, in parallel,
-into the same columns (docs/performance.md, "The raw inbox").
+into the same columns (docs/performance.md, "Batches without a Spark job").
 
 File: chunks back to back, each one core's events in LSN order (the layout is
 in ``InboxReader.java``; integers little-endian). The file is cut into
