@@ -66,9 +66,10 @@ class DelayProxy:
     does not have."""
 
     def __init__(self, port: int, seed: int = 1) -> None:
-        self.upstream, self.port = port, _free_port()
-        ready = multiprocessing.get_context("spawn").Event()
-        self.proc = multiprocessing.get_context("spawn").Process(
+        self.port = _free_port()
+        spawn = multiprocessing.get_context("spawn")
+        ready = spawn.Event()
+        self.proc = spawn.Process(
             target=_proxy_main, args=(port, self.port, seed, ready), daemon=True
         )
         self.proc.start()

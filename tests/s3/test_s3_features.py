@@ -31,9 +31,21 @@ def _error(exc: BaseException) -> tuple[str, int]:
     return response["Error"]["Code"], response["ResponseMetadata"]["HTTPStatusCode"]
 
 
-def _lower(headers: Any) -> dict[str, str]:
-    """A request's headers as botocore sends them (some values are bytes)."""
-    return {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in headers.items()}
+def _put_headers(s3: Any) -> list[dict[str, str]]:
+    """Each PutObject's headers as ``s3`` sends them (lower-cased names, text
+    values), appended as it sends them."""
+    sent: list[dict[str, str]] = []
+
+    def record(request: Any, **_: Any) -> None:
+        sent.append(
+            {
+                k.lower(): v.decode() if isinstance(v, bytes) else v
+                for k, v in request.headers.items()
+            }
+        )
+
+    s3.meta.events.register("before-send.s3.PutObject", record)
+    return sent
 
 
 def test_the_server_refuses_wrong_credentials(s3_server: S3Server) -> None:
@@ -69,11 +81,8 @@ def test_a_self_checked_client_puts_an_unsigned_payload_the_server_stores_whole(
 ) -> None:
     from daemon.table.s3 import client
 
-    sent: list[dict[str, str]] = []
     s3 = client(s3_server.config(), self_checked=True)
-    s3.meta.events.register(
-        "before-send.s3.PutObject", lambda request, **_: sent.append(_lower(request.headers))
-    )
+    sent = _put_headers(s3)
     body = bytes(range(256)) * 4096  # 1 MiB
     s3.put_object(Bucket=s3_server.bucket, Key="probe/unsigned", Body=body, IfNoneMatch="*")
 
@@ -83,11 +92,8 @@ def test_a_self_checked_client_puts_an_unsigned_payload_the_server_stores_whole(
     got = s3_server.client().get_object(Bucket=s3_server.bucket, Key="probe/unsigned")
     assert got["Body"].read() == body
 
-    signed: list[dict[str, str]] = []
     plain = client(s3_server.config())
-    plain.meta.events.register(
-        "before-send.s3.PutObject", lambda request, **_: signed.append(_lower(request.headers))
-    )
+    signed = _put_headers(plain)
     plain.put_object(Bucket=s3_server.bucket, Key="probe/signed", Body=b"x")
     assert signed[0]["x-amz-content-sha256"] != "UNSIGNED-PAYLOAD"
 
